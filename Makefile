@@ -1,0 +1,28 @@
+# jaxcomm: `make train` and `make test` create .venv on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test test-slow bench bench-network lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[train,test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(PY) -m ruff check jaxcomm models tests benchmarks train.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
