@@ -1,0 +1,24 @@
+"""jaxcomm: communication-efficient data-parallel training for JAX.
+
+Gradient compressors are Optax ``GradientTransformation``s that carry their
+own error-feedback state; use them inside a ``jax.shard_map`` (or
+``jax.pmap``) train step::
+
+  tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+"""
+
+from jaxcomm import collectives
+from jaxcomm import parallel
+from jaxcomm import wire
+from jaxcomm._compressor import Codec
+from jaxcomm._compressor import CodecResult
+from jaxcomm._compressor import CompressState
+from jaxcomm._compressor import CompressStats
+from jaxcomm._compressor import Context
+from jaxcomm._compressor import compressed
+from jaxcomm._compressor import stats
+from jaxcomm._policy import LeafPolicy
+from jaxcomm.transforms import cast
+from jaxcomm.transforms import mean_gradients
+
+__version__ = "0.1.0"

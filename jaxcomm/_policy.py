@@ -1,0 +1,103 @@
+"""The leaf policy: which gradient leaves are compressed, decided in one place.
+
+Every compressor routes each leaf of the gradient pytree to one of three
+paths:
+
+* ``COMPRESS`` — floating leaves the policy and the compressor accept;
+* ``DENSE``    — other floating leaves: all of them travel in one fused dense
+  psum (tensor fusion), never one collective each;
+* ``SKIP``     — non-floating leaves (ints, bools, float0): passed through
+  untouched and never communicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+COMPRESS = "compress"
+DENSE = "dense"
+SKIP = "skip"
+
+
+def is_float(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if dtype == jax.dtypes.float0:
+    return False
+  return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPolicy:
+  """Which leaves a compressor compresses.
+
+  A floating leaf is compressed when all of these hold: its size is at least
+  ``min_size`` elements; its rank is at least ``min_ndim``; ``mask`` (a
+  pytree of bools with the gradients' structure, or a callable from the
+  gradients to such a pytree) is True for it or absent; and the compressor
+  accepts its shape (PowerSGD, for instance, only takes matrices for which
+  ``(n + m) * r * min_compression_rate < n * m``). All other floating leaves
+  go through one fused dense psum.
+
+  Attributes:
+    min_size: smallest number of elements worth compressing.
+    min_ndim: smallest rank worth compressing (2 keeps biases dense).
+    mask: optional pytree of bools or callable returning one.
+  """
+
+  min_size: int = 256
+  min_ndim: int = 1
+  mask: Any = None
+
+  def __post_init__(self):
+    if not isinstance(self.min_size, (int, np.integer)) or self.min_size < 0:
+      raise ValueError(
+        f"min_size must be a non-negative int, got {self.min_size!r}")
+    if not isinstance(self.min_ndim, (int, np.integer)) or self.min_ndim < 0:
+      raise ValueError(
+        f"min_ndim must be a non-negative int, got {self.min_ndim!r}")
+
+  def plan(self, grads, accepts: Callable[[tuple[int, ...]], bool]
+           ) -> list[str]:
+    """The path of each leaf of ``grads`` in ``jax.tree.leaves`` order."""
+    leaves, treedef = jax.tree.flatten(grads)
+    if self.mask is None:
+      mask = [True] * len(leaves)
+    else:
+      m = self.mask(grads) if callable(self.mask) else self.mask
+      mask_leaves, mask_def = jax.tree.flatten(m)
+      if mask_def.num_leaves != treedef.num_leaves:
+        raise ValueError(
+          "mask must have the gradients' tree structure: got "
+          f"{mask_def.num_leaves} mask leaves for {treedef.num_leaves} "
+          "gradient leaves")
+      mask = [bool(b) for b in mask_leaves]
+    out = []
+    for leaf, keep in zip(leaves, mask):
+      if not is_float(leaf):
+        out.append(SKIP)
+      elif (keep and leaf.size >= max(self.min_size, 1)
+            and leaf.ndim >= self.min_ndim and accepts(tuple(leaf.shape))):
+        out.append(COMPRESS)
+      else:
+        out.append(DENSE)
+    return out
+
+
+def as_policy(policy: LeafPolicy | None) -> LeafPolicy:
+  if policy is None:
+    return LeafPolicy()
+  if not isinstance(policy, LeafPolicy):
+    raise ValueError(
+      f"policy must be a jaxcomm.LeafPolicy or None, got {type(policy)}")
+  return policy
+
+
+def select(items: Sequence, paths: Sequence[str], which: str) -> list:
+  return [x for x, p in zip(items, paths) if p == which]

@@ -1,0 +1,21 @@
+"""Collectives used inside shard_map / pmap by jaxcomm's compressors.
+
+Each accepts ``axis_name=None`` to run on one device without communicating.
+"""
+
+from jaxcomm.collectives._core import all_gather
+from jaxcomm.collectives._core import all_gather_varying
+from jaxcomm.collectives._core import all_to_all
+from jaxcomm.collectives._core import axis_index
+from jaxcomm.collectives._core import axis_size
+from jaxcomm.collectives._core import check_axis
+from jaxcomm.collectives._core import fused_psum
+from jaxcomm.collectives._core import pmax
+from jaxcomm.collectives._core import ppermute
+from jaxcomm.collectives._core import psum
+from jaxcomm.collectives._core import pvary
+from jaxcomm.collectives._core import varying_axes
+from jaxcomm.collectives._core import padded_length
+from jaxcomm.collectives._core import scatter_gather_sum
+from jaxcomm.collectives._core import to_words
+from jaxcomm.collectives._core import from_words

@@ -1,0 +1,232 @@
+"""Axis handling and the basic collectives every compressor is built from.
+
+Every function here takes ``axis_name`` which may be ``None``: then there is
+no mapped axis, the "collective" is the identity on one device, and the
+compression math can be used (and tested) without shard_map.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src.lax import parallel as _lax_parallel
+
+AxisName = str | tuple[str, ...] | None
+
+
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, str):
+    return (axis_name,)
+  return tuple(axis_name)
+
+
+def check_axis(axis_name: AxisName, who: str = "jaxcomm") -> int:
+  """Returns the size of ``axis_name``; a clear error if it is not bound.
+
+  Args:
+    axis_name: a mapped axis name, a tuple of them, or None (size 1).
+    who: the caller, named in the error message.
+
+  Raises:
+    ValueError: when called where the axis is not bound (outside shard_map or
+      pmap), saying which name was expected and how to bind it.
+  """
+  size = 1
+  for name in _names(axis_name):
+    try:
+      size *= jax.lax.axis_size(name)
+    except NameError as e:
+      raise ValueError(
+        f"{who}: axis_name={name!r} is not bound here. Call the transform "
+        f"inside jax.shard_map over a mesh with an axis named {name!r} (for "
+        "example through jaxcomm.parallel.DataParallel) or inside "
+        f"jax.pmap(..., axis_name={name!r}); or pass axis_name=None to run "
+        "the compression math on one device without any collective."
+      ) from e
+  return size
+
+
+def axis_size(axis_name: AxisName) -> int:
+  """Static number of devices along ``axis_name`` (1 when None)."""
+  size = 1
+  for name in _names(axis_name):
+    size *= jax.lax.axis_size(name)
+  return size
+
+
+def axis_index(axis_name: AxisName) -> jax.Array:
+  """This device's index along ``axis_name`` (0 when None), int32."""
+  names = _names(axis_name)
+  if not names:
+    return jnp.zeros([], jnp.int32)
+  if len(names) == 1:
+    return jax.lax.axis_index(names[0]).astype(jnp.int32)
+  return jax.lax.axis_index(names).astype(jnp.int32)
+
+
+def psum(x, axis_name: AxisName):
+  """Sum over devices; result replicated (invariant) on every device."""
+  if axis_name is None:
+    return x
+  return jax.lax.psum(x, axis_name)
+
+
+def pmax(x, axis_name: AxisName):
+  """Maximum over devices; result replicated."""
+  if axis_name is None:
+    return x
+  return jax.lax.pmax(x, axis_name)
+
+
+def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False):
+  """All-gather whose result is typed as replicated (invariant).
+
+  ``jax.lax.all_gather`` returns a value typed as varying over the axis even
+  though every device holds the same data, which would stop a replicated
+  update from leaving shard_map with ``out_specs=P()`` under ``check_vma``.
+  The invariant all-gather moves the same bytes and keeps the type honest.
+  """
+  if axis_name is None:
+    return x if tiled else jnp.expand_dims(x, axis)
+  names = _names(axis_name)
+  name = names[0] if len(names) == 1 else names
+  return _lax_parallel.all_gather_invariant(x, name, axis=axis, tiled=tiled)
+
+
+def all_gather_varying(x, axis_name: AxisName, *, axis: int = 0,
+                       tiled: bool = False):
+  """Plain all-gather (result typed as varying); None axis: identity."""
+  if axis_name is None:
+    return x if tiled else jnp.expand_dims(x, axis)
+  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def all_to_all(x, axis_name: AxisName, split_axis: int = 0,
+               concat_axis: int = 0):
+  """Tiled all-to-all: chunk ``i`` of ``split_axis`` goes to device ``i``."""
+  if axis_name is None:
+    return x
+  return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
+
+
+def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
+  """Collective permute; None axis: identity."""
+  if axis_name is None:
+    return x
+  return jax.lax.ppermute(x, axis_name, perm)
+
+
+def varying_axes(x) -> frozenset:
+  """The mapped axes over which ``x`` is typed as varying (empty outside)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def pvary(x, axis_name: AxisName):
+  """Marks a replicated value as varying (no data moves)."""
+  if axis_name is None:
+    return x
+  names = _names(axis_name)
+  def one(a):
+    missing = tuple(n for n in names if n not in varying_axes(a))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+  return jax.tree.map(one, x)
+
+
+def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,
+               dtype=jnp.float32) -> list[jax.Array]:
+  """One psum for many leaves (tensor fusion): flatten, concat, psum, split.
+
+  Args:
+    leaves: arrays of any shapes; cast to ``dtype`` for the exchange.
+    axis_name: the axis to sum over, or None.
+    dtype: the dtype on the wire.
+
+  Returns:
+    The summed leaves, in their shapes, in ``dtype``.
+  """
+  leaves = list(leaves)
+  if not leaves:
+    return []
+  flat = jnp.concatenate([jnp.ravel(l).astype(dtype) for l in leaves])
+  total = psum(flat, axis_name)
+  out, offset = [], 0
+  for l in leaves:
+    out.append(total[offset:offset + l.size].reshape(l.shape))
+    offset += l.size
+  return out
+
+
+def padded_length(size: int, n: int) -> int:
+  """``size`` rounded up to a multiple of ``n``."""
+  return -(-size // n) * n
+
+
+def scatter_gather_sum(flat: jax.Array, axis_name: AxisName,
+                       wire_dtype) -> jax.Array:
+  """Sum of a flat vector over devices with ``wire_dtype`` on the wire and
+  float32 accumulation.
+
+  Two phases, like a ring all-reduce: an all-to-all sends chunk ``j`` of
+  every device's (cast) vector to device ``j``, which adds the ``n`` chunks
+  in float32; an all-gather of the summed chunks (cast again) gives every
+  device the whole sum. Each device sends ``2 (n-1)/n`` times the wire-dtype
+  buffer, as a ring all-reduce in that dtype would, but the sum itself is
+  never rounded to ``wire_dtype`` more than once, and no backend promotes
+  the reduction to float32 behind our back (XLA's CPU backend does that to
+  a bf16 all-reduce).
+
+  Args:
+    flat: 1-D float32 vector (the same length on every device).
+    axis_name: the axis to sum over, or None.
+    wire_dtype: dtype of both messages.
+
+  Returns:
+    float32 vector of ``flat``'s length: the sum, identical on all devices.
+  """
+  if axis_name is None:
+    return flat.astype(wire_dtype).astype(jnp.float32)
+  n = axis_size(axis_name)
+  size = flat.shape[0]
+  per_word = 4 // jnp.dtype(wire_dtype).itemsize
+  chunk = padded_length(-(-size // n), per_word)
+  x = jnp.pad(flat, (0, chunk * n - size)).astype(wire_dtype)
+  words = to_words(x.reshape(n, chunk))               # [n, chunk / per_word]
+  got = from_words(all_to_all(words, axis_name, 0, 0), wire_dtype)
+  mine = jnp.sum(got.astype(jnp.float32), axis=0)     # my chunk of the sum
+  out = all_gather(to_words(mine.astype(wire_dtype)), axis_name, tiled=True)
+  return from_words(out, wire_dtype).astype(jnp.float32)[:size]
+
+
+def to_words(x: jax.Array) -> jax.Array:
+  """Packs a narrow dtype into uint32 words along the last axis (bitcast).
+
+  Collectives move words: XLA backends may widen a bf16/fp16/int8 collective
+  to 32 bits (the CPU backend does), which would double or quadruple the
+  bytes on the wire. The last axis must be a multiple of ``4 // itemsize``.
+  """
+  itemsize = jnp.dtype(x.dtype).itemsize
+  if itemsize == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  per = 4 // itemsize
+  if x.shape[-1] % per:
+    raise ValueError(
+      f"to_words: last axis {x.shape[-1]} must be a multiple of {per}")
+  return jax.lax.bitcast_convert_type(
+    x.reshape(x.shape[:-1] + (x.shape[-1] // per, per)), jnp.uint32)
+
+
+def from_words(w: jax.Array, dtype) -> jax.Array:
+  """Inverse of :func:`to_words`."""
+  itemsize = jnp.dtype(dtype).itemsize
+  out = jax.lax.bitcast_convert_type(w, dtype)
+  if itemsize == 4:
+    return out
+  return out.reshape(w.shape[:-1] + (w.shape[-1] * (4 // itemsize),))

@@ -1,0 +1,432 @@
+"""Data-parallel plumbing: meshes, per-device state, train steps, multi-host.
+
+jaxcomm's optimizer state is partly per device (error-feedback residuals,
+local momenta: every device keeps its own) and partly replicated (step
+counters, PRNG keys, PowerSGD's Q, a downstream optimizer's moments). This
+module owns that layout so users never hand-write it:
+
+* :func:`state_layout` finds which state leaves are per device by tracing
+  ``tx.update`` once inside ``shard_map`` and reading which outputs JAX types
+  as varying over the data axis;
+* per-device leaves are stored with a leading axis of size ``n`` sharded over
+  the data axis (so orbax saves every device's residual), replicated leaves
+  as they are;
+* :class:`DataParallel` turns ``loss_fn`` and ``tx`` into a jitted
+  ``shard_map`` train step with params replicated, the batch sharded, the
+  state laid out as above and ``check_vma`` on;
+* :func:`pmap_train_step` is the same step through ``jax.pmap``;
+* :func:`initialize` starts many processes through ``jax.distributed``;
+* :func:`resize_state` moves a state to a different device count without
+  losing residual mass.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.collectives import _core
+
+
+# ----------------------------------------------------------------- meshes --
+
+def make_mesh(num_devices: int | None = None, axis_name: str = "data", *,
+              model: int = 1, model_axis: str = "model", devices=None):
+  """A mesh whose data axis is ``axis_name`` (Auto axis types).
+
+  Args:
+    num_devices: devices on the data axis (default: all devices / model).
+    axis_name: name of the data axis.
+    model: size of an optional second axis (e.g. for tensor parallelism);
+      1 gives a one-axis mesh. Compression runs over the data axis only.
+    model_axis: name of that second axis.
+    devices: devices to use (default ``jax.devices()``).
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  if model < 1:
+    raise ValueError(f"model must be >= 1, got {model}")
+  if num_devices is None:
+    num_devices = len(devices) // model
+  if num_devices < 1 or num_devices * model > len(devices):
+    raise ValueError(
+      f"num_devices={num_devices} x model={model} needs "
+      f"{num_devices * model} devices, have {len(devices)}")
+  devices = devices[:num_devices * model]
+  if model == 1:
+    shape, names = (num_devices,), (axis_name,)
+  else:
+    shape, names = (num_devices, model), (axis_name, model_axis)
+  return jax.make_mesh(shape, names, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def _data_size(mesh, axis_name) -> int:
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  for name in names:
+    if name not in mesh.shape:
+      raise ValueError(
+        f"axis_name={name!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return int(np.prod([mesh.shape[n] for n in names]))
+
+
+def _global(x, sharding):
+  """A global array from a value identical on every process."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def replicate(tree, mesh):
+  """Places a pytree replicated on every device of ``mesh``."""
+  sharding = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: _global(x, sharding), tree)
+
+
+def shard_batch(batch, mesh, axis_name: str = "data"):
+  """Turns this process's slice of a batch into global arrays.
+
+  Leading axes are split over ``axis_name``. On one process pass the whole
+  global batch; on many, each process passes its own contiguous slice.
+  """
+  sharding = NamedSharding(mesh, P(axis_name))
+  return jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+    batch)
+
+
+# ----------------------------------------------------------- state layout --
+
+def _abstract(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def state_layout(tx: optax.GradientTransformation, params, mesh,
+                 axis_name: str = "data"):
+  """Which leaves of ``tx``'s state are per device (a pytree of bools).
+
+  Found by tracing ``tx.update`` in shard_map (no computation runs): a leaf
+  is per device if the update makes it vary over ``axis_name`` given local
+  gradients, replicated params and the layout found so far (iterated to a
+  fixed point).
+
+  Args:
+    tx: the optimizer (a chain containing jaxcomm compressors, or any
+      optax transformation).
+    params: the parameters (arrays or ShapeDtypeStructs).
+    mesh: the mesh; ``axis_name`` must be one of its axes.
+    axis_name: the data axis.
+  """
+  n = _data_size(mesh, axis_name)
+  params_abs = _abstract(params)
+  state_abs = jax.eval_shape(tx.init, params_abs)
+  leaves, treedef = jax.tree.flatten(state_abs)
+  per_device = [False] * len(leaves)
+  grads_abs = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype),
+    params_abs)
+  for _ in range(len(leaves) + 1):
+    found = []
+    layout = jax.tree.unflatten(treedef, per_device)
+
+    def probe(params, state, grads, layout=layout):
+      grads = jax.tree.map(lambda g: g[0], grads)
+      state = to_local(state, layout)
+      _, new_state = tx.update(grads, state, params)
+      found[:] = [axis_name in _core.varying_axes(x)
+                  for x in jax.tree.leaves(new_state)]
+      return jnp.zeros([], jnp.float32)
+
+    specs = jax.tree.map(lambda b: P(axis_name) if b else P(), layout)
+    stacked = jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct((n,) + tuple(l.shape), l.dtype) if b else l
+      for l, b in zip(leaves, per_device)])
+    fn = jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
+                       out_specs=P())
+    jax.eval_shape(fn, params_abs, stacked, grads_abs)
+    new = [a or b for a, b in zip(per_device, found)]
+    if new == per_device:
+      break
+    per_device = new
+  return jax.tree.unflatten(treedef, per_device)
+
+
+def state_specs(layout, axis_name: str = "data"):
+  """PartitionSpecs for a state laid out by :func:`state_layout`."""
+  return jax.tree.map(lambda b: P(axis_name) if b else P(), layout)
+
+
+def to_local(state, layout):
+  """Inside shard_map: drops the leading size-1 axis of per-device leaves."""
+  return jax.tree.map(lambda x, b: x[0] if b else x, state, layout)
+
+
+def to_global(state, layout):
+  """Inside shard_map: adds the leading axis back to per-device leaves."""
+  return jax.tree.map(lambda x, b: x[None] if b else x, state, layout)
+
+
+def init_state(tx: optax.GradientTransformation, params, mesh,
+               axis_name: str = "data", layout=None):
+  """``tx.init(params)`` laid out for :class:`DataParallel` on ``mesh``.
+
+  Per-device leaves get a leading axis of size n (every device starts from
+  the same value) sharded over ``axis_name``; the rest is replicated.
+  """
+  if layout is None:
+    layout = state_layout(tx, params, mesh, axis_name)
+  n = _data_size(mesh, axis_name)
+  state = jax.device_get(tx.init(jax.device_get(params)))
+  rep = NamedSharding(mesh, P())
+  dev = NamedSharding(mesh, P(axis_name))
+  return jax.tree.map(
+    lambda x, b: _global(np.broadcast_to(np.asarray(x)[None],
+                                         (n,) + np.shape(x)), dev)
+    if b else _global(x, rep), state, layout)
+
+
+# ------------------------------------------------------------ train steps --
+
+class DataParallel:
+  """A jitted shard_map train step for any optax transformation.
+
+  Params are replicated, the batch is split over the data axis, the
+  optimizer state is laid out by :func:`state_layout`, and ``check_vma``
+  stays on, so a transform that left devices disagreeing would fail to
+  trace. Gradients are taken with respect to a device-varying view of the
+  params: each device gets its *local* gradient and only ``tx`` decides what
+  crosses the wire (differentiating through replicated params directly would
+  let JAX insert its own dense psum).
+
+  Example::
+
+    mesh = jaxcomm.parallel.make_mesh()
+    tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+    dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    params, opt_state = dp.init(params)
+    params, opt_state, metrics = dp.step(params, opt_state, batch)
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``) on the device's local batch.
+    tx: the optimizer.
+    mesh: a mesh with an axis named ``axis_name``.
+    axis_name: the data axis.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
+      averaged over devices.
+    donate: donate params and state buffers to the step.
+  """
+
+  def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
+               mesh, axis_name: str = "data", *, has_aux: bool = False,
+               donate: bool = True):
+    _data_size(mesh, axis_name)
+    self.loss_fn = loss_fn
+    self.tx = tx
+    self.mesh = mesh
+    self.axis_name = axis_name
+    self.has_aux = has_aux
+    self.donate = donate
+    self.layout = None
+    self._step = None
+
+  @property
+  def num_devices(self) -> int:
+    return _data_size(self.mesh, self.axis_name)
+
+  def init(self, params):
+    """Replicated params and the laid-out optimizer state."""
+    self.layout = state_layout(self.tx, params, self.mesh, self.axis_name)
+    state = init_state(self.tx, params, self.mesh, self.axis_name,
+                       self.layout)
+    return replicate(jax.device_get(params), self.mesh), state
+
+  def shard_batch(self, batch):
+    """This process's slice of a batch as global arrays (see shard_batch)."""
+    return shard_batch(batch, self.mesh, self.axis_name)
+
+  def _build(self):
+    axis, layout, tx = self.axis_name, self.layout, self.tx
+    loss_fn, has_aux = self.loss_fn, self.has_aux
+
+    def step(params, state, batch):
+      local = to_local(state, layout)
+      varying = _core.pvary(params, axis)
+      grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+      out, grads = grad_fn(varying, batch)
+      loss, aux = out if has_aux else (out, {})
+      updates, new_local = tx.update(grads, local, params)
+      new_params = optax.apply_updates(params, updates)
+      metrics = {"loss": jax.lax.pmean(loss, axis)}
+      if has_aux:
+        metrics["aux"] = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
+      return new_params, to_global(new_local, layout), metrics
+
+    specs = state_specs(layout, axis)
+    mapped = jax.shard_map(step, mesh=self.mesh,
+                           in_specs=(P(), specs, P(axis)),
+                           out_specs=(P(), specs, P()))
+    return jax.jit(mapped, donate_argnums=(0, 1) if self.donate else ())
+
+  def step(self, params, state, batch):
+    """One step: ``(params, state, metrics)``; batch from :meth:`shard_batch`
+    (plain host arrays are sharded here)."""
+    if self.layout is None:
+      raise ValueError("call DataParallel.init(params) before step()")
+    if self._step is None:
+      self._step = self._build()
+    if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
+               for x in jax.tree.leaves(batch)) and self.num_devices > 1:
+      batch = self.shard_batch(batch)
+    return self._step(params, state, batch)
+
+  def lower(self, params, state, batch):
+    """The lowered step (for :func:`jaxcomm.wire.report`)."""
+    if self._step is None:
+      self._step = self._build()
+    return self._step.lower(params, state, batch)
+
+
+def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
+                    axis_name: str = "data", *, has_aux: bool = False):
+  """The same train step through legacy ``jax.pmap``.
+
+  Every input carries a leading device axis: params and state replicated
+  with :func:`pmap_replicate`, the batch reshaped to ``(n, local, ...)``.
+  """
+  def step(params, state, batch):
+    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+    loss = out[0] if has_aux else out
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return params, state, {"loss": jax.lax.pmean(loss, axis_name)}
+
+  return jax.pmap(step, axis_name=axis_name)
+
+
+def pmap_replicate(tree, devices=None):
+  """Stacks a pytree once per device, for :func:`pmap_train_step`."""
+  devices = devices if devices is not None else jax.local_devices()
+  return jax.device_put_replicated(tree, devices) if hasattr(
+    jax, "device_put_replicated") else jax.tree.map(
+      lambda x: jnp.stack([x] * len(devices)), tree)
+
+
+# ----------------------------------------------------- resizing the state --
+
+_ADDITIVE_FIELDS = ("residual", "server_error", "worker_error")
+
+
+def _additive_paths(state) -> list[bool]:
+  """For each leaf: does it hold error-feedback mass (summed on resize)?"""
+  flags = []
+
+  def visit(x, additive):
+    if hasattr(x, "_fields"):
+      for name, y in zip(x._fields, x):
+        visit(y, additive or name in _ADDITIVE_FIELDS)
+    elif isinstance(x, (tuple, list)):
+      for y in x:
+        visit(y, additive)
+    elif isinstance(x, dict):
+      for k in sorted(x):
+        visit(x[k], additive)
+    elif x is None:
+      return
+    else:
+      flags.append(additive)
+
+  visit(state, False)
+  return flags
+
+
+def resize_state(state, layout, num_devices: int):
+  """Moves a laid-out state (host arrays) to ``num_devices`` devices.
+
+  Error-feedback mass is conserved: residual-like leaves (fields named
+  ``residual``, ``server_error`` or ``worker_error``) are summed over groups
+  of old devices when shrinking and split evenly when growing, so the total
+  residual is unchanged. Other per-device leaves (local momenta, statistics)
+  are averaged over groups, or copied when growing. Replicated leaves are
+  unchanged.
+
+  Args:
+    state: the state as host (numpy) arrays, e.g. from a checkpoint.
+    layout: its :func:`state_layout`.
+    num_devices: the new data-axis size. The old and new sizes must divide
+      one another.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  per_device = jax.tree.leaves(layout)
+  additive = _additive_paths(state)
+  if not (len(leaves) == len(per_device) == len(additive)):
+    raise ValueError("layout does not match the state's tree structure")
+  out = []
+  for x, dev, add in zip(leaves, per_device, additive):
+    x = np.asarray(x)
+    if not dev:
+      out.append(x)
+      continue
+    old = x.shape[0]
+    new = num_devices
+    if old == new:
+      out.append(x)
+    elif old % new == 0:
+      g = x.reshape((new, old // new) + x.shape[1:])
+      out.append(g.sum(axis=1) if add else g.mean(axis=1).astype(x.dtype))
+    elif new % old == 0:
+      rep = np.repeat(x, new // old, axis=0)
+      out.append((rep / (new // old)).astype(x.dtype) if add else rep)
+    else:
+      raise ValueError(
+        f"cannot resize a state from {old} to {new} devices: the sizes must "
+        "divide one another")
+  return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------ multi-host --
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None, *,
+               local_device_count: int | None = None,
+               timeout_s: int = 60) -> None:
+  """Joins this process to a multi-process JAX job.
+
+  On TPU pods and SLURM clusters JAX detects everything: call with no
+  arguments. Elsewhere pass the coordinator's ``host:port``, the number of
+  processes and this process's id. On CPU (``JAX_PLATFORMS=cpu``) the
+  collectives run over gloo and ``local_device_count`` sets how many CPU
+  devices this process simulates. Must run before any JAX computation.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0's coordinator.
+    num_processes: number of processes in the job.
+    process_id: this process's id, in ``[0, num_processes)``.
+    local_device_count: CPU devices to simulate in this process.
+    timeout_s: how long to wait for the other processes before failing.
+  """
+  explicit = (coordinator_address, num_processes, process_id)
+  if any(v is not None for v in explicit) and any(v is None for v in explicit):
+    raise ValueError(
+      "pass all of coordinator_address, num_processes and process_id, or "
+      "none of them (auto-detection on TPU pods and SLURM)")
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if process_id is not None and not 0 <= process_id < num_processes:
+    raise ValueError(
+      f"process_id must be in [0, {num_processes}), got {process_id}")
+  if local_device_count is not None:
+    jax.config.update("jax_num_cpu_devices", int(local_device_count))
+  platforms = jax.config.jax_platforms or ""
+  if "cpu" in platforms or platforms == "":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes,
+    process_id=process_id, initialization_timeout=int(timeout_s))
+

@@ -1,0 +1,119 @@
+"""Dense baselines: the plain mean every compressor is compared to, and casts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm import _compressor
+from jaxcomm.collectives import _core
+
+
+def _mean_codec() -> _compressor.Codec:
+  # Accepts no leaf: every floating leaf goes through the fused dense psum.
+  return _compressor.Codec(
+    name="mean_gradients",
+    init=lambda shapes: (),
+    apply=None,  # never called: no leaf is compressed
+    wire=lambda shapes, n: [],
+    accepts=lambda shape: False,
+  )
+
+
+def mean_gradients(axis_name="data"):
+  """Averages gradients over the data axis with one fused psum.
+
+  .. math::
+    u = \\frac{1}{n} \\sum_{i=1}^{n} g_i
+
+  The reference every compressor is measured against: all floating leaves
+  are flattened into one buffer, summed with one all-reduce and divided by
+  the number of devices. Non-floating leaves pass through.
+
+  Args:
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example::
+
+    tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+  """
+  return _compressor.compressed(_mean_codec(), axis_name=axis_name,
+                                error_feedback=False)
+
+
+_CAST_DTYPES = {
+  "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+}
+
+
+def _cast_codec(dtype) -> _compressor.Codec:
+  name = np.dtype(dtype).name
+  if name not in _CAST_DTYPES:
+    raise ValueError(
+      f"dtype must be one of {sorted(_CAST_DTYPES)}, got {dtype!r}")
+  dtype = _CAST_DTYPES[name]
+  itemsize = np.dtype(dtype).itemsize
+
+  def apply(xs, state, ctx):
+    n = ctx.num_devices
+    # Divide by n before the cast, so the sum cannot overflow where the
+    # mean would not (fp16's max is 65504).
+    low = [(x / n).astype(dtype) for x in xs]
+    flat = jnp.concatenate([jnp.ravel(l).astype(jnp.float32) for l in low])
+    total = _core.scatter_gather_sum(flat, ctx.axis_name, dtype)
+    mean, offset = [], 0
+    for x in xs:
+      mean.append(total[offset:offset + x.size].reshape(x.shape))
+      offset += x.size
+    sent = [l.astype(jnp.float32) * n for l in low]
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+
+  def wire(shapes, n):
+    total = sum(int(np.prod(s)) for s in shapes)
+    chunk = _core.padded_length(-(-total // n), 4 // itemsize)
+    return [("all-to-all", chunk * n * itemsize),
+            ("all-gather", chunk * n * itemsize)]
+
+  return _compressor.Codec(name=f"cast({name})", init=lambda shapes: (),
+                           apply=apply, wire=wire)
+
+
+def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,
+         policy=None):
+  """Averages gradients in a low-precision dtype (fp16/bf16 compression).
+
+  .. math::
+    u = \\mathrm{f32}\\Big(\\sum_i \\mathrm{cast}(g_i / n)\\Big)
+
+  Each device divides by the device count *before* casting (so the sum
+  cannot overflow where the mean would not); the exchange moves ``dtype``
+  (half the bytes of float32) in two phases, an all-to-all after which each
+  device adds its chunk of the ``n`` contributions in float32, and an
+  all-gather of the summed chunks (:func:`jaxcomm.collectives.
+  scatter_gather_sum`); the result is cast to the gradient's own dtype. With ``error_feedback=True`` the
+  rounding error is kept per device and sent later. As PyTorch's
+  ``fp16_compress_hook``/``bf16_compress_hook``; leaves under the policy's
+  ``min_size`` travel in the fused float32 psum.
+
+  Args:
+    dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+    axis_name: the data axis (a name, a tuple of names, or None).
+    error_feedback: keep the rounding error per device.
+    policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
+      elements are cast).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example::
+
+    tx = optax.chain(jaxcomm.cast(jnp.bfloat16), optax.sgd(0.1))
+  """
+  return _compressor.compressed(_cast_codec(dtype), axis_name=axis_name,
+                                error_feedback=error_feedback,
+                                policy=policy)
+

@@ -1,0 +1,333 @@
+"""Bytes on the wire, read from compiled HLO, and an alpha-beta cost model.
+
+:func:`collectives` reads every collective out of a lowered or compiled step
+(``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
+``collective-permute``) with its payload and group size. :func:`report` turns
+those into bytes sent per device per step, split by operation, next to the
+dense-psum baseline of the same parameters. Compressors state what they send
+(:func:`claimed`), and the tests check the claim against the HLO.
+
+Accounting convention (one for everything in jaxcomm). The *payload* of an
+operation is the size of the buffer it is defined on: the operand of an
+all-reduce, all-to-all, reduce-scatter or collective-permute, and the
+*gathered result* of an all-gather. Bytes *sent per device* assume the
+bandwidth-optimal ring algorithms:
+
+=================== ===========================
+all-reduce          2 (n - 1) / n * payload
+all-gather          (n - 1) / n * payload
+reduce-scatter      (n - 1) / n * payload
+all-to-all          (n - 1) / n * payload
+collective-permute  payload (each sender)
+=================== ===========================
+
+The :class:`CostModel` turns payloads into predicted time for a link with
+latency ``alpha`` (seconds) and inverse bandwidth ``beta`` (seconds per byte)
+for ring, tree and recursive-doubling algorithms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Iterable, NamedTuple
+
+import jax
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+         "collective-permute")
+
+_DTYPE_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+  "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}
+_SHAPE_RE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_OP_RE = re.compile(
+  r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+  r"(?P<op>all-reduce|all-gather|all-to-all|reduce-scatter|"
+  r"collective-permute)(?P<suffix>-start)?\(")
+
+
+class Op(NamedTuple):
+  """One collective in a compiled step.
+
+  Attributes:
+    kind: one of :data:`KINDS`.
+    payload: bytes of the buffer it is defined on (see the module doc).
+    group: devices in each replica group.
+    senders: fraction of devices that send (collective-permute), else 1.
+  """
+
+  kind: str
+  payload: int
+  group: int
+  senders: float = 1.0
+
+
+def _shapes_bytes(text: str) -> list[int]:
+  out = []
+  for dtype, dims in _SHAPE_RE.findall(text):
+    if dtype not in _DTYPE_BYTES:
+      continue
+    size = 1
+    for d in dims.split(","):
+      if d:
+        size *= int(d)
+    out.append(size * _DTYPE_BYTES[dtype])
+  return out
+
+
+def _group_size(line: str, num_devices: int) -> int:
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+  if m:
+    return int(m.group(2))
+  m = re.search(r"replica_groups=\{(\{[^}]*\}(?:,\{[^}]*\})*)\}", line)
+  if m:
+    first = m.group(1).split("}")[0].strip("{")
+    return len([t for t in first.split(",") if t.strip()])
+  return num_devices
+
+
+def _num_devices(text: str) -> int:
+  m = re.search(r"num_partitions=(\d+)", text)
+  parts = int(m.group(1)) if m else 1
+  m = re.search(r"replica_count=(\d+)", text)
+  reps = int(m.group(1)) if m else 1
+  return max(parts * reps, 1)
+
+
+def _as_text(step: Any) -> str:
+  if isinstance(step, str):
+    return step
+  if isinstance(step, jax.stages.Lowered):
+    step = step.compile()
+  if hasattr(step, "as_text"):
+    return step.as_text()
+  raise ValueError(
+    "step must be HLO text, a jax Lowered (jit(f).lower(...)) or a Compiled "
+    f"object, got {type(step).__name__}")
+
+
+def collectives(step: Any) -> list[Op]:
+  """The collectives of a lowered/compiled step (or its HLO text).
+
+  Args:
+    step: ``jax.jit(f).lower(*args)`` (compiled here), its ``.compile()``,
+      or HLO text.
+
+  Returns:
+    One :class:`Op` per collective instruction in the optimized module.
+  """
+  text = _as_text(step)
+  n_dev = _num_devices(text)
+  ops = []
+  for line in text.splitlines():
+    line = re.sub(r"/\*.*?\*/", "", line)
+    m = _OP_RE.search(line)
+    if not m:
+      continue
+    kind, start = m.group("op"), bool(m.group("suffix"))
+    sizes = _shapes_bytes(m.group("shape"))
+    if not sizes:
+      continue
+    if start and kind == "all-gather":
+      payload = sizes[-1]          # (operand, result)
+    elif start and kind == "collective-permute":
+      payload = sizes[0]           # (operand, result, contexts...)
+    elif start and kind == "all-reduce" and len(sizes) % 2 == 0 and \
+        "all-reduce-start(" in line:
+      payload = sum(sizes)         # result tuple of the summed operands
+    elif kind in ("all-to-all", "reduce-scatter"):
+      # Operand bytes: for all-to-all equal to the result; for
+      # reduce-scatter the result times the group size (below).
+      payload = sum(sizes)
+    else:
+      payload = sum(sizes)
+    group = _group_size(line, n_dev)
+    senders = 1.0
+    if kind == "reduce-scatter":
+      payload *= group
+    if kind == "collective-permute":
+      pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+      if pairs:
+        n_pairs = len(re.findall(r"\{\d+,\d+\}", pairs.group(0) + "}"))
+        senders = n_pairs / n_dev
+      group = n_dev
+    ops.append(Op(kind, int(payload), int(group), senders))
+  return ops
+
+
+def sent_bytes(kind: str, payload: float, n: int) -> float:
+  """Bytes one device sends for one collective under ring algorithms."""
+  if kind not in KINDS:
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+  if n <= 1:
+    return 0.0
+  if kind == "all-reduce":
+    return 2.0 * (n - 1) / n * payload
+  if kind == "collective-permute":
+    return float(payload)
+  return (n - 1) / n * payload
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """Bytes per device per step of a compiled step, next to the dense psum.
+
+  Attributes:
+    ops: the collectives found.
+    payload: payload bytes by kind.
+    sent: bytes sent per device by kind (ring algorithms).
+    total_sent: sum of ``sent``.
+    dense_sent: what one float32 all-reduce of the parameters would send.
+    ratio: ``dense_sent / total_sent`` (inf when nothing is sent).
+  """
+
+  ops: tuple
+  payload: dict
+  sent: dict
+  total_sent: float
+  dense_sent: float
+  ratio: float
+
+  def table(self) -> str:
+    rows = ["| op | payload bytes | sent bytes/device |", "|---|---:|---:|"]
+    for k in KINDS:
+      if k in self.payload:
+        rows.append(f"| {k} | {self.payload[k]:,} | {self.sent[k]:,.0f} |")
+    rows.append(f"| total | | {self.total_sent:,.0f} |")
+    rows.append(f"| dense f32 psum | | {self.dense_sent:,.0f} |")
+    rows.append(f"| ratio | | {self.ratio:,.1f}x |")
+    return "\n".join(rows)
+
+
+def dense_payload(params) -> int:
+  """Bytes of one float32 all-reduce over every floating leaf of params."""
+  total = 0
+  for leaf in jax.tree.leaves(params):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and np.issubdtype(np.dtype(dtype), np.floating):
+      total += int(np.prod(leaf.shape)) * 4
+  return total
+
+
+def summarize(ops: Iterable[Op] | Iterable[tuple], n: int | None = None,
+              params=None) -> Report:
+  """Bytes per device by kind for ``ops`` (:class:`Op` or (kind, payload)).
+
+  Args:
+    ops: collectives, e.g. from :func:`collectives` or :func:`claimed`.
+    n: group size for (kind, payload) pairs; Ops carry their own.
+    params: if given, the dense baseline is a float32 all-reduce of them.
+  """
+  ops = tuple(o if isinstance(o, Op) else Op(o[0], int(o[1]), int(n or 1))
+              for o in ops)
+  payload, sent = {}, {}
+  for o in ops:
+    payload[o.kind] = payload.get(o.kind, 0) + o.payload
+    sent[o.kind] = sent.get(o.kind, 0.0) + sent_bytes(
+      o.kind, o.payload, o.group) * o.senders
+  total = sum(sent.values())
+  group = n or max((o.group for o in ops), default=1)
+  dense = sent_bytes("all-reduce", dense_payload(params), group) \
+    if params is not None else 0.0
+  ratio = dense / total if total > 0 else math.inf
+  return Report(ops, payload, sent, total, dense, ratio)
+
+
+def report(step: Any, params=None) -> Report:
+  """:func:`summarize` of the collectives in a lowered/compiled step."""
+  return summarize(collectives(step), params=params)
+
+
+def claimed(tx, params, n: int) -> list[tuple[str, int]]:
+  """The collectives a jaxcomm compressor says one step issues on n devices.
+
+  Args:
+    tx: a compressor from a jaxcomm factory (not a chain around it).
+    params: the parameters (or gradients, or their shapes) it is applied to.
+    n: the number of devices along its data axis.
+  """
+  from jaxcomm import _compressor  # pylint: disable=import-outside-toplevel
+  if n < 1:
+    raise ValueError(f"n must be >= 1, got {n}")
+  if n == 1:
+    return []
+  return _compressor.spec_of(tx).collectives(params, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Alpha-beta model of a link: ``t = hops * alpha + bytes * beta``.
+
+  Attributes:
+    alpha: latency per message, seconds.
+    beta: seconds per byte (1 / bandwidth).
+    algorithm: ``"ring"``, ``"tree"`` or ``"recursive_doubling"``.
+  """
+
+  alpha: float
+  beta: float
+  algorithm: str = "ring"
+
+  def __post_init__(self):
+    if self.alpha < 0:
+      raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+    if self.beta < 0:
+      raise ValueError(f"beta must be >= 0, got {self.beta}")
+    if self.algorithm not in ("ring", "tree", "recursive_doubling"):
+      raise ValueError(
+        "algorithm must be 'ring', 'tree' or 'recursive_doubling', got "
+        f"{self.algorithm!r}")
+
+  @classmethod
+  def link(cls, gbit_per_s: float, latency_us: float = 50.0,
+           algorithm: str = "ring") -> "CostModel":
+    """A link of ``gbit_per_s`` Gbit/s and ``latency_us`` microseconds."""
+    if gbit_per_s <= 0:
+      raise ValueError(f"gbit_per_s must be > 0, got {gbit_per_s}")
+    return cls(alpha=latency_us * 1e-6, beta=8.0 / (gbit_per_s * 1e9),
+               algorithm=algorithm)
+
+  def time(self, kind: str, payload: float, n: int) -> float:
+    """Predicted seconds for one collective of ``payload`` bytes on n."""
+    if kind not in KINDS:
+      raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if n <= 1:
+      return 0.0
+    a, b, s = self.alpha, self.beta, float(payload)
+    lg = math.ceil(math.log2(n))
+    frac = (n - 1) / n
+    if kind == "collective-permute":
+      return a + s * b
+    if self.algorithm == "ring":
+      if kind == "all-reduce":
+        return 2 * (n - 1) * a + 2 * frac * s * b
+      return (n - 1) * a + frac * s * b
+    if self.algorithm == "tree":
+      if kind == "all-reduce":   # reduce to the root, broadcast back
+        return 2 * lg * (a + s * b)
+      if kind == "all-gather":   # gather to the root, broadcast the result
+        return lg * a + frac * s * b + lg * (a + s * b)
+      return lg * a + frac * s * b * lg
+    # recursive doubling / halving
+    if kind == "all-reduce":
+      return lg * (a + s * b)
+    if kind == "all-to-all":
+      return lg * (a + 0.5 * s * b)
+    return lg * a + frac * s * b
+
+  def predict(self, ops: Iterable, n: int | None = None) -> float:
+    """Predicted seconds for a step's collectives (:class:`Op` or pairs)."""
+    total = 0.0
+    for o in ops:
+      if isinstance(o, Op):
+        # Permutes run concurrently on all senders: one message's time.
+        if o.senders > 0:
+          total += self.time(o.kind, o.payload, o.group)
+      else:
+        total += self.time(o[0], o[1], n or 1)
+    return total

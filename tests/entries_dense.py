@@ -1,0 +1,58 @@
+"""Registry entries for the dense baselines (mean_gradients, cast)."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import jaxcomm
+from tests import registry
+
+
+def _mean_ref_step(xs, state, step, key, n):
+  mean = [np.mean([x[j] for x in xs], axis=0) for j in range(len(xs[0]))]
+  return mean, xs, state
+
+
+registry.register(registry.Entry(
+  name="mean_gradients",
+  ref_init=lambda shapes: None,
+  ref_step=_mean_ref_step,
+  error_feedback=False,
+  factory=jaxcomm.mean_gradients,
+  static_args=("axis_name",),
+))
+
+
+def _cast_ref(np_dtype):
+  def ref_step(xs, state, step, key, n):
+    # Each device divides by n and rounds to the wire dtype; the chunk owner
+    # adds the n contributions in float32 and rounds the sum once more.
+    low = [[np.asarray((x / n).astype(np.float32).astype(np_dtype),
+                       np.float64) for x in dev] for dev in xs]
+    mean = []
+    for j in range(len(xs[0])):
+      s = np.sum([low[i][j] for i in range(n)], axis=0).astype(np.float32)
+      mean.append(s.astype(np_dtype).astype(np.float64))
+    sent = [[l * n for l in dev] for dev in low]
+    return mean, sent, state
+  return ref_step
+
+
+for _dtype, _np in ((jnp.bfloat16, ml_dtypes.bfloat16),
+                    (jnp.float16, np.float16)):
+  for _ef in (False, True):
+    registry.register(registry.Entry(
+      name=f"cast_{np.dtype(_dtype).name}{'_ef' if _ef else ''}",
+      ref_init=lambda shapes: None,
+      ref_step=_cast_ref(_np),
+      error_feedback=_ef,
+      factory=jaxcomm.cast,
+      kwargs={"dtype": _dtype, "error_feedback": _ef},
+      static_args=("dtype", "error_feedback", "policy"),
+      bad_args=[({"dtype": jnp.int8}, "dtype"),
+                ({"policy": 3}, "policy")],
+      rtol=1e-2, atol=1e-2,
+      # The summed chunk is rounded to the wire dtype once more after the
+      # residual is taken: that second rounding is not fed back.
+      conserves=False,
+    ))

@@ -1,0 +1,178 @@
+"""Shared test harness: run a transform on 8 devices, and its numpy twin.
+
+``device_run`` runs ``tx.update`` for several steps inside ``jax.shard_map``
+on the 8-device CPU mesh with each device's own gradients, blocking between
+steps. ``numpy_run`` runs a registry entry's numpy reference with error
+feedback and the leaf policy added by plain numpy code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import parallel
+
+N = 8
+AXIS = "data"
+
+
+def battery_params():
+  """Parameters of the battery: two compressed leaves, a dense bias, an int.
+
+  With the default policy (>= 256 elements) ``w`` and ``conv`` are
+  compressed and ``b`` travels in the fused dense psum; ``step`` (int32)
+  passes through.
+  """
+  return {
+    "b": jnp.zeros((48,), jnp.float32),
+    "conv": jnp.zeros((3, 3, 8, 16), jnp.float32),
+    "step": jnp.zeros((), jnp.int32),
+    "w": jnp.zeros((64, 48), jnp.float32),
+  }
+
+
+COMPRESSED = ("conv", "w")   # in jax.tree.leaves order of battery_params
+DENSE = ("b",)
+
+
+def make_grads(seed: int, steps: int, n: int = N, dtype=jnp.float32,
+               params=None):
+  """``grads[t]``: a pytree whose float leaves have a leading axis n."""
+  params = battery_params() if params is None else params
+  rng = np.random.RandomState(seed)
+  out = []
+  for t in range(steps):
+    def leaf(x, t=t):
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        return np.zeros((n,) + x.shape, x.dtype)
+      # Different scales per device and per step, plus a shared direction.
+      shared = rng.randn(*x.shape)
+      own = rng.randn(n, *x.shape) * (1.0 + np.arange(n)).reshape(
+        (n,) + (1,) * x.ndim)
+      return (0.5 * shared + own).astype(dtype)
+    out.append(jax.tree.map(leaf, params))
+  return out
+
+
+@functools.lru_cache(maxsize=64)
+def _stepper(tx, mesh, layout_key):
+  layout = _LAYOUTS[layout_key]
+  specs = parallel.state_specs(layout, AXIS)
+
+  def step(params, state, grads):
+    # Float gradients are per device; non-float leaves (which pass through
+    # untouched) are taken from the replicated params.
+    grads = jax.tree.map(
+      lambda g, p: g[0] if jnp.issubdtype(g.dtype, jnp.floating) else p,
+      grads, params)
+    local = parallel.to_local(state, layout)
+    upd, new = tx.update(grads, local, params)
+    return upd, parallel.to_global(new, layout)
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
+                     out_specs=(P(), specs))
+  return jax.jit(fn)
+
+
+_LAYOUTS = {}
+
+
+def device_run(tx, mesh, grads_seq, params=None, state=None):
+  """Runs ``tx`` for ``len(grads_seq)`` steps on the mesh.
+
+  Returns:
+    (updates per step as host arrays, final state as host arrays, layout).
+  """
+  params = battery_params() if params is None else params
+  layout = parallel.state_layout(tx, params, mesh, AXIS)
+  key = (id(tx), str(jax.tree.structure(layout)),
+         tuple(jax.tree.leaves(layout)))
+  _LAYOUTS[key] = layout
+  if state is None:
+    state = parallel.init_state(tx, params, mesh, AXIS, layout)
+  params_g = parallel.replicate(params, mesh)
+  fn = _stepper(tx, mesh, key)
+  updates = []
+  for grads in grads_seq:
+    grads = parallel.shard_batch(grads, mesh, AXIS)
+    upd, state = fn(params_g, state, grads)
+    jax.block_until_ready((upd, state))
+    updates.append(jax.device_get(upd))
+  return updates, jax.device_get(state), layout
+
+
+def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
+  """The registry entry's numpy reference with error feedback around it.
+
+  Returns:
+    (mean updates per step as dicts of float64 arrays, final residuals
+    ``res[i][j]``, list of sent per step).
+  """
+  first = grads_seq[0]
+  names = sorted(first)
+  comp = [k for k in names if k in COMPRESSED]
+  dense = [k for k in names if k in DENSE]
+  shapes = [first[k].shape[1:] for k in comp]
+  ref_state = entry.ref_init(shapes)
+  res = [[np.zeros(s) for s in shapes] for _ in range(n)]
+  key = jax.random.PRNGKey(seed)
+  out, sent_all = [], []
+  for t, grads in enumerate(grads_seq):
+    key, sub = jax.random.split(key)
+    xs = []
+    for i in range(n):
+      g = [np.asarray(grads[k][i], np.float64) for k in comp]
+      xs.append([r + x for r, x in zip(res[i], g)] if entry.error_feedback
+                else g)
+    mean, sent, ref_state = entry.ref_step(xs, ref_state, t, sub, n)
+    if entry.error_feedback:
+      res = [[x - s for x, s in zip(xs[i], sent[i])] for i in range(n)]
+    upd = {k: np.asarray(m, np.float64) for k, m in zip(comp, mean)}
+    for k in dense:
+      upd[k] = np.asarray(grads[k], np.float64).mean(axis=0)
+    out.append(upd)
+    sent_all.append(sent)
+  return out, res, sent_all
+
+
+def residuals_of(state) -> list:
+  """The CompressState residuals (host arrays, leading device axis)."""
+  for s in _walk(state):
+    if isinstance(s, jaxcomm.CompressState):
+      return [np.asarray(r) for r in s.residual]
+  raise AssertionError("no CompressState in state")
+
+
+def _walk(x):
+  yield x
+  if isinstance(x, (tuple, list)):
+    for y in x:
+      yield from _walk(y)
+
+
+def chain_sgd(tx, lr=1.0):
+  return optax.chain(tx, optax.sgd(lr))
+
+
+__all__ = ["N", "AXIS", "battery_params", "make_grads", "device_run",
+           "numpy_run", "residuals_of", "chain_sgd", "jnp"]
+
+
+def lower_update(tx, mesh, params=None):
+  """The lowered shard_map'd ``tx.update`` for wire accounting."""
+  params = battery_params() if params is None else params
+  layout = parallel.state_layout(tx, params, mesh, AXIS)
+  key = (id(tx), str(jax.tree.structure(layout)),
+         tuple(jax.tree.leaves(layout)))
+  _LAYOUTS[key] = layout
+  state = parallel.init_state(tx, params, mesh, AXIS, layout)
+  grads = parallel.shard_batch(make_grads(0, 1, params=params)[0], mesh, AXIS)
+  return _stepper(tx, mesh, key).lower(parallel.replicate(params, mesh),
+                                       state, grads)

@@ -1,0 +1,102 @@
+"""The registry of every public compressor, with its numpy reference.
+
+A compressor joins the shared battery (``tests/test_battery.py``) by adding
+an :class:`Entry` to :data:`ENTRIES` (usually from its own test module's
+``register()`` call at import time, listed in :data:`MODULES`).
+
+The numpy reference is written from the paper, independently of the code
+under test. The battery's harness (``numpy_run``) adds error feedback and the
+leaf policy around it: the reference only sees the compressed leaves (after
+``x = g + e``) of all ``n`` devices for one step and returns the averaged
+update and what each device sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import numpy as np
+
+# Modules that register entries (imported by the battery).
+MODULES = [
+  "tests.entries_dense",
+  "tests.entries_quantization",
+  "tests.entries_sparsification",
+  "tests.entries_powersgd",
+]
+
+
+@dataclasses.dataclass
+class Entry:
+  """One compressor configuration in the battery.
+
+  Attributes:
+    name: test id.
+    make: ``make(axis_name=..., **overrides) -> GradientTransformation``;
+      by default ``factory(**kwargs, **overrides, axis_name=axis_name)``.
+    ref_init: ``ref_init(shapes) -> ref_state`` for the compressed leaves.
+    ref_step: ``ref_step(xs, ref_state, step, key, n) -> (mean, sent,
+      ref_state)``; ``xs[i][j]`` is device i's float64 (x = g + e) array for
+      compressed leaf j; ``key`` is the step's jax PRNG key (the same one
+      the transform's codec receives: split from ``PRNGKey(seed)`` each
+      step); ``mean[j]`` the averaged update, ``sent[i][j]`` what device i
+      sent (the residual becomes ``x - sent``).
+    error_feedback: whether the configuration keeps residuals.
+    conserves: whether ``n * mean == sum_i sent_i`` (linear aggregation), so
+      that the battery checks global conservation of gradient mass.
+    extra_mass: optional ``extra_mass(host_state) -> array`` of additional
+      gradient mass the state holds (e.g. a server-side error), added to the
+      conservation balance, per compressed leaf flattened and concatenated.
+    static_args: factory arguments ``optax.inject_hyperparams`` must keep
+      static (shape-setting ones, strings, bools).
+    factory: the public factory (for ``optax.inject_hyperparams``).
+    kwargs: the arguments ``make`` passes to ``factory``.
+    bad_args: ``[(kwargs, argument_name), ...]`` that must raise ValueError
+      naming the argument.
+    rtol, atol: tolerances for reference equality (float32 vs float64).
+    stochastic: draws random numbers (reference gets the same key).
+  """
+
+  name: str
+  ref_init: Callable[[list], Any]
+  ref_step: Callable[..., tuple]
+  make: Callable[..., Any] | None = None
+  error_feedback: bool = True
+  conserves: bool = True
+  extra_mass: Callable[[Any], np.ndarray] | None = None
+  static_args: tuple = ()
+  factory: Callable[..., Any] | None = None
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  bad_args: list = dataclasses.field(default_factory=list)
+  rtol: float = 1e-4
+  atol: float = 1e-5
+  stochastic: bool = False
+
+  def __post_init__(self):
+    if self.make is None:
+      if self.factory is None:
+        raise ValueError(f"{self.name}: give make or factory")
+      self.make = lambda axis_name, **kw: self.factory(
+        **{**self.kwargs, **kw, "axis_name": axis_name})
+
+
+ENTRIES: dict[str, Entry] = {}
+
+
+def register(entry: Entry) -> Entry:
+  if entry.name in ENTRIES:
+    raise ValueError(f"duplicate registry entry {entry.name!r}")
+  ENTRIES[entry.name] = entry
+  return entry
+
+
+def load() -> dict[str, Entry]:
+  for mod in MODULES:
+    try:
+      importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+      if e.name != mod:
+        raise
+  return ENTRIES

@@ -1,0 +1,242 @@
+"""The shared battery, run over every compressor in the registry.
+
+For each entry: jit of init/update; shard_map on 8 devices with a replicated
+update (``check_vma`` on, ``out_specs=P()``); equality with the entry's numpy
+reference; conservation of gradient mass with error feedback; dtypes;
+``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``
+and ``optax.clip_by_global_norm`` around it; an orbax round-trip of the
+state; bad arguments; an unbound axis; non-float and empty pytrees.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxcomm
+from tests import harness
+from tests import registry
+
+ENTRIES = registry.load()
+NAMES = sorted(ENTRIES)
+STEPS = 3
+
+
+def entry_param(fn):
+  return pytest.mark.parametrize("name", NAMES)(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name, mesh):
+  """One 8-device run per entry, shared by several tests."""
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  grads = harness.make_grads(seed=1, steps=STEPS)
+  updates, state, layout = harness.device_run(tx, mesh, grads)
+  return tx, grads, updates, state, layout
+
+
+@entry_param
+def test_jit_init_and_update(name):
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name=None)
+  params = harness.battery_params()
+  state = jax.jit(tx.init)(params)
+  grads = jax.tree.map(lambda g: g[0], harness.make_grads(0, 1)[0])
+  upd, state2 = jax.jit(tx.update)(grads, state, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(upd, grads)
+  chex.assert_trees_all_equal_structs(state, state2)
+  assert np.all(np.isfinite(np.asarray(upd["w"])))
+  # The non-float leaf passes through untouched.
+  np.testing.assert_array_equal(upd["step"], grads["step"])
+
+
+@entry_param
+def test_matches_numpy_reference_on_8_devices(name, mesh):
+  entry = ENTRIES[name]
+  _, grads, updates, state, _ = _run(name, mesh)
+  ref, ref_res, _ = harness.numpy_run(entry, grads)
+  for t in range(STEPS):
+    for k in ref[t]:
+      np.testing.assert_allclose(
+        updates[t][k], ref[t][k], rtol=entry.rtol, atol=entry.atol,
+        err_msg=f"{name}: update of {k!r} at step {t}")
+  if entry.error_feedback:
+    res = harness.residuals_of(state)
+    for j, r in enumerate(res):
+      want = np.stack([ref_res[i][j] for i in range(harness.N)])
+      np.testing.assert_allclose(r, want, rtol=entry.rtol,
+                                 atol=entry.atol * 10,
+                                 err_msg=f"{name}: residual {j}")
+
+
+@entry_param
+def test_conserves_gradient_mass(name, mesh):
+  entry = ENTRIES[name]
+  if not (entry.error_feedback and entry.conserves):
+    pytest.skip(f"{name}: no error feedback or not a linear aggregation")
+  _, grads, updates, state, _ = _run(name, mesh)
+  res = harness.residuals_of(state)
+  for j, k in enumerate(harness.COMPRESSED):
+    total_g = sum(np.asarray(g[k], np.float64).sum(axis=0) for g in grads)
+    applied = harness.N * sum(np.asarray(u[k], np.float64) for u in updates)
+    held = res[j].astype(np.float64).sum(axis=0)
+    balance = applied + held
+    if entry.extra_mass is not None:
+      balance = balance + entry.extra_mass(state)[j]
+    scale = np.abs(total_g).max()
+    np.testing.assert_allclose(balance, total_g, atol=1e-4 * scale,
+                               err_msg=f"{name}: mass of {k!r} not conserved")
+
+
+@entry_param
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_keeps_gradient_dtype(name, dtype):
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name=None)
+  params = jax.tree.map(
+    lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
+    else p, harness.battery_params())
+  grads = jax.tree.map(lambda g: g[0], harness.make_grads(
+    0, 1, dtype=dtype, params=params)[0])
+  upd, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+  chex.assert_trees_all_equal_dtypes(upd, grads)
+
+
+@entry_param
+def test_inject_hyperparams(name):
+  entry = ENTRIES[name]
+  if entry.factory is None:
+    pytest.skip("no public factory")
+  kwargs = dict(entry.kwargs, axis_name=None)
+  static = tuple(set(entry.static_args) | {"axis_name"})
+  injected = optax.inject_hyperparams(entry.factory, static_args=static)(
+    **kwargs)
+  plain = entry.factory(**kwargs)
+  params = harness.battery_params()
+  grads = jax.tree.map(lambda g: g[0], harness.make_grads(2, 1)[0])
+  u1, s1 = jax.jit(injected.update)(grads, injected.init(params), params)
+  u2, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-6)
+  assert hasattr(s1, "hyperparams")
+
+
+@entry_param
+def test_multisteps(name):
+  entry = ENTRIES[name]
+  tx = optax.MultiSteps(harness.chain_sgd(entry.make(axis_name=None)),
+                        every_k_schedule=2)
+  params = harness.battery_params()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  grads_seq = harness.make_grads(3, 4)
+  for t, g in enumerate(grads_seq):
+    g = jax.tree.map(lambda x: x[0], g)
+    upd, state = update(g, state, params)
+    if t % 2 == 0:   # accumulating: no update yet
+      assert float(jnp.abs(upd["w"]).max()) == 0.0
+    else:
+      assert float(jnp.abs(upd["w"]).max()) > 0.0
+
+
+@entry_param
+def test_clip_then_compress(name):
+  entry = ENTRIES[name]
+  tx = optax.chain(optax.clip_by_global_norm(1.0), entry.make(axis_name=None),
+                   optax.sgd(1.0))
+  params = harness.battery_params()
+  grads = jax.tree.map(lambda g: g[0] * 100.0, harness.make_grads(4, 1)[0])
+  upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert np.all(np.isfinite(np.asarray(upd["w"])))
+
+
+@entry_param
+def test_nonfinite_gradient_on_one_device(name, mesh):
+  """A NaN on one device: every device skips, residuals stay unchanged."""
+  entry = ENTRIES[name]
+  tx = optax.chain(entry.make(axis_name="data"),
+                   optax.apply_if_finite(optax.sgd(1.0), 5))
+  # (optax.sgd turns an int leaf's update into a float: no int leaf here.)
+  params = {k: v for k, v in harness.battery_params().items() if k != "step"}
+  grads = harness.make_grads(5, 2, params=params)
+  bad = jax.tree.map(np.array, grads[1])
+  bad["w"][3, 0, 0] = np.nan
+  _, s1, _ = harness.device_run(tx, mesh, grads[:1], params=params)
+  upd, s2, _ = harness.device_run(tx, mesh, [bad], state=s1, params=params)
+  for k in ("w", "conv", "b"):
+    assert np.all(upd[0][k] == 0), f"{name}: update of {k} not skipped"
+  r1, r2 = harness.residuals_of(s1), harness.residuals_of(s2)
+  for a, b in zip(r1, r2):
+    np.testing.assert_array_equal(a, b)
+    assert np.all(np.isfinite(b))
+  stats = jaxcomm.stats(s2)[0]
+  assert int(np.asarray(stats.nonfinite_steps).max()) == 1
+  assert int(s2[1].total_notfinite) == 1
+
+
+@entry_param
+def test_orbax_round_trip(name, mesh, tmp_path):
+  entry = ENTRIES[name]
+  tx, _, _, state, _ = _run(name, mesh)
+  ckpt = ocp.StandardCheckpointer()
+  path = tmp_path / "state"
+  ckpt.save(path, state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(path, target=state)
+  chex.assert_trees_all_equal(restored, state)
+  # Continuing from the restored state gives the same next update.
+  more = harness.make_grads(seed=9, steps=1)
+  u1, s1, _ = harness.device_run(tx, mesh, more, state=state)
+  u2, s2, _ = harness.device_run(tx, mesh, more, state=restored)
+  chex.assert_trees_all_equal(u1, u2)
+  chex.assert_trees_all_equal(s1, s2)
+  del entry
+
+
+@entry_param
+def test_bad_arguments_name_the_argument(name):
+  entry = ENTRIES[name]
+  if not entry.bad_args:
+    pytest.skip("no bad arguments declared")
+  for kwargs, arg in entry.bad_args:
+    with pytest.raises(ValueError, match=arg):
+      entry.make(axis_name="data", **kwargs)
+
+
+@entry_param
+def test_unbound_axis_is_a_clear_error(name):
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  params = harness.battery_params()
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    tx.update(params, tx.init(params), params)
+
+
+@entry_param
+def test_empty_and_nonfloat_pytrees(name):
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name=None)
+  upd, _ = tx.update({}, tx.init({}), {})
+  assert upd == {}
+  ints = {"i": jnp.arange(4, dtype=jnp.int32)}
+  upd, _ = tx.update(ints, tx.init(ints), ints)
+  np.testing.assert_array_equal(upd["i"], ints["i"])
+
+
+@entry_param
+def test_wire_bytes_match_compiled_hlo(name, mesh):
+  """What the compressor claims to send is what the compiled step moves."""
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  params = harness.battery_params()
+  hlo = jaxcomm.wire.report(harness.lower_update(tx, mesh), params=params)
+  claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(tx, params, harness.N),
+                                 n=harness.N, params=params)
+  assert hlo.payload == claim.payload, (name, hlo.payload, claim.payload)
