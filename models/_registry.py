@@ -4,10 +4,7 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from models import charlm
-from models import cnn
-from models import mlp
-from models import resnet
+from models import charlm, cnn, mlp, resnet
 
 # Name -> constructor taking keyword arguments and ``rngs``.
 MODELS: dict[str, Callable[..., nnx.Module]] = {

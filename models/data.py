@@ -119,7 +119,7 @@ def encode(text: str, vocab: str) -> np.ndarray:
 
 
 def decode(ids: np.ndarray, vocab: str) -> str:
-  """Inverse of :func:`encode`: the string whose characters are ``vocab[ids]``."""
+  """Inverse of :func:`encode`: the string of characters ``vocab[ids]``."""
   ids = np.asarray(ids)
   return _code_points(vocab)[ids.reshape(-1)].tobytes().decode("utf-32-le")
 

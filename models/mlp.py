@@ -39,8 +39,9 @@ class MLP(nnx.Module):
     self.num_hidden = len(hidden_sizes)
     # Named attributes (not an nnx.List) keep every key of the parameter
     # pytree a string, e.g. ``hidden_0/kernel``.
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-      setattr(self, f"hidden_{i}", nnx.Linear(fan_in, fan_out, rngs=rngs))
+    for i in range(len(hidden_sizes)):
+      setattr(self, f"hidden_{i}",
+              nnx.Linear(sizes[i], sizes[i + 1], rngs=rngs))
     self.head = nnx.Linear(sizes[-1], num_classes, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:

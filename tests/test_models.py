@@ -51,31 +51,33 @@ def test_default_parameter_counts():
                     "charlm": 895_104}
 
 
-# (model, input shape, input dtype, number of classes / vocab)
+# (small model of each family, input shape, registry name for the loss, SGD
+# learning rate). The ResNet case is ResNet-8 on 8x8 images to stay fast.
 _TRAIN_CASES = [
-    (lambda r: models.MLP(64, (32,), 10, rngs=r), (8, 8, 8, 1), "mlp"),
+    (lambda r: models.MLP(64, (32,), 10, rngs=r), (8, 8, 8, 1), "mlp", 0.3),
     (lambda r: models.CNN(1, 10, 8, channels=(8, 16), hidden=32, rngs=r),
-     (8, 8, 8, 1), "cnn"),
+     (8, 8, 8, 1), "cnn", 0.1),
     (lambda r: models.ResNet(depth=8, widths=(4, 8, 8), rngs=r),
-     (4, 8, 8, 3), "resnet20"),
+     (4, 8, 8, 3), "resnet20", 0.3),
     (lambda r: models.CharLM(vocab_size=30, embed_dim=8, hidden_size=32,
-                             num_layers=2, rngs=r), (4, 12), "charlm"),
+                             num_layers=2, rngs=r), (4, 12), "charlm", 3.0),
 ]
 
 
-@pytest.mark.parametrize("make,shape,name", _TRAIN_CASES,
+@pytest.mark.parametrize("make,shape,name,lr", _TRAIN_CASES,
                          ids=[c[2] for c in _TRAIN_CASES])
-def test_sgd_steps_reduce_loss(make, shape, name):
+def test_sgd_steps_reduce_loss(make, shape, name, lr):
   apply, params, _ = models.functional(make(nnx.Rngs(0)))
   if name == "charlm":
-    tokens = jax.random.randint(jax.random.key(1), (shape[0], shape[1] + 1),
-                                0, 30)
+    # A learnable pattern: the next token is the current one plus 7.
+    tokens = (7 * jnp.arange(shape[1] + 1)[None]
+              + jnp.arange(shape[0])[:, None]) % 30
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   else:
     batch = {"image": _inputs(shape, jnp.float32, 1),
              "label": jnp.arange(shape[0]) % 10}
   loss_fn = models.make_loss_fn(name, apply)
-  tx = optax.sgd(0.1 if name == "resnet20" else 0.5)
+  tx = optax.sgd(lr)
 
   @jax.jit
   def step(params, opt_state):
@@ -92,7 +94,8 @@ def test_sgd_steps_reduce_loss(make, shape, name):
   chex.assert_trees_all_close(metrics["loss"], loss)
   assert 0.0 <= float(metrics["accuracy"]) <= 1.0
   assert np.isfinite(losses).all()
-  assert losses[-1] < 0.9 * losses[0], losses
+  assert losses[1] < losses[0], losses
+  assert losses[-1] < losses[0] - 0.05, losses
 
 
 def test_create_rejects_unknown_name_listing_choices():
@@ -179,20 +182,31 @@ def test_bad_configurations_raise():
 
 
 def test_data_parallel_grads_match_full_batch(mesh):
-  """The pure loss works inside jax.shard_map: pmean of shard grads = grad."""
+  """The pure loss works inside jax.shard_map (check_vma on).
+
+  Per-device gradients need the replicated params cast to varying first;
+  differentiating the replicated params directly makes JAX insert the psum
+  (the transpose of the implicit broadcast), giving the sum of the devices'
+  gradients. Both are checked against the full-batch gradient.
+  """
   from jax.sharding import PartitionSpec as P
 
   apply, params, _ = models.functional(models.MLP(64, (16,), rngs=nnx.Rngs(0)))
   loss_fn = models.make_loss_fn("mlp", apply)
   batch = {"image": _inputs((16, 8, 8, 1), jnp.float32),
            "label": jnp.arange(16) % 10}
+  n = mesh.shape["data"]
 
-  def local_grads(params, batch):
-    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-    return jax.lax.pmean(grads, "data")
+  def grads(params, batch):
+    local = jax.grad(lambda p: loss_fn(p, batch)[0])(
+        jax.lax.pcast(params, "data", to="varying"))
+    summed = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
+    return jax.lax.pmean(local, "data"), summed
 
   sharded = jax.jit(jax.shard_map(
-      local_grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+      grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
   expected = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-  chex.assert_trees_all_close(sharded(params, batch), expected,
+  mean_of_local, summed = sharded(params, batch)
+  chex.assert_trees_all_close(mean_of_local, expected, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(lambda g: g / n, summed), expected,
                               rtol=1e-5, atol=1e-6)
