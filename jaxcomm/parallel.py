@@ -22,6 +22,8 @@ module owns that layout so users never hand-write it:
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Callable
 
 import jax
@@ -123,12 +125,17 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     axis_name: the data axis.
   """
   n = _data_size(mesh, axis_name)
+  rep = NamedSharding(mesh, P())
+  dev = NamedSharding(mesh, P(axis_name))
   params_abs = _abstract(params)
   state_abs = jax.eval_shape(tx.init, params_abs)
   leaves, treedef = jax.tree.flatten(state_abs)
   per_device = [False] * len(leaves)
   grads_abs = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype),
+    lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype,
+                                   sharding=dev), params_abs)
+  params_abs = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
     params_abs)
   for _ in range(len(leaves) + 1):
     found = []
@@ -144,7 +151,8 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
 
     specs = jax.tree.map(lambda b: P(axis_name) if b else P(), layout)
     stacked = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct((n,) + tuple(l.shape), l.dtype) if b else l
+      jax.ShapeDtypeStruct((n,) + tuple(l.shape), l.dtype, sharding=dev)
+      if b else jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=rep)
       for l, b in zip(leaves, per_device)])
     fn = jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
                        out_specs=P())
@@ -391,6 +399,29 @@ def resize_state(state, layout, num_devices: int):
 
 # ------------------------------------------------------------ multi-host --
 
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Fails with a clear message if ``address`` accepts no TCP connection
+  within ``timeout_s`` (JAX itself would abort the process)."""
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(
+      f"coordinator_address must be 'host:port', got {address!r}")
+  deadline = time.monotonic() + timeout_s
+  last = None
+  while time.monotonic() < deadline:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)),
+                                    timeout=min(2.0, timeout_s)):
+        return
+    except OSError as e:
+      last = e
+      time.sleep(0.2)
+  raise ConnectionError(
+    f"could not reach the coordinator at {address} within {timeout_s}s "
+    f"({last}); is process 0 running and is the address reachable from "
+    "this host?")
+
+
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None, *,
@@ -421,6 +452,8 @@ def initialize(coordinator_address: str | None = None,
   if process_id is not None and not 0 <= process_id < num_processes:
     raise ValueError(
       f"process_id must be in [0, {num_processes}), got {process_id}")
+  if coordinator_address is not None and process_id != 0:
+    _wait_for_coordinator(coordinator_address, timeout_s)
   if local_device_count is not None:
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
   platforms = jax.config.jax_platforms or ""

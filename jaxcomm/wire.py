@@ -34,6 +34,7 @@ import re
 from typing import Any, Iterable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
@@ -209,7 +210,7 @@ def dense_payload(params) -> int:
   total = 0
   for leaf in jax.tree.leaves(params):
     dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and np.issubdtype(np.dtype(dtype), np.floating):
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
       total += int(np.prod(leaf.shape)) * 4
   return total
 
