@@ -1,0 +1,38 @@
+"""Runs every benchmark in turn: ``make bench``.
+
+Each ``benchmarks/bench_*.py`` module prints its own markdown tables (and
+writes plots under ``runs/bench``); nothing here passes or fails on speed.
+"""
+
+import importlib
+import pkgutil
+import sys
+import time
+
+import benchmarks
+
+
+def main(argv=None):
+  names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
+                 if m.name.startswith("bench_"))
+  only = set(argv or sys.argv[1:])
+  failed = []
+  for name in names:
+    if only and name not in only:
+      continue
+    print(f"\n## {name}\n", flush=True)
+    t0 = time.perf_counter()
+    try:
+      importlib.import_module(f"benchmarks.{name}").main()
+    except Exception as e:  # pylint: disable=broad-except
+      failed.append(name)
+      print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+    print(f"\n({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
+  if failed:
+    print(f"\nfailed: {', '.join(failed)}")
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
