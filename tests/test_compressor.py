@@ -1,0 +1,183 @@
+"""The shared mechanism of jaxcomm._compressor, checked with a toy codec.
+
+The toy codec sends, per leaf, only the element of largest magnitude (a
+"top-1" sparsifier, exchanged with a plain psum of the dense sparse vector):
+simple enough that every expectation below is written in plain numpy.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm import _compressor
+from jaxcomm.collectives import _core
+from tests import harness
+
+
+def _top1(x):
+  x = np.asarray(x, np.float64)
+  out = np.zeros_like(x)
+  i = np.unravel_index(np.argmax(np.abs(x)), x.shape)
+  out[i] = x[i]
+  return out
+
+
+def _codec():
+  def apply(xs, state, ctx):
+    sent = []
+    for x in xs:
+      flat = x.ravel()
+      i = jnp.argmax(jnp.abs(flat))
+      sent.append(jnp.zeros_like(flat).at[i].set(flat[i]).reshape(x.shape))
+    summed = _core.fused_psum(sent, ctx.axis_name)
+    mean = [s / ctx.num_devices for s in summed]
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+
+  return _compressor.Codec(
+    name="top1", init=lambda shapes: (), apply=apply,
+    wire=lambda shapes, n: [("all-reduce", 4 * sum(
+      int(np.prod(s)) for s in shapes))])
+
+
+def _grads(seed, steps, shape=(4, 5)):
+  r = np.random.RandomState(seed)
+  return [{"w": r.randn(*shape).astype(np.float32)} for _ in range(steps)]
+
+
+def _run(tx, grads):
+  params = {"w": jnp.zeros(grads[0]["w"].shape)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  outs = []
+  for g in grads:
+    u, state = update(g, state, params)
+    outs.append(np.asarray(u["w"], np.float64))
+  return outs, state
+
+
+POLICY = jaxcomm.LeafPolicy(min_size=1)
+
+
+def test_error_feedback_matches_numpy():
+  grads = _grads(0, 5)
+  outs, state = _run(_compressor.compressed(_codec(), axis_name=None,
+                                            policy=POLICY), grads)
+  e = np.zeros((4, 5))
+  for g, out in zip(grads, outs):
+    x = g["w"] + e
+    sent = _top1(x)
+    np.testing.assert_allclose(out, sent, rtol=1e-6, atol=1e-7)
+    e = x - sent
+  np.testing.assert_allclose(state.residual[0], e, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.stats.residual_norm, np.linalg.norm(e),
+                             rtol=1e-5)
+
+
+def test_without_error_feedback_nothing_is_kept():
+  grads = _grads(1, 3)
+  outs, state = _run(_compressor.compressed(
+    _codec(), axis_name=None, error_feedback=False, policy=POLICY), grads)
+  assert state.residual == ()
+  for g, out in zip(grads, outs):
+    np.testing.assert_allclose(out, _top1(g["w"]), rtol=1e-6)
+
+
+def test_lr_aware_residual_rescaling():
+  lrs = [0.1, 0.1, 0.05, 0.025]
+  sched = lambda t: jnp.asarray(lrs)[jnp.minimum(t, 3)]
+  grads = _grads(2, 4)
+  outs, _ = _run(_compressor.compressed(
+    _codec(), axis_name=None, lr_schedule=sched, policy=POLICY), grads)
+  e = np.zeros((4, 5))
+  for t, (g, out) in enumerate(zip(grads, outs)):
+    if t > 0:
+      e = e * lrs[t - 1] / lrs[t]
+    x = g["w"] + e
+    sent = _top1(x)
+    np.testing.assert_allclose(out, sent, rtol=1e-5, atol=1e-6)
+    e = x - sent
+
+
+def test_momentum_correction_and_masking():
+  m = 0.9
+  grads = _grads(3, 4)
+  outs, state = _run(_compressor.compressed(
+    _codec(), axis_name=None, momentum=m, policy=POLICY), grads)
+  u = np.zeros((4, 5))
+  v = np.zeros((4, 5))
+  for g, out in zip(grads, outs):
+    u = m * u + g["w"]
+    v = v + u
+    sent = _top1(v)
+    np.testing.assert_allclose(out, sent, rtol=1e-5, atol=1e-6)
+    v = v - sent
+    u = np.where(sent != 0, 0.0, u)        # momentum factor masking
+  np.testing.assert_allclose(state.momentum[0], u, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.residual[0], v, rtol=1e-5, atol=1e-6)
+  # The sent coordinate's momentum is zero after the step.
+  assert np.all(np.asarray(state.momentum[0])[sent != 0] == 0)
+
+
+def test_dense_phase_before_start_step():
+  grads = _grads(4, 4)
+  outs, state = _run(_compressor.compressed(
+    _codec(), axis_name=None, start_step=2, policy=POLICY), grads)
+  np.testing.assert_allclose(outs[0], grads[0]["w"], rtol=1e-6)
+  np.testing.assert_allclose(outs[1], grads[1]["w"], rtol=1e-6)
+  np.testing.assert_allclose(outs[2], _top1(grads[2]["w"]), rtol=1e-6)
+  assert int(state.count) == 4
+
+
+def test_local_clipping_scales_with_sqrt_n(mesh):
+  tx = _compressor.compressed(_codec(), clip_norm=1.0, error_feedback=False,
+                              policy=jaxcomm.LeafPolicy(min_size=1))
+  params = {"w": jnp.zeros((6,))}
+  g = np.zeros((harness.N, 6), np.float32)
+  g[:, 0] = 10.0 * (1 + np.arange(harness.N))
+  upd, _, _ = harness.device_run(tx, mesh, [{"w": g}], params=params)
+  # Each device's gradient is clipped to norm 1/sqrt(8) before sending.
+  want = 1.0 / np.sqrt(harness.N)
+  np.testing.assert_allclose(upd[0]["w"][0], want, rtol=1e-5)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="momentum"):
+    _compressor.compressed(_codec(), momentum=1.5)
+  with pytest.raises(ValueError, match="clip_norm"):
+    _compressor.compressed(_codec(), clip_norm=0.0)
+  with pytest.raises(ValueError, match="start_step"):
+    _compressor.compressed(_codec(), start_step=-1)
+  with pytest.raises(ValueError, match="error_feedback"):
+    _compressor.compressed(_codec(), error_feedback="yes")
+  with pytest.raises(ValueError, match="lr_schedule"):
+    _compressor.compressed(_codec(), lr_schedule=0.1)
+  with pytest.raises(ValueError, match="mask"):
+    tx = _compressor.compressed(_codec(), axis_name=None,
+                                policy=jaxcomm.LeafPolicy(mask=[True] * 3))
+    tx.init({"w": jnp.zeros(3)})
+  with pytest.raises(ValueError, match="jaxcomm compressor"):
+    jaxcomm.wire.claimed(optax.sgd(0.1), {"w": jnp.zeros(3)}, 8)
+
+
+def test_leaf_policy_routes_leaves():
+  policy = jaxcomm.LeafPolicy(min_size=10, min_ndim=2,
+                              mask=lambda g: {k: k != "skip" for k in g})
+  grads = {"big": jnp.zeros((4, 4)), "vec": jnp.zeros((100,)),
+           "small": jnp.zeros((2, 2)), "skip": jnp.zeros((8, 8)),
+           "int": jnp.zeros((8, 8), jnp.int32)}
+  paths = dict(zip(sorted(grads), policy.plan(grads, lambda s: True)))
+  assert paths == {"big": "compress", "vec": "dense", "small": "dense",
+                   "skip": "dense", "int": "skip"}
+  rejecting = policy.plan(grads, lambda s: False)
+  assert "compress" not in rejecting
+
+
+def test_stats_are_found_in_a_chain():
+  tx = optax.chain(optax.clip(1.0), _compressor.compressed(
+    _codec(), axis_name=None, policy=POLICY), optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros((3,))})
+  found = jaxcomm.stats(state)
+  assert len(found) == 1 and int(found[0].nonfinite_steps) == 0
