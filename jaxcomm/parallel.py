@@ -35,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import _core
 
-
 # ----------------------------------------------------------------- meshes --
 
 def make_mesh(num_devices: int | None = None, axis_name: str = "data", *,
@@ -141,7 +140,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     found = []
     layout = jax.tree.unflatten(treedef, per_device)
 
-    def probe(params, state, grads, layout=layout):
+    def probe(params, state, grads, layout=layout, found=found):
       grads = jax.tree.map(lambda g: g[0], grads)
       state = to_local(state, layout)
       _, new_state = tx.update(grads, state, params)

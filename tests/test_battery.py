@@ -21,8 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
-from tests import harness
-from tests import registry
+from tests import harness, registry
 
 ENTRIES = registry.load()
 NAMES = sorted(ENTRIES)

@@ -93,9 +93,10 @@ def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,
   cannot overflow where the mean would not); the exchange moves ``dtype``
   (half the bytes of float32) in two phases, an all-to-all after which each
   device adds its chunk of the ``n`` contributions in float32, and an
-  all-gather of the summed chunks (:func:`jaxcomm.collectives.
-  scatter_gather_sum`); the result is cast to the gradient's own dtype. With ``error_feedback=True`` the
-  rounding error is kept per device and sent later. As PyTorch's
+  all-gather of the summed chunks
+  (:func:`jaxcomm.collectives.scatter_gather_sum`); the result is cast to
+  the gradient's own dtype. With ``error_feedback=True`` the rounding error
+  is kept per device and sent later. As PyTorch's
   ``fp16_compress_hook``/``bf16_compress_hook``; leaves under the policy's
   ``min_size`` travel in the fused float32 psum.
 
