@@ -20,5 +20,13 @@ from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import cast
 from jaxcomm.transforms import mean_gradients
+from jaxcomm.transforms import ef_signsgd
+from jaxcomm.transforms import int8
+from jaxcomm.transforms import natural
+from jaxcomm.transforms import onebit
+from jaxcomm.transforms import qsgd
+from jaxcomm.transforms import signsgd
+from jaxcomm.transforms import signum
+from jaxcomm.transforms import terngrad
 
 __version__ = "0.1.0"

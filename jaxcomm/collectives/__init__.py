@@ -19,3 +19,8 @@ from jaxcomm.collectives._core import padded_length
 from jaxcomm.collectives._core import scatter_gather_sum
 from jaxcomm.collectives._core import to_words
 from jaxcomm.collectives._core import from_words
+from jaxcomm.collectives._quantized import integer_allreduce
+from jaxcomm.collectives._quantized import natural_allgather
+from jaxcomm.collectives._signs import compressed_allreduce
+from jaxcomm.collectives._signs import gather_signs
+from jaxcomm.collectives._signs import majority_vote

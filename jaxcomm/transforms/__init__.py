@@ -2,3 +2,11 @@
 
 from jaxcomm.transforms._dense import cast
 from jaxcomm.transforms._dense import mean_gradients
+from jaxcomm.transforms._quantization import ef_signsgd
+from jaxcomm.transforms._quantization import int8
+from jaxcomm.transforms._quantization import natural
+from jaxcomm.transforms._quantization import onebit
+from jaxcomm.transforms._quantization import qsgd
+from jaxcomm.transforms._quantization import signsgd
+from jaxcomm.transforms._quantization import signum
+from jaxcomm.transforms._quantization import terngrad

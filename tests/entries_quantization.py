@@ -1,0 +1,328 @@
+"""Registry entries for the quantization family, with numpy references.
+
+Each reference is written from its paper in float64 numpy. Where a random
+draw is compared with a probability (stochastic rounding), the probability
+is formed in float32 as the compressor does, so that a draw lying within a
+rounding error of it does not flip the outcome between the two; the draws
+themselves are the jax random numbers of the documented key derivation
+(``fold_in(step_key, device)``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcomm
+from tests import registry
+
+WORD = 32
+
+
+def _sign(x):
+  return np.where(x >= 0, 1.0, -1.0)
+
+
+def _flat(dev):
+  return np.concatenate([np.ravel(x) for x in dev])
+
+
+def _split(flat, like):
+  out, off = [], 0
+  for x in like:
+    out.append(flat[off:off + x.size].reshape(x.shape))
+    off += x.size
+  return out
+
+
+def codec_state(host_state):
+  """The codec state inside a (host) optimizer state."""
+  stack = [host_state]
+  while stack:
+    s = stack.pop()
+    if isinstance(s, jaxcomm.CompressState):
+      return s.codec
+    if isinstance(s, (tuple, list)):
+      stack.extend(s)
+  raise AssertionError("no CompressState")
+
+
+# ----------------------------------------------------------------- onebit --
+
+
+def _onebit_ref_init(shapes):
+  return {"shapes": shapes, "server": None}
+
+
+def _onebit_ref_step(xs, state, step, key, n):
+  """DeepSpeed's compressed allreduce (1-bit Adam, Tang et al. 2021)."""
+  like = xs[0]
+  length = sum(x.size for x in like)
+  if state["server"] is None:
+    state["server"] = [np.zeros(length) for _ in range(n)]
+  sent, flat_w = [], []
+  for dev in xs:
+    w = [np.sqrt(np.sum(x * x) / x.size) * _sign(x) for x in dev]
+    sent.append(w)
+    flat_w.append(_flat(w))
+  avg = np.mean(flat_w, axis=0)
+  chunk = -(-(-(-length // n)) // WORD) * WORD
+  mean = np.zeros(length)
+  for k in range(n):
+    lo, hi = k * chunk, min((k + 1) * chunk, length)
+    if lo >= hi:
+      continue
+    y = avg[lo:hi] + state["server"][k][lo:hi] / n
+    z = np.sqrt(np.sum(y * y) / (hi - lo)) * _sign(y)
+    state["server"][k][lo:hi] = n * (y - z)
+    mean[lo:hi] = z
+  return _split(mean, like), sent, state
+
+
+def _onebit_extra_mass(host_state):
+  # Server error is kept in gradient-sum units on its chunk owner: the
+  # mass it holds is the sum over devices (zero outside each owner's chunk).
+  err = np.asarray(codec_state(host_state).server_error, np.float64)
+  total = err.sum(axis=0)
+  shapes = [(3, 3, 8, 16), (64, 48)]   # harness.COMPRESSED order
+  return _split(total, [np.zeros(s) for s in shapes])
+
+
+registry.register(registry.Entry(
+  name="onebit",
+  ref_init=_onebit_ref_init,
+  ref_step=_onebit_ref_step,
+  factory=jaxcomm.onebit,
+  static_args=("error_feedback", "policy"),
+  extra_mass=_onebit_extra_mass,
+  bad_args=[({"error_feedback": 1}, "error_feedback"),
+            ({"policy": 3}, "policy")],
+))
+
+
+# ---------------------------------------------------------- majority vote --
+
+
+def _vote(vectors):
+  count = np.sum([_sign(v) for v in vectors], axis=0)
+  return np.where(count >= 0, 1.0, -1.0)
+
+
+def _signsgd_ref(scale):
+  def step(xs, state, t, key, n):
+    mean = [scale * _vote([dev[j] for dev in xs]) for j in range(len(xs[0]))]
+    sent = [[scale * _sign(x) for x in dev] for dev in xs]
+    return mean, sent, state
+  return step
+
+
+registry.register(registry.Entry(
+  name="signsgd",
+  ref_init=lambda shapes: None,
+  ref_step=_signsgd_ref(0.5),
+  factory=jaxcomm.signsgd,
+  kwargs={"scale": 0.5},
+  error_feedback=False,
+  conserves=False,
+  static_args=("error_feedback", "policy"),
+  bad_args=[({"scale": 0.0}, "scale"), ({"scale": "x"}, "scale")],
+))
+
+
+def _signum_ref(beta):
+  def step(xs, state, t, key, n):
+    if state is None:
+      state = [[np.zeros_like(x) for x in dev] for dev in xs]
+    state = [[beta * m + (1 - beta) * x for m, x in zip(ms, dev)]
+             for ms, dev in zip(state, xs)]
+    mean = [_vote([ms[j] for ms in state]) for j in range(len(xs[0]))]
+    sent = [[_sign(m) for m in ms] for ms in state]
+    return mean, sent, state
+  return step
+
+
+registry.register(registry.Entry(
+  name="signum",
+  ref_init=lambda shapes: None,
+  ref_step=_signum_ref(0.9),
+  factory=jaxcomm.signum,
+  kwargs={"beta": 0.9},
+  error_feedback=False,
+  conserves=False,
+  static_args=("error_feedback", "policy"),
+  bad_args=[({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta")],
+))
+
+
+# ------------------------------------------------------------- ef_signsgd --
+
+
+def _ef_sign_ref(xs, state, t, key, n):
+  sent = [[np.mean(np.abs(x)) * _sign(x) for x in dev] for dev in xs]
+  mean = [np.mean([s[j] for s in sent], axis=0) for j in range(len(xs[0]))]
+  return mean, sent, state
+
+
+registry.register(registry.Entry(
+  name="ef_signsgd",
+  ref_init=lambda shapes: None,
+  ref_step=_ef_sign_ref,
+  factory=jaxcomm.ef_signsgd,
+  static_args=("error_feedback", "policy"),
+  bad_args=[({"error_feedback": "yes"}, "error_feedback")],
+))
+
+
+# ------------------------------------------------------ shared-scale ints --
+
+
+def _buckets(x, b):
+  v = np.ravel(x)
+  b = min(b, v.size) if b else v.size
+  c = -(-v.size // b)
+  return np.pad(v, (0, b * c - v.size)).reshape(c, b)
+
+
+def _uniform(key, i, size):
+  return np.asarray(jax.random.uniform(jax.random.fold_in(key, i), (size,),
+                                       jnp.float32))
+
+
+def _integer_ref(bucket, stat, quantize, unit, stochastic, prepare=None):
+  """Shared scale = max over devices of the bucket statistic; codes summed."""
+  def step(xs, state, t, key, n):
+    nl = len(xs[0])
+    prep = [[x if prepare is None else prepare(x) for x in dev]
+            for dev in xs]
+    xb = [[_buckets(x, bucket) for x in dev] for dev in prep]
+    shared = [np.max([stat(xb[i][j]) for i in range(n)], axis=0)
+              for j in range(nl)]
+    total = sum(b.size for b in xb[0])
+    mean = [np.zeros_like(x) for x in xs[0]]
+    sent = []
+    for i in range(n):
+      u = _uniform(key, i, total) if stochastic else None
+      off, mine = 0, []
+      for j in range(nl):
+        b = xb[i][j]
+        uj = None if u is None else u[off:off + b.size].reshape(b.shape)
+        off += b.size
+        val = quantize(b, shared[j][:, None], uj) * unit(shared[j])[:, None]
+        val = val.ravel()[:xs[i][j].size].reshape(xs[i][j].shape)
+        mine.append(val)
+        mean[j] = mean[j] + val / n
+      sent.append(mine)
+    return mean, sent, state
+  return step
+
+
+def _ratio32(x, s):
+  """|x| / s formed in float32, as the compressor forms it."""
+  x32, s32 = np.float32(np.abs(x)), np.float32(s)
+  safe = np.where(s32 > 0, s32, np.float32(1))
+  return np.where(s32 > 0, x32 / safe, np.float32(0))
+
+
+def _qsgd_quantize(levels):
+  def quantize(b, s, u):
+    r = _ratio32(b, s) * np.float32(levels)
+    low = np.floor(r)
+    lev = np.minimum(low + (u < r - low), levels)
+    return np.sign(b) * lev
+  return quantize
+
+
+registry.register(registry.Entry(
+  name="qsgd",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(128, lambda b: np.sqrt(np.sum(b * b, axis=1)),
+                        _qsgd_quantize(7), lambda s: s / 7, True),
+  factory=jaxcomm.qsgd,
+  kwargs={"levels": 7, "bucket_size": 128},
+  error_feedback=False,
+  stochastic=True,
+  static_args=("levels", "bucket_size", "error_feedback", "policy", "seed"),
+  bad_args=[({"levels": 0}, "levels"), ({"levels": 2.5}, "levels"),
+            ({"bucket_size": 0}, "bucket_size")],
+))
+
+
+def _tern_quantize(b, s, u):
+  return np.sign(b) * (u < _ratio32(b, s))
+
+
+def _tern_clip(c):
+  def prepare(x):
+    bound = c * np.std(x)
+    return np.clip(x, -bound, bound)
+  return prepare
+
+
+registry.register(registry.Entry(
+  name="terngrad",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(None, lambda b: np.max(np.abs(b), axis=1),
+                        _tern_quantize, lambda s: s, True,
+                        prepare=_tern_clip(2.5)),
+  factory=jaxcomm.terngrad,
+  kwargs={"clip_sigma": 2.5},
+  error_feedback=False,
+  stochastic=True,
+  static_args=("error_feedback", "policy", "seed"),
+  bad_args=[({"clip_sigma": 0.0}, "clip_sigma")],
+))
+
+
+def _int8_quantize(b, s, u):
+  del u
+  r = _ratio32(b, s) * np.float32(127) * np.float32(np.sign(b))
+  return np.round(r)
+
+
+registry.register(registry.Entry(
+  name="int8",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(128, lambda b: np.max(np.abs(b), axis=1),
+                        _int8_quantize, lambda s: s / 127, False),
+  factory=jaxcomm.int8,
+  kwargs={"bucket_size": 128},
+  static_args=("bucket_size", "error_feedback", "policy"),
+  bad_args=[({"bucket_size": 0}, "bucket_size"),
+            ({"bucket_size": None}, "bucket_size")],
+))
+
+
+# ---------------------------------------------------------------- natural --
+
+
+def natural_ref(x, key):
+  """Horvath et al. 2019: sign(x) 2^a (1 + Bernoulli((|x| - 2^a) / 2^a))."""
+  x32 = np.asarray(x, np.float32)
+  bits = x32.view(np.uint32)
+  mant = bits & np.uint32(0x7FFFFF)
+  expo = (bits >> np.uint32(23)) & np.uint32(0xFF)
+  draw = np.asarray(jax.random.bits(key, x32.shape, jnp.uint32)) >> 9
+  up = (draw < mant) & (expo < 254)
+  out = (bits & np.uint32(0x80000000)) | ((expo + up) << np.uint32(23))
+  return out.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _natural_ref(xs, state, t, key, n):
+  sent = []
+  for i, dev in enumerate(xs):
+    flat = natural_ref(_flat(dev), jax.random.fold_in(key, i))
+    sent.append(_split(flat, dev))
+  mean = [np.mean([s[j] for s in sent], axis=0) for j in range(len(xs[0]))]
+  return mean, sent, state
+
+
+registry.register(registry.Entry(
+  name="natural",
+  ref_init=lambda shapes: None,
+  ref_step=_natural_ref,
+  factory=jaxcomm.natural,
+  error_feedback=False,
+  stochastic=True,
+  static_args=("error_feedback", "policy", "seed"),
+  bad_args=[({"policy": 3}, "policy"),
+            ({"error_feedback": None}, "error_feedback")],
+))
