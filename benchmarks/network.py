@@ -1,0 +1,611 @@
+"""Measured step times of real processes on a rate-limited network.
+
+``make bench-network`` (or ``python -m benchmarks.network``) runs one
+process per simulated host, each with one CPU device, joined by
+``jax.distributed`` (gloo collectives) inside a fresh network namespace whose
+loopback is rate-limited with ``tc ... tbf`` (see ``benchmarks/_netns.py``).
+For each link rate, process count and gradient shape set it times the
+data-parallel train step of every compressor that exists in ``jaxcomm``
+(dense mean, bf16 cast, PowerSGD rank 4, top-k 1% with error feedback,
+DGC 0.1%, onebit) and, with the optional ``torch`` extra, PyTorch DDP on the
+same shapes in the same namespace, with and without its PowerSGD hook, for
+two bucket sizes, each under a timeout.
+
+Gradient shapes: ResNet-18 for CIFAR (:data:`RESNET18_SHAPES`, 11,173,962
+parameters) and the default language model (``models.create("charlm")``).
+The loss is synthetic, ``sum_j a |w_j|^2 / 2 + c sum(w_j)`` with per-device
+scalars ``a, c``, so its gradient has exactly those shapes and costs almost
+nothing to compute: the step time is communication plus the compressor's
+own arithmetic. (No time-to-target-loss here: the loss is not a learning
+problem.)
+
+Next to each measurement it prints what :class:`jaxcomm.wire.CostModel`
+predicts for the bytes the compressor claims, twice: for ``n`` hosts each
+with its own link of the given rate, and for the namespace's loopback, which
+is one medium shared by all processes (``n`` senders at once: the per-host
+model with bandwidth ``B / n``).
+
+Prints markdown tables, writes ``runs/bench/network.{json,md,png}``. If
+network namespaces cannot be used (no root, no iproute2, a sandbox that
+forbids them) it says so and exits 0.
+
+Example::
+
+  sudo .venv/bin/python -m benchmarks.network --quick
+  sudo .venv/bin/python -m benchmarks.network \\
+      --processes 2,4 --rates none,1,10 --models resnet18,charlm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+from benchmarks import _netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _resnet18_shapes() -> list[tuple[int, ...]]:
+  """Parameter shapes of ResNet-18 for 32x32 inputs and 10 classes.
+
+  Flax layout: conv kernels ``(kh, kw, in, out)``, dense ``(in, out)``;
+  each norm has a scale and a bias. Running statistics are not parameters.
+  """
+  shapes = [(3, 3, 3, 64), (64,), (64,)]
+  cin = 64
+  for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    for block in range(2):
+      s = stride if block == 0 else 1
+      shapes += [(3, 3, cin, cout), (cout,), (cout,),
+                 (3, 3, cout, cout), (cout,), (cout,)]
+      if s != 1 or cin != cout:
+        shapes += [(1, 1, cin, cout), (cout,), (cout,)]
+      cin = cout
+  shapes += [(512, 10), (10,)]
+  return shapes
+
+
+RESNET18_SHAPES = _resnet18_shapes()
+
+
+def _charlm_shapes() -> list[tuple[int, ...]]:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import models  # pylint: disable=import-outside-toplevel
+  _, params, _ = models.functional(models.create("charlm"))
+  return [tuple(x.shape) for x in jax.tree.leaves(params)]
+
+
+def model_shapes(name: str) -> list[tuple[int, ...]]:
+  """The gradient shapes benchmarked under ``name``."""
+  if name == "resnet18":
+    return list(RESNET18_SHAPES)
+  if name == "charlm":
+    return _charlm_shapes()
+  raise ValueError(f"model must be 'resnet18' or 'charlm', got {name!r}")
+
+
+def _torch_layout(shape):
+  """Flax layout to PyTorch's: conv (kh,kw,i,o) -> (o,i,kh,kw), dense
+  (i,o) -> (o,i)."""
+  if len(shape) == 4:
+    return (shape[3], shape[2], shape[0], shape[1])
+  if len(shape) == 2:
+    return (shape[1], shape[0])
+  return tuple(shape)
+
+
+# name -> (jaxcomm attribute, builder). The builder gets the jaxcomm module.
+METHODS = {
+  "dense": ("mean_gradients", lambda jc, jnp: jc.mean_gradients()),
+  "bf16": ("cast", lambda jc, jnp: jc.cast(jnp.bfloat16)),
+  "powersgd4": ("powersgd", lambda jc, jnp: jc.powersgd(4)),
+  "topk1%+ef": ("topk", lambda jc, jnp: jc.topk(0.01, error_feedback=True)),
+  "dgc0.1%": ("dgc", lambda jc, jnp: jc.dgc(0.001)),
+  "onebit": ("onebit", lambda jc, jnp: jc.onebit()),
+}
+
+
+def _append(path, record):
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+
+
+# ----------------------------------------------------------------- workers --
+
+def _jax_worker(a) -> int:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxcomm  # pylint: disable=import-outside-toplevel
+
+  jaxcomm.parallel.initialize(f"127.0.0.1:{a.port}", a.nproc, a.pid,
+                              local_device_count=a.local_devices,
+                              timeout_s=a.init_timeout)
+  mesh = jaxcomm.parallel.make_mesh()
+  n = mesh.shape["data"]
+  shapes = model_shapes(a.model)
+  rng = np.random.RandomState(0)
+  params0 = [0.01 * rng.standard_normal(s).astype(np.float32)
+             for s in shapes]
+  # Per-device scalars (a, c): every device's gradient a w + c differs.
+  local = np.array([[1.0 + 0.1 * (a.pid * a.local_devices + d),
+                     0.01 * (d + 1)] for d in range(a.local_devices)],
+                   np.float32)
+
+  def loss_fn(p, batch):
+    s, c = batch[0, 0], batch[0, 1]
+    return sum(0.5 * s * jnp.sum(w * w) + c * jnp.sum(w) for w in p)
+
+  out = a.out if a.pid == 0 else None
+  for method in a.methods.split(","):
+    attr, build = METHODS[method]
+    if out:
+      _append(out, {"event": "start", "method": method})
+    if not hasattr(jaxcomm, attr):
+      if out:
+        _append(out, {"method": method, "skipped":
+                      f"jaxcomm.{attr} does not exist in this checkout"})
+      continue
+    try:
+      comp = build(jaxcomm, jnp)
+      tx = optax.chain(comp, optax.sgd(1e-4))
+      dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+      params, state = dp.init(params0)
+      batch = dp.shard_batch(local)
+      t0 = time.perf_counter()
+      params, state, _ = dp.step(params, state, batch)
+      jax.block_until_ready((params, state))
+      first = time.perf_counter() - t0
+      for _ in range(a.warmup - 1):
+        params, state, _ = dp.step(params, state, batch)
+        jax.block_until_ready((params, state))
+      times = []
+      for _ in range(a.steps):
+        t0 = time.perf_counter()
+        params, state, _ = dp.step(params, state, batch)
+        jax.block_until_ready((params, state))
+        times.append(time.perf_counter() - t0)
+      abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+      ops = jaxcomm.wire.claimed(comp, abstract, n)
+      sent = jaxcomm.wire.summarize(ops, n).total_sent
+      finite = bool(jax.device_get(jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)]))))
+      if out:
+        _append(out, {"method": method, "times": times,
+                      "first_step": first, "ops": ops, "sent": sent,
+                      "devices": n, "finite": finite})
+    except Exception as e:  # pylint: disable=broad-except
+      if out:
+        _append(out, {"method": method,
+                      "error": f"{type(e).__name__}: {e}"[:500]})
+      raise
+    del params, state, dp
+  jax.distributed.shutdown()
+  return 0
+
+
+def _torch_worker(a) -> int:
+  import datetime  # pylint: disable=import-outside-toplevel
+
+  import torch  # pylint: disable=import-outside-toplevel
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  from torch.distributed.algorithms.ddp_comm_hooks import (  # noqa: I001
+    powerSGD_hook)  # pylint: disable=import-outside-toplevel
+  from torch.nn.parallel import (  # pylint: disable=import-outside-toplevel
+    DistributedDataParallel)
+
+  torch.set_num_threads(1)
+  os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+  dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.pid,
+    world_size=a.nproc, timeout=datetime.timedelta(seconds=a.init_timeout))
+  shapes = [_torch_layout(s) for s in model_shapes(a.model)]
+  gen = torch.Generator().manual_seed(0)
+
+  class Toy(torch.nn.Module):
+    """Parameters of the benchmarked shapes and the synthetic loss."""
+
+    def __init__(self):
+      super().__init__()
+      self.ws = torch.nn.ParameterList(
+        [torch.nn.Parameter(0.01 * torch.randn(s, generator=gen))
+         for s in shapes])
+
+    def forward(self, sc):
+      return sum(0.5 * sc[0] * (w * w).sum() + sc[1] * w.sum()
+                 for w in self.ws)
+
+  model = DistributedDataParallel(Toy(), bucket_cap_mb=a.bucket_mb)
+  if a.hook == "powersgd":
+    state = powerSGD_hook.PowerSGDState(
+      process_group=None, matrix_approximation_rank=a.rank,
+      start_powerSGD_iter=2, min_compression_rate=2,
+      use_error_feedback=True, warm_start=True)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+  opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+  sc = torch.tensor([1.0 + 0.1 * a.pid, 0.01])
+  out = a.out if a.pid == 0 else None
+  times = []
+  for i in range(a.warmup + a.steps):
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    model(sc).backward()
+    opt.step()
+    dt = time.perf_counter() - t0
+    if i >= a.warmup:
+      times.append(dt)
+    if out:
+      _append(out, {"event": "step", "i": i, "t": dt})
+  if out:
+    _append(out, {"method": a.label, "times": times})
+  dist.destroy_process_group()
+  return 0
+
+
+# ------------------------------------------------------------------ driver --
+
+def _env():
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = " ".join(
+    f for f in env.get("XLA_FLAGS", "").split()
+    if "xla_force_host_platform_device_count" not in f)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+class _Ports:
+  def __init__(self):
+    self.next = random.randint(20000, 40000)
+
+  def take(self) -> int:
+    self.next += 1
+    return self.next
+
+
+def _worker_argv(kind, pid, nproc, port, out, a, **kw):
+  argv = [sys.executable, "-m", "benchmarks.network", f"--worker={kind}",
+          f"--pid={pid}", f"--nproc={nproc}", f"--port={port}",
+          f"--out={out}", f"--steps={a.steps}", f"--warmup={a.warmup}",
+          f"--init-timeout={a.init_timeout}"]
+  return argv + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+
+
+def _run_jax(ns, ports, a, nproc, rate, model, tmp) -> list[dict]:
+  """All methods for one (rate, processes, model); a method that hangs is
+  recorded as a timeout and the rest run in a fresh group."""
+  remaining = list(a.methods)
+  rows = []
+  attempt = 0
+  while remaining:
+    attempt += 1
+    out = os.path.join(tmp, f"jax-{model}-{nproc}-{rate}-{attempt}.jsonl")
+    port = ports.take()
+    cmds = [ns.command(_worker_argv(
+      "jax", pid, nproc, port, out, a, model=model,
+      methods=",".join(remaining), local_devices=1))
+      for pid in range(nproc)]
+    timeout = a.timeout * len(remaining)
+    codes, outs, timed_out = _netns.run_group(cmds, timeout, env=_env(),
+                                              cwd=ROOT)
+    recs = _netns.read_json_lines(out)
+    done = {r["method"]: r for r in recs if "method" in r and
+            r.get("event") is None}
+    started = [r["method"] for r in recs if r.get("event") == "start"]
+    for m in list(remaining):
+      if m in done:
+        rows.append(dict(done[m], model=model, procs=nproc, rate=rate))
+        remaining.remove(m)
+    if not remaining:
+      break
+    # The first unfinished method failed (hang or crash): record it, go on.
+    bad = started[-1] if started and started[-1] in remaining \
+      else remaining[0]
+    why = (f"timeout after {timeout:.0f} s" if timed_out else
+           f"exit codes {codes}: " + _tail(outs))
+    rows.append({"method": bad, "error": why, "model": model,
+                 "procs": nproc, "rate": rate})
+    remaining.remove(bad)
+    print(f"  {bad}: {why}", flush=True)
+  return rows
+
+
+def _tail(outs) -> str:
+  for o in outs:
+    if o and ("Error" in o or "error" in o):
+      return " | ".join(o.strip().splitlines()[-3:])[-400:]
+  return (outs[0] or "").strip()[-300:] if outs else ""
+
+
+def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
+  label = f"torch-ddp{'-powersgd' + str(a.torch_rank) if hook else ''}" \
+          f"-b{bucket}"
+  out = os.path.join(tmp, f"{label}-{model}-{nproc}-{rate}.jsonl")
+  port = ports.take()
+  cmds = [ns.command(_worker_argv(
+    "torch", pid, nproc, port, out, a, model=model, bucket_mb=bucket,
+    hook=hook or "none", rank=a.torch_rank, label=label))
+    for pid in range(nproc)]
+  codes, outs, timed_out = _netns.run_group(cmds, a.timeout, env=_env(),
+                                            cwd=ROOT)
+  recs = _netns.read_json_lines(out)
+  row = {"method": label, "model": model, "procs": nproc, "rate": rate,
+         "torch": True, "bucket_mb": bucket}
+  final = [r for r in recs if r.get("method") == label]
+  if final:
+    row.update(final[-1])
+  else:
+    steps = [r for r in recs if r.get("event") == "step"]
+    why = (f"hang: timeout after {a.timeout:.0f} s, {len(steps)} of "
+           f"{a.warmup + a.steps} steps done" if timed_out else
+           f"exit codes {codes}: " + _tail(outs))
+    row["error"] = why
+    if steps:
+      row["partial_step_times"] = [r["t"] for r in steps]
+  return row
+
+
+def _rate_label(rate) -> str:
+  return "unlimited" if rate is None else f"{rate:g} Gbit/s"
+
+
+def _median(r):
+  return statistics.median(r["times"]) if r.get("times") else math.nan
+
+
+def _predictions(r, rate, latency_us):
+  """(per-host link, shared loopback) seconds for a row's claimed ops."""
+  import jaxcomm  # pylint: disable=import-outside-toplevel
+  if rate is None or not r.get("ops"):
+    return math.nan, math.nan
+  n = r["devices"]
+  ops = [tuple(o) for o in r["ops"]]
+  link = jaxcomm.wire.CostModel.link(rate, latency_us).predict(ops, n)
+  shared = jaxcomm.wire.CostModel.link(rate / r["procs"],
+                                       latency_us).predict(ops, n)
+  return link, shared
+
+
+def _fmt(x, digits=3):
+  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) \
+    else f"{x:.{digits}f}"
+
+
+def table(rows, latency_us) -> str:
+  """The markdown table of all rows."""
+  lines = [
+    "| shapes | procs | link | method | step s (median) | vs dense "
+    "| MB sent/device | model: per-host links s | model: shared loopback s "
+    "| note |",
+    "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+  dense = {(r["model"], r["procs"], r["rate"]): _median(r) for r in rows
+           if r["method"] == "dense" and r.get("times")}
+  for r in rows:
+    med = _median(r)
+    d = dense.get((r["model"], r["procs"], r["rate"]), math.nan)
+    link, shared = _predictions(r, r["rate"], latency_us)
+    sent = r.get("sent")
+    note = r.get("skipped") or r.get("error") or ""
+    if r.get("finite") is False:
+      note = (note + " non-finite params").strip()
+    lines.append(
+      f"| {r['model']} | {r['procs']} | {_rate_label(r['rate'])} "
+      f"| {r['method']} | {_fmt(med)} | "
+      f"{_fmt(med / d, 2) if d == d and med == med else '—'} | "
+      f"{_fmt(sent / 1e6, 2) if sent is not None else '—'} | "
+      f"{_fmt(link)} | {_fmt(shared)} | {note.replace('|', '/')[:160]} |")
+  return "\n".join(lines)
+
+
+def targets(rows) -> str:
+  """The issue's two ratio targets, from the rows of this run."""
+  out = []
+  for r in rows:
+    if (r["method"] != "powersgd4" or r["model"] != "resnet18"
+        or r["rate"] != 1.0 or not r.get("times")):
+      continue
+    key = (r["model"], r["procs"], r["rate"])
+    same = [x for x in rows if (x["model"], x["procs"], x["rate"]) == key
+            and x.get("times")]
+    p = _median(r)
+    dense = [_median(x) for x in same if x["method"] == "dense"]
+    if dense:
+      out.append(f"- {r['procs']} procs, 1 Gbit/s: PowerSGD-4 / dense = "
+                 f"{p:.3f} / {dense[0]:.3f} = {p / dense[0]:.2f} "
+                 "(target <= 0.2)")
+    for x in same:
+      if x.get("torch") and "powersgd" in x["method"]:
+        t = _median(x)
+        out.append(f"- {r['procs']} procs, 1 Gbit/s: jaxcomm PowerSGD-4 / "
+                   f"{x['method']} = {p:.3f} / {t:.3f} = {p / t:.2f} "
+                   "(target <= 0.8)")
+  return "\n".join(out) or "- (no PowerSGD rank 4 measurement at 1 Gbit/s)"
+
+
+def plot(rows, path) -> None:
+  """Step time per method, one panel per gradient shape set, log scale."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  good = [r for r in rows if r.get("times")]
+  models = sorted({r["model"] for r in good})
+  if not models:
+    return
+  fig, axes = plt.subplots(len(models), 1, figsize=(11, 4 * len(models)),
+                           squeeze=False)
+  for ax, model in zip(axes[:, 0], models):
+    mine = [r for r in good if r["model"] == model]
+    configs = sorted({(r["procs"], -1 if r["rate"] is None else r["rate"])
+                      for r in mine})
+    methods = list(dict.fromkeys(r["method"] for r in mine))
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+      xs, ys = [], []
+      for i, (p, rate) in enumerate(configs):
+        for r in mine:
+          rr = -1 if r["rate"] is None else r["rate"]
+          if r["method"] == m and r["procs"] == p and rr == rate:
+            xs.append(i + j * width)
+            ys.append(_median(r))
+      ax.bar(xs, ys, width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"{p} procs\n{_rate_label(None if r < 0 else r)}"
+                        for p, r in configs])
+    ax.set_yscale("log")
+    ax.set_ylabel("step time, s (median)")
+    ax.set_title(f"{model} gradient shapes, rate-limited loopback")
+    ax.legend(fontsize=7, ncol=3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _parse_rates(text):
+  return [None if t in ("none", "unlimited", "0") else float(t)
+          for t in text.split(",") if t]
+
+
+def _torch_available() -> bool:
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  return importlib.util.find_spec("torch") is not None
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--processes", default="2,4")
+  p.add_argument("--rates", default="none,1,10",
+                 help="Gbit/s, comma separated; 'none' = no limit")
+  p.add_argument("--models", default="resnet18,charlm")
+  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--torch", choices=("auto", "no"), default="auto")
+  p.add_argument("--torch-buckets", default="25,100")
+  p.add_argument("--torch-rank", type=int, default=4)
+  p.add_argument("--torch-models", default="resnet18")
+  p.add_argument("--timeout", type=float, default=240.0,
+                 help="seconds per method (per torch run)")
+  p.add_argument("--init-timeout", type=int, default=120)
+  p.add_argument("--latency-us", type=float, default=50.0)
+  p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench"))
+  p.add_argument("--quick", action="store_true",
+                 help="2 processes, 1 Gbit/s, ResNet-18 shapes, 3 steps")
+  # Worker mode (run inside the namespace by the driver).
+  p.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
+  for flag, typ in (("pid", int), ("nproc", int), ("port", int),
+                    ("out", str), ("model", str), ("local-devices", int),
+                    ("bucket-mb", float), ("hook", str), ("rank", int),
+                    ("label", str)):
+    p.add_argument(f"--{flag}", type=typ, help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  if a.worker == "jax":
+    return _jax_worker(a)
+  if a.worker == "torch":
+    return _torch_worker(a)
+
+  if a.quick:
+    a.processes, a.rates, a.models, a.steps, a.warmup = (
+      "2", "1", "resnet18", 3, 2)
+  unknown = [m for m in a.methods.split(",") if m not in METHODS]
+  if unknown:
+    p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+  a.methods = a.methods.split(",")
+  if a.warmup < 1:
+    p.error("--warmup must be >= 1")
+  procs = [int(x) for x in a.processes.split(",")]
+  rates = _parse_rates(a.rates)
+  model_names = a.models.split(",")
+  use_torch = a.torch == "auto" and _torch_available()
+
+  reason = _netns.unavailable()
+  if reason:
+    print(f"network benchmark skipped: {reason}. Nothing was measured.")
+    return 0
+
+  import jaxcomm  # pylint: disable=import-outside-toplevel
+  missing = [m for m in a.methods if not hasattr(jaxcomm, METHODS[m][0])]
+  for m in missing:
+    print(f"note: jaxcomm.{METHODS[m][0]} does not exist in this checkout; "
+          f"{m} is skipped")
+  a.methods = [m for m in a.methods if m not in missing]
+  if not use_torch:
+    print("note: torch is not installed (pip install -e '.[torch]'); the "
+          "PyTorch DDP rows are skipped" if a.torch == "auto" else
+          "note: PyTorch DDP rows skipped (--torch=no)")
+  for m in model_names:
+    s = model_shapes(m)
+    print(f"{m}: {len(s)} tensors, "
+          f"{sum(math.prod(x) for x in s):,} parameters")
+  print("resnet18 shapes (kh, kw, in, out) / (in, out) / (c,): "
+        + ", ".join("x".join(map(str, s)) for s in RESNET18_SHAPES))
+
+  os.makedirs(a.out_dir, exist_ok=True)
+  tmp = os.path.join(a.out_dir, "network-logs")
+  os.makedirs(tmp, exist_ok=True)
+  for f in os.listdir(tmp):
+    os.remove(os.path.join(tmp, f))
+  ports = _Ports()
+  rows = []
+  t_all = time.perf_counter()
+  with _netns.Namespace() as ns:
+    print(f"namespace {ns.name}: loopback only", flush=True)
+    for rate in rates:
+      ns.set_rate(rate)
+      for nproc in procs:
+        for model in model_names:
+          t0 = time.perf_counter()
+          print(f"{_rate_label(rate)}, {nproc} processes, {model} ...",
+                flush=True)
+          got = _run_jax(ns, ports, a, nproc, rate, model, tmp) \
+            if a.methods else []
+          if use_torch and model in a.torch_models.split(","):
+            for bucket in [float(b) for b in a.torch_buckets.split(",")]:
+              for hook in (None, "powersgd"):
+                got.append(_run_torch(ns, ports, a, nproc, rate, model, tmp,
+                                      bucket, hook))
+          for r in got:
+            state = _fmt(_median(r)) + " s" if r.get("times") else \
+              (r.get("skipped") or r.get("error"))
+            print(f"  {r['method']}: {state}", flush=True)
+          print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+          rows += got
+      if rate is not None:
+        print(ns.qdisc().strip().replace("\n", " | "), flush=True)
+  md = ["## Measured step times on a rate-limited loopback", "",
+        f"{len(procs)} process counts x {len(rates)} rates; one CPU device "
+        f"per process; median of {a.steps} steps after {a.warmup} warm-up; "
+        f"model columns: jaxcomm.wire.CostModel.link(rate, "
+        f"{a.latency_us:g} us) on the claimed collectives "
+        "(communication only).", "",
+        table(rows, a.latency_us), "", "Targets:", targets(rows)]
+  text = "\n".join(md)
+  print("\n" + text)
+  with open(os.path.join(a.out_dir, "network.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(a.out_dir, "network.json"), "w") as f:
+    json.dump({"args": {k: v for k, v in vars(a).items()
+                        if not k.startswith("_")}, "rows": rows}, f,
+              indent=1, default=str)
+  try:
+    plot(rows, os.path.join(a.out_dir, "network.png"))
+    print(f"\nplot: {os.path.join(a.out_dir, 'network.png')}")
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"plot failed: {type(e).__name__}: {e}")
+  print(f"(total {time.perf_counter() - t_all:.0f} s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
