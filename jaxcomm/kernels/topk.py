@@ -41,10 +41,11 @@ Kernels (each beside its ``*_reference``, keyword-only ``interpret``):
   popcount prefix sum over words, a binary search of each output slot's word
   (``searchsorted``), a 5-step select-the-r-th-set-bit inside the word, and a
   gather of ``capacity`` values. That replaces the reference's ``cumsum`` and
-  scatter over all ``len(x)`` entries (measured 3-10x faster on CPU, where
-  the same path runs with a jnp packer). A fully in-kernel compaction (a
-  prefix sum and a data-dependent scatter inside the kernel) is not portable
-  between Mosaic TPU and GPU, so it is not attempted.
+  scatter over all ``len(x)`` entries: about 5x faster on CPU for 25M
+  float32 at k = 0.1% and 1%, where the same path runs with a jnp packer.
+  A fully in-kernel compaction (a prefix sum and a data-dependent scatter
+  inside the kernel) is not portable between Mosaic TPU and GPU, so it is
+  not attempted.
 
 Dispatch (``use_kernel=None``): kernels on ``gpu``/``tpu``, the fastest jnp
 path on CPU; ``True`` forces the kernel (interpreted on CPU). On CPU,
@@ -80,7 +81,7 @@ _AUTO_KERNEL_MAX_K = 128
 
 
 def _flat(x: jax.Array) -> jax.Array:
-  return bitpack._flat(x)  # noqa: SLF001
+  return bitpack._flat(x)
 
 
 def _check_k(k: int, length: int) -> int:
@@ -158,7 +159,8 @@ def topk_abs_pallas(x: jax.Array, k: int, *, block_size: int = 4096,
     k: how many entries (static).
     block_size: entries per block, rounded to a power of two >= 2048.
     candidates_per_block: picks per block; ``None`` is ``min(k, block)``,
-      which makes the result exact. Fewer is approximate.
+      which makes the result exact. Fewer is approximate; it is raised to
+      ``ceil(k / full_blocks)`` so that there are always ``k`` candidates.
     interpret: run the kernel in the Pallas interpreter (needed on CPU).
     platform: lowering target for the compiler params (see
       :func:`jaxcomm.kernels.bitpack.pack_signs_pallas`).
@@ -169,15 +171,18 @@ def topk_abs_pallas(x: jax.Array, k: int, *, block_size: int = 4096,
   x = _flat(x)
   length = x.shape[0]
   k = _check_k(k, length)
-  rows = bitpack._next_pow2(  # noqa: SLF001
+  rows = bitpack._next_pow2(
     min(max(block_size, 16 * _LANES), max(length, 16 * _LANES))) // _LANES
   block = rows * _LANES
-  picks = min(k, block) if candidates_per_block is None else min(
-    int(candidates_per_block), k, block)
+  full_blocks = length // block
+  picks = min(k, block)
+  if candidates_per_block is not None and full_blocks:
+    # At least k real candidates: ceil(k / full_blocks) per block.
+    picks = min(picks, max(int(candidates_per_block), -(-k // full_blocks)))
   if picks >= block:
     # Every block would keep all its entries: no selection to do.
     return topk_abs_reference(x, k)
-  width = bitpack._next_pow2(picks)  # noqa: SLF001
+  width = bitpack._next_pow2(picks)
   n_blocks = -(-length // block)
   x = jnp.pad(x, (0, n_blocks * block - length))
   cand_shape = jax.ShapeDtypeStruct((n_blocks, 1, width), jnp.float32)
@@ -190,8 +195,7 @@ def topk_abs_pallas(x: jax.Array, k: int, *, block_size: int = 4096,
     out_specs=(pl.BlockSpec((None, 1, width), lambda i: (i, 0, 0)),
                pl.BlockSpec((None, 1, width), lambda i: (i, 0, 0))),
     interpret=interpret,
-    compiler_params=bitpack._compiler_params(  # noqa: SLF001
-      platform, interpret),
+    compiler_params=bitpack._compiler_params(platform, interpret),
     name="block_topk_abs",
   )(x.reshape(n_blocks, rows, _LANES))
   # Candidates are block-major and, within a block, in decreasing |x| with
@@ -225,8 +229,7 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
     (Array([-3.,  3.], dtype=float32), Array([1, 3], dtype=int32))
   """
   auto = use_kernel is None
-  run_kernel, interpret = bitpack._resolve_kernel(  # noqa: SLF001
-    use_kernel, interpret)
+  run_kernel, interpret = bitpack._resolve_kernel(use_kernel, interpret)
   if run_kernel and auto and int(k) > _AUTO_KERNEL_MAX_K:
     run_kernel = False
   if run_kernel:
@@ -298,8 +301,7 @@ def threshold_mask_pallas(x: jax.Array, threshold, *, block_words: int = 1024,
   x = _flat(x)
   length = x.shape[0]
   words = bitpack.num_words(length)
-  bw = bitpack._next_pow2(  # noqa: SLF001
-    min(max(block_words, 32), max(words, 32)))
+  bw = bitpack._next_pow2(min(max(block_words, 32), max(words, 32)))
   padded_words = -(-words // bw) * bw
   # NaN padding: |NaN| >= t is false, so padding bits are 0.
   x = jnp.pad(x, (0, padded_words * 32 - length), constant_values=jnp.nan)
@@ -312,11 +314,10 @@ def threshold_mask_pallas(x: jax.Array, threshold, *, block_words: int = 1024,
               pl.BlockSpec((bw, 32), lambda i: (i, 0))],
     out_specs=pl.BlockSpec((bw, 1), lambda i: (i, 0)),
     interpret=interpret,
-    compiler_params=bitpack._compiler_params(  # noqa: SLF001
-      platform, interpret),
+    compiler_params=bitpack._compiler_params(platform, interpret),
     name="threshold_mask",
   )(t, x.reshape(padded_words, 32))
-  return bitpack._as_uint32(out[:words, 0])  # noqa: SLF001
+  return bitpack._as_uint32(out[:words, 0])
 
 
 def _select_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
@@ -412,8 +413,7 @@ def threshold_select(x: jax.Array, threshold, capacity: int, *,
     (Array([-3.,  2.,  0.,  0.], dtype=float32), Array([1, 2, 3, 3], \
 dtype=int32), Array(2, dtype=int32))
   """
-  run_kernel, interpret = bitpack._resolve_kernel(  # noqa: SLF001
-    use_kernel, interpret)
+  run_kernel, interpret = bitpack._resolve_kernel(use_kernel, interpret)
   if run_kernel:
     return threshold_select_pallas(x, threshold, capacity,
                                    interpret=interpret)

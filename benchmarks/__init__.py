@@ -1,0 +1,1 @@
+"""Benchmark scripts for jaxcomm (run with python -m benchmarks.<name>)."""

@@ -1,0 +1,372 @@
+"""Tests of jaxcomm.kernels: every kernel interpreted on CPU vs references.
+
+Each kernel runs with ``interpret=True`` and is compared with its jnp
+reference and with an independent numpy computation (``np.packbits``,
+stable ``np.argsort``, ``np.nonzero``). Sizes stay small: interpret mode is
+slow. The last tests lower each kernel for TPU (Mosaic) and GPU (Triton) on
+this CPU host, which checks the Python-side lowering only.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomm import kernels
+from jaxcomm.kernels import bitpack
+from jaxcomm.kernels import topk
+
+LENGTHS = (1, 31, 32, 33, 1000, 4097)
+
+
+def _signal(length, seed=0, zeros_every=7):
+  """Normal floats with exact zeros (both signs) sprinkled in."""
+  x = np.random.default_rng(seed).standard_normal(length).astype(np.float32)
+  x[::zeros_every] = 0.0
+  x[3::zeros_every * 2] = -0.0
+  return x
+
+
+def _np_pack(positive):
+  """Independent packer: little bit order, little-endian uint32 words."""
+  u8 = np.packbits(np.asarray(positive, bool), bitorder="little")
+  u8 = np.pad(u8, (0, -len(u8) % 4))
+  return u8.view("<u4")
+
+
+def _np_topk(x, k):
+  return np.argsort(-np.abs(x), kind="stable")[:k]
+
+
+def _np_select(x, threshold, capacity):
+  sel = np.nonzero(np.abs(x) >= threshold)[0]
+  idx = np.full(capacity, len(x), np.int64)
+  idx[:min(capacity, len(sel))] = sel[:capacity]
+  vals = np.where(idx < len(x), x[np.minimum(idx, len(x) - 1)], 0)
+  return vals, idx, len(sel)
+
+
+# ---------------------------------------------------------------- bitpack
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_pack_signs_matches_numpy(length):
+  x = _signal(length)
+  expected = _np_pack(x >= 0)
+  outs = {
+    "reference": bitpack.pack_signs_reference(x),
+    "packbits": bitpack.pack_signs_packbits(x),
+    "pallas": bitpack.pack_signs_pallas(x, interpret=True),
+    "auto": kernels.pack_signs(x),
+    "kernel": kernels.pack_signs(x, use_kernel=True),
+  }
+  for name, out in outs.items():
+    chex.assert_shape(out, (bitpack.num_words(length),))
+    assert out.dtype == jnp.uint32, name
+    np.testing.assert_array_equal(np.asarray(out), expected, err_msg=name)
+
+
+def test_pack_signs_zero_is_positive_and_padding_is_zero():
+  x = np.zeros(33, np.float32)
+  x[1] = -0.0
+  x[2] = np.nan      # x >= 0 is false: packs as -1
+  x[3] = -1.0
+  for out in (bitpack.pack_signs_reference(x),
+              bitpack.pack_signs_pallas(x, interpret=True)):
+    np.testing.assert_array_equal(
+      np.asarray(out), np.array([0xFFFFFFFF & ~0b1100, 1], np.uint32))
+
+
+def test_pack_signs_many_blocks_bf16_and_shape():
+  # 33 blocks of 32 words and a partial one; bf16; a 2-D input is flattened.
+  x = _signal(32 * 32 * 33 + 5, seed=1).astype(jnp.bfloat16)
+  x = jnp.asarray(x)
+  expected = _np_pack(np.asarray(x, np.float32) >= 0)
+  out = bitpack.pack_signs_pallas(x, block_words=32, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+  x2 = x[:32 * 96].reshape(96, 32)
+  np.testing.assert_array_equal(
+    np.asarray(kernels.pack_signs(x2)), expected[:96])
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_unpack_signs_roundtrip(length):
+  x = _signal(length, seed=2)
+  words = _np_pack(x >= 0)
+  expected = np.where(x >= 0, 1.0, -1.0)
+  for out in (bitpack.unpack_signs_reference(words, length),
+              bitpack.unpack_signs_pallas(words, length, interpret=True),
+              kernels.unpack_signs(words, length, use_kernel=True),
+              kernels.unpack_signs(jnp.asarray(words), length)):
+    chex.assert_shape(out, (length,))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_unpack_signs_dtype_and_bad_words():
+  words = _np_pack(np.arange(40) % 3 == 0)
+  out = bitpack.unpack_signs_pallas(words, 40, jnp.bfloat16, interpret=True)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+    np.asarray(out, np.float32), np.where(np.arange(40) % 3 == 0, 1, -1))
+  with pytest.raises(ValueError, match="need uint32"):
+    kernels.unpack_signs(words, 65)
+  with pytest.raises(TypeError, match="uint32"):
+    kernels.unpack_signs(words.astype(np.float32), 40)
+
+
+def _np_vote(signs):
+  """Majority of +/-1 rows; a tie (even n) gives +1."""
+  return signs.sum(axis=0) >= 0
+
+
+@pytest.mark.parametrize("n_workers", (1, 2, 3, 4, 7))
+@pytest.mark.parametrize("length", (1, 33, 1000, 4097))
+def test_vote_matches_numpy(n_workers, length):
+  rng = np.random.default_rng(n_workers * 10_000 + length)
+  signs = np.where(rng.random((n_workers, length)) < 0.5, 1, -1)
+  words = np.stack([_np_pack(s > 0) for s in signs])
+  expected = _np_pack(_np_vote(signs))
+  outs = {
+    "reference": bitpack.vote_reference(words, length),
+    "bitsliced": bitpack.vote_bitsliced(words, length),
+    "pallas": bitpack.vote_pallas(words, length, interpret=True),
+    "auto": kernels.vote(words, length),
+  }
+  for name, out in outs.items():
+    assert out.dtype == jnp.uint32, name
+    np.testing.assert_array_equal(np.asarray(out), expected, err_msg=name)
+  np.testing.assert_array_equal(
+    np.asarray(kernels.count_votes(words, length)), signs.sum(axis=0))
+
+
+def test_vote_ties_resolve_to_plus_one_and_padding_is_cleared():
+  length = 40
+  pos = _np_pack(np.ones(length, bool))
+  neg = _np_pack(np.zeros(length, bool))
+  # Even n, exact tie everywhere: +1 everywhere, padding bits 0.
+  words = np.stack([pos, neg, neg, pos])
+  # Garbage in the padding bits of every row must not leak into the result.
+  words[:, -1] |= np.uint32(0xFFFFFF00)
+  expected = _np_pack(np.ones(length, bool))
+  for fn in (bitpack.vote_reference, bitpack.vote_bitsliced,
+             functools.partial(bitpack.vote_pallas, interpret=True)):
+    np.testing.assert_array_equal(np.asarray(fn(words, length)), expected)
+
+
+def test_vote_many_workers_uses_loop():
+  n_workers, length = 70, 100   # above the unroll limit: fori_loop path
+  rng = np.random.default_rng(5)
+  signs = np.where(rng.random((n_workers, length)) < 0.5, 1, -1)
+  words = np.stack([_np_pack(s > 0) for s in signs])
+  expected = _np_pack(_np_vote(signs))
+  for out in (bitpack.vote_bitsliced(words, length),
+              bitpack.vote_pallas(words, length, interpret=True)):
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_vote_bad_shape():
+  with pytest.raises(ValueError, match="n_workers"):
+    kernels.vote(np.zeros((3, 2), np.uint32), 100)
+
+
+def test_dispatch_on_cpu():
+  assert jax.default_backend() == "cpu"
+  assert bitpack._resolve_kernel(None, False) == (False, False)
+  assert bitpack._resolve_kernel(True, False) == (True, True)
+  assert bitpack._resolve_kernel(False, True) == (False, True)
+
+
+def test_dispatchers_under_jit():
+  x = _signal(100, seed=3)
+
+  @jax.jit
+  def roundtrip(x):
+    words = kernels.pack_signs(x)
+    voted = kernels.vote(jnp.stack([words, words, words]), x.size)
+    return kernels.unpack_signs(voted, x.size)
+
+  np.testing.assert_array_equal(np.asarray(roundtrip(x)),
+                                np.where(x >= 0, 1.0, -1.0))
+
+
+# ------------------------------------------------------------------- topk
+
+
+TOPK_CASES = (
+  (1, 1), (31, 5), (33, 33), (1000, 1), (1000, 100),
+  (4097, 100),    # 3 blocks of 2048, last one mostly padding
+  (4097, 2047),   # picks just under the block size
+  (4097, 3000),   # k larger than a block: no per-block selection to do
+  (4097, 4097),   # k == length
+)
+
+
+@pytest.mark.parametrize("length,k", TOPK_CASES)
+def test_topk_abs_matches_numpy(length, k):
+  x = _signal(length, seed=length + k)
+  expected = _np_topk(x, k)
+  outs = {
+    "reference": topk.topk_abs_reference(x, k),
+    "pallas": topk.topk_abs_pallas(x, k, block_size=2048, interpret=True),
+    "auto": kernels.topk_abs(x, k),
+  }
+  for name, (values, indices) in outs.items():
+    chex.assert_shape((values, indices), (k,))
+    assert indices.dtype == jnp.int32, name
+    np.testing.assert_array_equal(np.asarray(indices), expected,
+                                  err_msg=name)
+    np.testing.assert_array_equal(np.asarray(values), x[expected],
+                                  err_msg=name)
+
+
+@pytest.mark.parametrize("length,k", ((300, 40), (5000, 64)))
+def test_topk_abs_ties(length, k):
+  # Few distinct magnitudes: many ties at the k-th value.
+  rng = np.random.default_rng(length)
+  x = rng.integers(-3, 4, length).astype(np.float32)
+  expected = _np_topk(x, k)
+  for values, indices in (topk.topk_abs_reference(x, k),
+                          topk.topk_abs_pallas(x, k, interpret=True)):
+    # The selected magnitudes are right whatever the tie rule...
+    np.testing.assert_array_equal(np.sort(np.abs(np.asarray(values))),
+                                  np.sort(np.abs(x[expected])))
+    # ...and the documented rule (lower index first) gives these indices.
+    np.testing.assert_array_equal(np.asarray(indices), expected)
+
+
+def test_topk_abs_all_zero():
+  x = np.zeros(3000, np.float32)
+  for values, indices in (topk.topk_abs_reference(x, 10),
+                          topk.topk_abs_pallas(x, 10, interpret=True)):
+    np.testing.assert_array_equal(np.asarray(indices), np.arange(10))
+    np.testing.assert_array_equal(np.asarray(values), np.zeros(10))
+
+
+def test_topk_abs_approximate_candidates():
+  x = _signal(4097 * 4, seed=9)
+  values, indices = topk.topk_abs_pallas(x, 50, block_size=2048,
+                                         candidates_per_block=16,
+                                         interpret=True)
+  indices = np.asarray(indices)
+  assert len(np.unique(indices)) == 50
+  np.testing.assert_array_equal(np.asarray(values), x[indices])
+  mags = np.abs(np.asarray(values))
+  assert np.all(np.diff(mags) <= 0)
+  # 16 candidates from each 2048-block: ~6 of the top-50 fall in a block.
+  assert len(np.intersect1d(indices, _np_topk(x, 50))) >= 45
+  # Too few candidates per block are raised so that k of them exist.
+  _, indices = topk.topk_abs_pallas(x, 50, block_size=4096,
+                                    candidates_per_block=1, interpret=True)
+  assert len(np.unique(np.asarray(indices))) == 50
+
+
+def test_topk_abs_bad_k():
+  with pytest.raises(ValueError, match="k must be"):
+    kernels.topk_abs(np.ones(5, np.float32), 6)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_threshold_select_matches_numpy(length):
+  x = _signal(length, seed=11)
+  for threshold in (0.0, 0.7, 1e9):
+    for capacity in sorted({1, max(1, length // 3), length + 3}):
+      expected = _np_select(x, threshold, capacity)
+      outs = {
+        "reference": topk.threshold_select_reference(x, threshold, capacity),
+        "packed": topk.threshold_select_packed(x, threshold, capacity),
+        "auto": kernels.threshold_select(x, threshold, capacity),
+      }
+      if capacity == max(1, length // 3):   # the kernel path, once per size
+        outs["pallas"] = topk.threshold_select_pallas(
+          x, threshold, capacity, interpret=True)
+      for name, (values, indices, count) in outs.items():
+        msg = f"{name} threshold={threshold} capacity={capacity}"
+        assert indices.dtype == jnp.int32, msg
+        np.testing.assert_array_equal(np.asarray(values), expected[0],
+                                      err_msg=msg)
+        np.testing.assert_array_equal(np.asarray(indices), expected[1],
+                                      err_msg=msg)
+        assert int(count) == expected[2], msg
+
+
+def test_threshold_select_all_zero_and_overflow():
+  x = np.zeros(1000, np.float32)
+  # threshold 0 keeps everything (|0| >= 0), overflowing the buffer.
+  for fn in (topk.threshold_select_reference, topk.threshold_select_packed,
+             functools.partial(topk.threshold_select_pallas,
+                               interpret=True)):
+    values, indices, count = fn(x, 0.0, 16)
+    np.testing.assert_array_equal(np.asarray(indices), np.arange(16))
+    assert int(count) == 1000
+    values, indices, count = fn(x, 1e-30, 16)
+    np.testing.assert_array_equal(np.asarray(indices), np.full(16, 1000))
+    np.testing.assert_array_equal(np.asarray(values), np.zeros(16))
+    assert int(count) == 0
+
+
+def test_threshold_select_traced_threshold_and_sentinel_drops():
+  x = _signal(500, seed=12)
+
+  @jax.jit
+  def densify(x, t):
+    values, indices, _ = kernels.threshold_select(x, t, 600)
+    return jnp.zeros_like(x).at[indices].add(values, mode="drop")
+
+  np.testing.assert_array_equal(np.asarray(densify(x, 1.0)),
+                                np.where(np.abs(x) >= 1.0, x, 0))
+
+
+def test_threshold_mask_kernel_matches_reference():
+  x = _signal(32 * 64 + 3, seed=13)
+  np.testing.assert_array_equal(
+    np.asarray(topk.threshold_mask_pallas(x, 0.5, block_words=32,
+                                          interpret=True)),
+    _np_pack(np.abs(x) >= 0.5))
+
+
+def test_sampled_threshold():
+  x = np.random.default_rng(14).standard_normal(20_000).astype(np.float32)
+  k = 200
+  kth = np.sort(np.abs(x))[-k]
+  # The whole array as the sample: the exact k-th largest magnitude.
+  assert float(kernels.sampled_threshold(x, k, None, x.size)) == kth
+  for key in (None, jax.random.key(0)):
+    t = kernels.sampled_threshold(x, k, key, 4000)
+    assert t.dtype == jnp.float32 and t.shape == ()
+    kept = int((np.abs(x) >= float(t)).sum())
+    assert k / 2 <= kept <= 2 * k, (key, kept)
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _lowering_cases():
+  x = jnp.ones((5000,), jnp.float32)
+  words = jnp.ones((157,), jnp.uint32)
+  return {
+    "pack_signs": (functools.partial(bitpack.pack_signs_pallas), (x,)),
+    "unpack_signs": (functools.partial(bitpack.unpack_signs_pallas,
+                                       length=5000), (words,)),
+    "vote": (functools.partial(bitpack.vote_pallas, length=5000),
+             (jnp.stack([words] * 3),)),
+    "topk_abs": (functools.partial(topk.topk_abs_pallas, k=40), (x,)),
+    "threshold_select": (functools.partial(topk.threshold_select_pallas,
+                                           capacity=64), (x, 0.5)),
+  }
+
+
+@pytest.mark.parametrize("platform,backend,marker", (
+  ("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")))
+@pytest.mark.parametrize("name", sorted(_lowering_cases()))
+def test_kernels_lower_for_accelerators(name, platform, backend, marker):
+  fn, args = _lowering_cases()[name]
+  fn = functools.partial(fn, platform=backend)
+  try:
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  except ImportError as e:   # jaxlib built without that backend's dialects
+    pytest.skip(f"no {platform} lowering in this jaxlib: {e}")
+  assert marker in lowered.as_text()
