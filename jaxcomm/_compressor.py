@@ -30,7 +30,10 @@ The data path of one step (per device, inside shard_map or pmap)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

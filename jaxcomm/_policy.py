@@ -13,7 +13,9 @@ paths:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterable, NamedTuple
+from typing import Any
+from typing import Iterable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

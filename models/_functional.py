@@ -15,8 +15,10 @@ or 0/1 ``mask`` of shape ``(batch,)`` drops padded examples (see
 ``models.data.eval_batches``).
 """
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,10 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from models import charlm, cnn, mlp, resnet
+from models import charlm
+from models import cnn
+from models import mlp
+from models import resnet
 
 # Name -> constructor taking keyword arguments and ``rngs``.
 MODELS: dict[str, Callable[..., nnx.Module]] = {

@@ -20,7 +20,8 @@ the uninterrupted run would have: the data position is the step number.
 
 import os
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,8 @@ def digits(*, test_fraction: float = 0.2, seed: int = 0) -> tuple[Arrays,
     ``(train, test)``, each ``{"image": float32 (N, 8, 8, 1), "label": int32
     (N,)}`` with labels in 0..9; 1437 train and 360 test examples by default.
   """
-  from sklearn import datasets, model_selection
+  from sklearn import datasets
+  from sklearn import model_selection
 
   bunch = datasets.load_digits()
   images = (bunch.images / 16.0).astype(np.float32)[..., None]
@@ -174,9 +176,11 @@ _CIFAR_PIXELS = 32 * 32 * 3
 def _numpy_globals() -> dict[tuple[str, str], Any]:
   """The globals a pickled numpy array needs, by (module, name)."""
   try:  # numpy >= 2 (numpy 1.26 also has the _core shim)
-    from numpy._core import multiarray, numeric
+    from numpy._core import multiarray
+    from numpy._core import numeric
   except ImportError:  # pragma: no cover
-    from numpy.core import multiarray, numeric
+    from numpy.core import multiarray
+    from numpy.core import numeric
 
   allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
   # The module is named numpy.core in pickles written by numpy < 2 (and by

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import numpy as np
 
