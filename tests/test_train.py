@@ -1,0 +1,170 @@
+"""train.py: short runs per compressor family, resume, resizing, bad input.
+
+Runs go through ``train.main(argv)`` in this process (whose 8 CPU devices
+conftest made), with a tiny char-LSTM and a few steps each.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jaxcomm
+import train
+
+TINY = ["--model-args", "embed_dim=8,hidden_size=32,num_layers=1",
+        "--seq-len", "16", "--batch-size", "16", "--eval-examples", "32",
+        "--no-progress", "--no-plot", "--schedule", "constant"]
+
+FAMILIES = [(name, args) for name, args in (
+  ("dense", ""),
+  ("cast", "error_feedback=True"),
+  ("powersgd", "rank=2"),
+  ("topk", "ratio=0.05"),
+  ("onebit", ""),
+) if name in train.available_compressors()]
+
+
+def _run(tmp_path, *extra, name="run"):
+  return train.main(TINY + ["--out-dir", str(tmp_path / name)]
+                    + [str(e) for e in extra])
+
+
+def _host_state(result):
+  return jax.tree.map(np.asarray, jax.device_get(result["opt_state"]))
+
+
+@pytest.mark.parametrize("name,args", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_loss_decreases_and_devices_agree(name, args, tmp_path):
+  r = _run(tmp_path, "--compressor", name, "--compressor-args", args,
+           "--steps", 8, "--lr", 0.02, "--checkpoint-every", 0)
+  losses = [h["loss"] for h in r["history"]]
+  assert len(losses) == 8
+  assert np.mean(losses[-2:]) < losses[0] - 0.05, losses
+  assert r["identical_params"]
+  assert r["bytes_per_step"] > 0
+  if name != "dense":
+    assert r["bytes_per_step"] < r["dense_bytes_per_step"]
+  lines = open(tmp_path / "run" / "metrics.jsonl").read().splitlines()
+  assert [json.loads(x)["step"] for x in lines] == list(range(1, 9))
+
+
+def _resume_compressor():
+  if "powersgd" in train.available_compressors():
+    return ["--compressor", "powersgd", "--compressor-args", "rank=2"]
+  return ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+
+
+def test_resume_is_bit_identical(tmp_path):
+  comp = _resume_compressor()
+  full = _run(tmp_path, *comp, "--steps", 6, "--checkpoint-every", 0,
+              name="full")
+  _run(tmp_path, *comp, "--steps", 6, "--stop-after", 3, name="split")
+  ckpt = tmp_path / "split" / "checkpoints"
+  assert (ckpt / "LATEST").read_text() == "step_00000003"
+  resumed = _run(tmp_path, *comp, "--steps", 6, "--resume", name="split")
+  a = jax.tree.leaves(jax.device_get(full["params"]))
+  b = jax.tree.leaves(jax.device_get(resumed["params"]))
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(_host_state(full)),
+                  jax.tree.leaves(_host_state(resumed)), strict=True):
+    np.testing.assert_array_equal(x, y)
+  steps = [json.loads(x)["step"] for x in
+           open(tmp_path / "split" / "metrics.jsonl").read().splitlines()]
+  assert steps == list(range(1, 7))
+
+
+def _compress_states(state):
+  found = []
+
+  def visit(x):
+    if isinstance(x, jaxcomm.CompressState):
+      found.append(x)
+    elif isinstance(x, (tuple, list)):
+      for y in x:
+        visit(y)
+
+  visit(state)
+  return found
+
+
+def test_checkpoint_from_8_devices_restores_on_4(tmp_path):
+  comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+  r8 = _run(tmp_path, *comp, "--steps", 6, "--stop-after", 2, name="r")
+  before = _compress_states(_host_state(r8))[0].residual
+  assert before and np.asarray(before[0]).shape[0] == 8
+  # Resume on 4 devices up to the same step: nothing runs, the result holds
+  # the restored (resized) state.
+  r4 = _run(tmp_path, *comp, "--steps", 6, "--stop-after", 2, "--resume",
+            "--num-devices", 4, name="r")
+  after = _compress_states(_host_state(r4))[0].residual
+  for x, y in zip(before, after, strict=True):
+    assert np.asarray(y).shape[0] == 4
+    np.testing.assert_allclose(np.sum(x, axis=0), np.sum(y, axis=0),
+                               rtol=1e-6, atol=1e-7)
+  assert np.abs(np.asarray(after[0])).sum() > 0
+  # and training goes on from there on 4 devices.
+  r = _run(tmp_path, *comp, "--steps", 6, "--stop-after", 3, "--resume",
+           "--num-devices", 4, name="r")
+  assert r["num_devices"] == 4 and r["identical_params"]
+
+
+def test_unknown_names_list_the_choices(tmp_path):
+  with pytest.raises(ValueError, match="valid choices: dense, cast"):
+    _run(tmp_path, "--compressor", "nosuch")
+  with pytest.raises(ValueError, match="valid names: charlm, cnn"):
+    _run(tmp_path, "--model", "nosuch")
+  with pytest.raises(ValueError, match="takes no argument"):
+    _run(tmp_path, "--compressor", "dense", "--compressor-args", "rank=3")
+
+
+def test_missing_data_dir_names_the_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="data_batch_1"):
+    _run(tmp_path, "--model", "cnn", "--dataset", "cifar10", "--data-dir",
+         tmp_path / "nowhere", "--model-args", "")
+  with pytest.raises(ValueError, match="--data-dir"):
+    _run(tmp_path, "--model", "cnn", "--dataset", "cifar10",
+         "--model-args", "")
+
+
+def _tree_bytes(root):
+  out = {}
+  for d, _, files in os.walk(root):
+    for f in files:
+      p = os.path.join(d, f)
+      out[os.path.relpath(p, root)] = open(p, "rb").read()
+  return out
+
+
+def test_corrupt_or_incompatible_checkpoint(tmp_path):
+  comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+  _run(tmp_path, *comp, "--steps", 4, "--stop-after", 2, name="c")
+  root = tmp_path / "c" / "checkpoints"
+  good = _tree_bytes(root)
+  # Incompatible: another model size; the message names what differs.
+  with pytest.raises(train.CheckpointError, match="model_args"):
+    train.main(["--model-args", "embed_dim=8,hidden_size=16,num_layers=1"]
+               + TINY[2:] + comp + ["--steps", "4", "--resume", "--out-dir",
+                                    str(tmp_path / "c")])
+  with pytest.raises(train.CheckpointError, match="steps"):
+    _run(tmp_path, *comp, "--steps", 5, "--resume", name="c")
+  assert _tree_bytes(root) == good
+  # Corrupt: flip bytes in the largest array file of the latest step.
+  step = root / (root / "LATEST").read_text()
+  files = [os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs
+           if f != "meta.json"]
+  big = max(files, key=os.path.getsize)
+  blob = bytearray(open(big, "rb").read())
+  for i in range(len(blob) // 2, min(len(blob), len(blob) // 2 + 16)):
+    blob[i] ^= 0xFF
+  open(big, "wb").write(bytes(blob))
+  corrupted = _tree_bytes(root)
+  with pytest.raises(train.CheckpointError, match="corrupt"):
+    _run(tmp_path, *comp, "--steps", 4, "--resume", name="c")
+  assert _tree_bytes(root) == corrupted  # nothing overwritten
+  # A fresh run into the same directory must be asked for.
+  with pytest.raises(ValueError, match="--overwrite"):
+    _run(tmp_path, *comp, "--steps", 4, name="c")
