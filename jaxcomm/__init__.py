@@ -28,5 +28,11 @@ from jaxcomm.transforms import qsgd
 from jaxcomm.transforms import signsgd
 from jaxcomm.transforms import signum
 from jaxcomm.transforms import terngrad
+from jaxcomm.transforms import csc
+from jaxcomm.transforms import dgc
+from jaxcomm.transforms import gtopk
+from jaxcomm.transforms import randomk
+from jaxcomm.transforms import threshold
+from jaxcomm.transforms import topk
 
 __version__ = "0.1.0"

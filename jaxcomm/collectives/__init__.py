@@ -24,3 +24,7 @@ from jaxcomm.collectives._quantized import natural_allgather
 from jaxcomm.collectives._signs import compressed_allreduce
 from jaxcomm.collectives._signs import gather_signs
 from jaxcomm.collectives._signs import majority_vote
+from jaxcomm.collectives._sparse import chunk_psum
+from jaxcomm.collectives._sparse import gtopk_psum
+from jaxcomm.collectives._sparse import index_dtype
+from jaxcomm.collectives._sparse import sparse_psum

@@ -10,3 +10,9 @@ from jaxcomm.transforms._quantization import qsgd
 from jaxcomm.transforms._quantization import signsgd
 from jaxcomm.transforms._quantization import signum
 from jaxcomm.transforms._quantization import terngrad
+from jaxcomm.transforms._sparsification import csc
+from jaxcomm.transforms._sparsification import dgc
+from jaxcomm.transforms._sparsification import gtopk
+from jaxcomm.transforms._sparsification import randomk
+from jaxcomm.transforms._sparsification import threshold
+from jaxcomm.transforms._sparsification import topk

@@ -1,0 +1,322 @@
+"""Registry entries for the sparsifying compressors, with numpy references.
+
+Each reference is written from the paper in float64 numpy and shares only
+the conventions the codecs document: ``k = max(1, ceil(ratio * L))``, ties
+broken towards the lower index, the key derivations of random-k (one
+``fold_in(key, j)`` per leaf, ``jax.random.choice`` without replacement) and
+of DGC's threshold sample (``jax.random.randint`` from ``fold_in(key, j)``).
+"""
+
+import math
+
+import jax
+import numpy as np
+
+import jaxcomm
+from tests import registry
+
+
+def _k(ratio, size):
+  return max(1, min(size, math.ceil(ratio * size * (1 - 1e-9))))
+
+
+def _largest(a, k):
+  """Indices of the k largest values of a (lower index first on ties)."""
+  return np.argsort(-a, kind="stable")[:k]
+
+
+def _segments(dev, granularity):
+  flats = [x.ravel() for x in dev]
+  return flats if granularity == "leaf" else [np.concatenate(flats)]
+
+
+def _unsegment(segs, like):
+  flat = np.concatenate(segs)
+  out, off = [], 0
+  for x in like:
+    out.append(flat[off:off + x.size].reshape(x.shape))
+    off += x.size
+  return out
+
+
+def _finish(sent_segs, xs, n):
+  """(mean, sent) per leaf from each device's sent segments."""
+  sent = [_unsegment(s, xs[i]) for i, s in enumerate(sent_segs)]
+  mean = [sum(sent[i][j] for i in range(n)) / n for j in range(len(xs[0]))]
+  return mean, sent
+
+
+# --------------------------------------------------------------- top-k ----
+
+def _topk_ref(ratio, granularity):
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, granularity):
+        s = np.zeros_like(x)
+        sel = _largest(np.abs(x), _k(ratio, x.size))
+        s[sel] = x[sel]
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+_RATIO_BAD = [({"ratio": 0.0}, "ratio"), ({"ratio": 1.5}, "ratio"),
+              ({"ratio": float("nan")}, "ratio")]
+
+registry.register(registry.Entry(
+  name="topk_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_topk_ref(0.05, "leaf"),
+  factory=jaxcomm.topk,
+  kwargs={"ratio": 0.05},
+  static_args=("ratio", "granularity", "error_feedback", "policy"),
+  bad_args=_RATIO_BAD + [({"granularity": "layer"}, "granularity")],
+))
+
+registry.register(registry.Entry(
+  name="topk_model_noef",
+  ref_init=lambda shapes: None,
+  ref_step=_topk_ref(0.02, "model"),
+  error_feedback=False,
+  factory=jaxcomm.topk,
+  kwargs={"ratio": 0.02, "granularity": "model", "error_feedback": False},
+  static_args=("ratio", "granularity", "error_feedback", "policy"),
+))
+
+
+# ------------------------------------------------------------ random-k ----
+
+def _randomk_ref(ratio):
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for j, x in enumerate(_segments(dev, "leaf")):
+        idx = np.asarray(jax.random.choice(
+          jax.random.fold_in(key, j), x.size, (_k(ratio, x.size),),
+          replace=False))
+        s = np.zeros_like(x)
+        s[idx] = x[idx]
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="randomk_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_randomk_ref(0.05),
+  factory=jaxcomm.randomk,
+  kwargs={"ratio": 0.05},
+  static_args=("ratio", "granularity", "error_feedback", "policy"),
+  bad_args=_RATIO_BAD,
+  stochastic=True,
+))
+
+
+# ----------------------------------------------------------- threshold ----
+
+def _threshold_ref(value, capacity_ratio):
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, "leaf"):
+        idx = np.nonzero(np.abs(x) >= value)[0][:_k(capacity_ratio, x.size)]
+        s = np.zeros_like(x)
+        s[idx] = x[idx]
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="threshold_ef",
+  ref_init=lambda shapes: None,
+  # About 13% of a unit normal exceeds 1.5: the 5% capacity overflows.
+  ref_step=_threshold_ref(1.5, 0.05),
+  factory=jaxcomm.threshold,
+  kwargs={"value": 1.5, "capacity_ratio": 0.05},
+  static_args=("capacity_ratio", "error_feedback", "policy"),
+  bad_args=[({"value": 0.0}, "value"), ({"value": float("inf")}, "value"),
+            ({"capacity_ratio": 2.0}, "capacity_ratio")],
+))
+
+
+# ----------------------------------------------------------------- DGC ----
+
+def dgc_select_ref(x, k, key, sample_ratio, density, max_rounds=10):
+  """DGC's sampled threshold selection (numpy); returns (indices, count)."""
+  size = x.size
+  a = np.abs(x)
+  s = min(size, max(math.ceil(sample_ratio * size), math.ceil(2 / density)))
+  if s == size:
+    sample = a
+  else:
+    sample = a[np.asarray(jax.random.randint(key, (s,), 0, size))]
+  kp = min(s, max(1, math.ceil(k * s / size)))
+  t = np.sort(sample)[::-1][kp - 1]
+  lo, hi = 0.0, np.inf
+  count = int(np.sum(a >= t))
+  for _ in range(max_rounds):
+    if 0.8 * k <= count <= 1.3 * k:
+      break
+    if count > 1.3 * k:
+      lo = t
+    else:
+      hi = t
+    if lo > 0 and np.isfinite(hi):
+      t = math.sqrt(lo * hi)
+    else:
+      t = t * 1.3 if count > 1.3 * k else t * 0.8
+    count = int(np.sum(a >= t))
+  above = np.nonzero(a >= t)[0][:min(size, math.ceil(1.3 * k))]
+  keep = above[_largest(a[above], k)]
+  return np.sort(keep), count
+
+
+def _dgc_ref(ratio, momentum, clip_norm, steps_per_stage, sample_ratio,
+             densities):
+  def init(shapes):
+    return None
+
+  def step(xs, state, t, key, n):
+    if state is None:
+      state = {"u": [[np.zeros_like(x) for x in dev] for dev in xs],
+               "v": [[np.zeros_like(x) for x in dev] for dev in xs]}
+    stage = min(t // steps_per_stage, len(densities) - 1)
+    density = densities[stage]
+    new_u, new_v, sent_h, sent_true = [], [], [], []
+    for i, dev in enumerate(xs):
+      # The harness hands x = v + g; recover g, then clip and accumulate.
+      g = [x - v for x, v in zip(dev, state["v"][i])]
+      norm = math.sqrt(sum(float(np.sum(y * y)) for y in g))
+      scale = min(1.0, clip_norm / math.sqrt(n) / max(norm, 1e-30))
+      g = [y * scale for y in g]
+      u = [momentum * ui + y for ui, y in zip(state["u"][i], g)]
+      v = [vi + ui for vi, ui in zip(state["v"][i], u)]
+      s_dev = []
+      for j, vj in enumerate(v):
+        flat = vj.ravel()
+        idx, _ = dgc_select_ref(flat, _k(density, flat.size),
+                                jax.random.fold_in(key, j), sample_ratio,
+                                density)
+        s = np.zeros_like(flat)
+        s[idx] = flat[idx]
+        s_dev.append(s.reshape(vj.shape))
+      new_v.append([vj - s for vj, s in zip(v, s_dev)])
+      new_u.append([np.where(s != 0, 0.0, uj) for uj, s in zip(u, s_dev)])
+      sent_true.append(s_dev)
+      # So that the harness's residual x - sent equals the new v.
+      sent_h.append([x - nv for x, nv in zip(dev, new_v[-1])])
+    mean = [sum(sent_true[i][j] for i in range(n)) / n
+            for j in range(len(xs[0]))]
+    return mean, sent_h, {"u": new_u, "v": new_v}
+  return init, step
+
+
+_DGC_KW = {"ratio": 0.01, "momentum": 0.9, "clip_norm": 300.0,
+           "warmup_steps_per_stage": 1, "sample_ratio": 0.01}
+_dgc_init, _dgc_step = _dgc_ref(
+  0.01, 0.9, 300.0, 1, 0.01, (0.25, 0.0625, 0.015625, 0.01))
+
+registry.register(registry.Entry(
+  name="dgc_warmup_sampled",
+  ref_init=_dgc_init,
+  ref_step=_dgc_step,
+  factory=jaxcomm.dgc,
+  kwargs=_DGC_KW,
+  static_args=("ratio", "warmup_steps_per_stage", "warmup_densities",
+               "sample_ratio", "exact", "max_rounds", "policy"),
+  bad_args=_RATIO_BAD + [({"momentum": 1.5}, "momentum"),
+                         ({"clip_norm": -1.0}, "clip_norm"),
+                         ({"warmup_steps_per_stage": -1},
+                          "warmup_steps_per_stage"),
+                         ({"sample_ratio": 0.0}, "sample_ratio"),
+                         ({"warmup_densities": (0.5, 2.0)},
+                          "warmup_densities")],
+  # Momentum correction creates mass (u is re-added every step).
+  conserves=False,
+  stochastic=True,
+))
+
+
+# -------------------------------------------------------------- gTop-k ----
+
+def _gtopk_ref(ratio):
+  def step(xs, state, t, key, n):
+    rounds = int(math.log2(n))
+    segs = [_segments(dev, "leaf") for dev in xs]
+    sent = [[np.zeros_like(s) for s in dev] for dev in segs]
+    for j in range(len(segs[0])):
+      size = segs[0][j].size
+      k = _k(ratio, size)
+      # Each device's list: index -> (value, set of contributing devices).
+      lists = []
+      for i in range(n):
+        x = segs[i][j]
+        lists.append({int(q): (x[q], {i}) for q in _largest(np.abs(x), k)})
+      for r in range(rounds):
+        new = []
+        for i in range(n):
+          a, b = lists[i], lists[i ^ (1 << r)]
+          merged = {}
+          for q in set(a) | set(b):
+            va, ca = a.get(q, (0.0, set()))
+            vb, cb = b.get(q, (0.0, set()))
+            merged[q] = (va + vb, ca | cb)
+          order = sorted(merged, key=lambda q: (-abs(merged[q][0]), q))
+          new.append({q: merged[q] for q in order[:k]})
+        lists = new
+      for q, (_, who) in lists[0].items():
+        for i in who:
+          sent[i][j][q] = segs[i][j][q]
+    return (*_finish(sent, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="gtopk_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_gtopk_ref(0.02),
+  factory=jaxcomm.gtopk,
+  kwargs={"ratio": 0.02},
+  static_args=("ratio", "granularity", "error_feedback", "policy"),
+  bad_args=_RATIO_BAD,
+))
+
+
+# ----------------------------------------------------------------- CSC ----
+
+def _csc_ref(chunk_size, ratio):
+  def step(xs, state, t, key, n):
+    flats = [np.concatenate([x.ravel() for x in dev]) for dev in xs]
+    size = flats[0].size
+    chunks = -(-size // chunk_size)
+    pad = chunks * chunk_size - size
+    norms = sum(np.abs(np.pad(f, (0, pad))).reshape(chunks, -1).sum(axis=1)
+                for f in flats)
+    chosen = np.zeros(chunks, bool)
+    chosen[_largest(norms, _k(ratio, chunks))] = True
+    mask = np.repeat(chosen, chunk_size)[:size]
+    out = [[np.where(mask, f, 0.0)] for f in flats]
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="csc_ef",
+  ref_init=lambda shapes: None,
+  # 4224 compressed elements: chunks of 100 do not divide (last is padded).
+  ref_step=_csc_ref(100, 0.1),
+  factory=jaxcomm.csc,
+  kwargs={"chunk_size": 100, "ratio": 0.1},
+  static_args=("chunk_size", "ratio", "error_feedback", "policy"),
+  bad_args=_RATIO_BAD + [({"chunk_size": 0}, "chunk_size"),
+                         ({"chunk_size": 2.5}, "chunk_size")],
+))
