@@ -201,10 +201,8 @@ def _torch_worker(a) -> int:
 
   import torch  # pylint: disable=import-outside-toplevel
   import torch.distributed as dist  # pylint: disable=import-outside-toplevel
-  from torch.distributed.algorithms.ddp_comm_hooks import (  # noqa: I001
-    powerSGD_hook)  # pylint: disable=import-outside-toplevel
-  from torch.nn.parallel import (  # pylint: disable=import-outside-toplevel
-    DistributedDataParallel)
+  from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+  from torch.nn.parallel import DistributedDataParallel
 
   torch.set_num_threads(1)
   os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -329,9 +327,33 @@ def _tail(outs) -> str:
   return (outs[0] or "").strip()[-300:] if outs else ""
 
 
+def torch_ops(shapes, rank=None) -> list[tuple[str, int]]:
+  """The all-reduces DDP issues per step (one fused payload per kind).
+
+  Dense: every gradient in float32. With the PowerSGD hook (PyTorch's
+  rule): a tensor viewed as ``(shape[0], rest)`` is compressed when
+  ``(n + m) r * 2 < n m``, sending ``P`` (n x r) and ``Q`` (m x r) in two
+  all-reduces; the others are all-reduced as they are. Bucketing splits
+  these payloads over several calls but does not change their sum.
+  """
+  if rank is None:
+    return [("all-reduce", 4 * sum(math.prod(s) for s in shapes))]
+  dense, ps, qs = 0, 0, 0
+  for s in shapes:
+    s = _torch_layout(s)
+    rows_, cols = s[0], math.prod(s[1:]) if len(s) > 1 else 1
+    if len(s) > 1 and (rows_ + cols) * rank * 2 < rows_ * cols:
+      ps += 4 * rows_ * rank
+      qs += 4 * cols * rank
+    else:
+      dense += 4 * math.prod(s)
+  return [(k, b) for k, b in (("all-reduce", dense), ("all-reduce", ps),
+                              ("all-reduce", qs)) if b]
+
+
 def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
   label = f"torch-ddp{'-powersgd' + str(a.torch_rank) if hook else ''}" \
-          f"-b{bucket}"
+          f"-b{bucket:g}"
   out = os.path.join(tmp, f"{label}-{model}-{nproc}-{rate}.jsonl")
   port = ports.take()
   cmds = [ns.command(_worker_argv(
@@ -341,8 +363,10 @@ def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
   codes, outs, timed_out = _netns.run_group(cmds, a.timeout, env=_env(),
                                             cwd=ROOT)
   recs = _netns.read_json_lines(out)
+  ops = torch_ops(model_shapes(model), a.torch_rank if hook else None)
   row = {"method": label, "model": model, "procs": nproc, "rate": rate,
-         "torch": True, "bucket_mb": bucket}
+         "torch": True, "bucket_mb": bucket, "devices": nproc, "ops": ops,
+         "sent": 2.0 * (nproc - 1) / nproc * sum(b for _, b in ops)}
   final = [r for r in recs if r.get("method") == label]
   if final:
     row.update(final[-1])
