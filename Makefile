@@ -26,3 +26,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Measured step times in a rate-limited network namespace (needs root);
+# e.g. make bench-network ARGS=--quick
+bench-network: $(STAMP)
+	$(PY) -m benchmarks.network $(ARGS)
