@@ -20,6 +20,7 @@ from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import cast
 from jaxcomm.transforms import mean_gradients
+from jaxcomm.transforms import powersgd
 from jaxcomm.transforms import ef_signsgd
 from jaxcomm.transforms import int8
 from jaxcomm.transforms import natural

@@ -19,6 +19,7 @@ from jaxcomm.collectives._core import padded_length
 from jaxcomm.collectives._core import scatter_gather_sum
 from jaxcomm.collectives._core import to_words
 from jaxcomm.collectives._core import from_words
+from jaxcomm.collectives._lowrank import lowrank_allreduce
 from jaxcomm.collectives._quantized import integer_allreduce
 from jaxcomm.collectives._quantized import natural_allgather
 from jaxcomm.collectives._signs import compressed_allreduce

@@ -1,0 +1,228 @@
+"""The low-rank allreduce of PowerSGD, and the orthogonalizations it uses.
+
+One round of the exchange, for every matrix ``M_i`` (device ``i``'s local
+matrix) of a step at once::
+
+  P   = sum_i M_i Q          one fused psum for the P's of all matrices
+  P   = orth(P)              identical on every device
+  Q_i = M_i^T P
+  Q   = sum_i Q_i            one fused psum for the Q's of all matrices
+  mean   = P Q^T / n         the decoded average (replicated)
+  sent_i = P Q_i^T           device i's own share: sum_i sent_i = n * mean
+
+Matrices of equal shape are batched: each argument is a list of groups
+``(b, n, m)`` and the products are batched matmuls. Whatever the number of
+matrices or groups, a round issues exactly two all-reduces.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomm.collectives import _core
+
+ORTHOGONALIZATIONS = ("gram_schmidt", "householder", "cholesky")
+
+
+def _normalize(col, eps):
+  """``col / (|col| + eps)`` along axis -2, scale-safe; zero stays zero.
+
+  The column is first divided by its largest magnitude so that squaring
+  cannot underflow or overflow; an all-zero column gives zeros, never NaN.
+  """
+  s = jnp.max(jnp.abs(col), axis=-2, keepdims=True)
+  safe_s = jnp.where(s > 0, s, 1.0)
+  scaled = col / safe_s
+  norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-2, keepdims=True))
+  denom = norm + eps / safe_s
+  return jnp.where((s > 0) & (denom > 0), scaled / jnp.where(denom > 0, denom,
+                                                             1.0), 0.0)
+
+
+def gram_schmidt(p: jax.Array, eps=0.0) -> jax.Array:
+  """Orthonormal columns by modified Gram-Schmidt, batched over leading axes.
+
+  .. math::
+    q_k = \\frac{v_k}{\\lVert v_k \\rVert + \\epsilon},\\quad
+    v_k = p_k - \\sum_{j<k} (q_j^\\top p_k)\\, q_j
+
+  Each column is normalized, then projected out of all later columns at
+  once (``r`` vectorized passes over the ``n x r`` block). A column that is
+  zero after projection stays zero (no NaN); ``eps`` is PyTorch's
+  ``orthogonalization_epsilon``.
+
+  Args:
+    p: ``(..., n, r)``.
+    eps: added to each column's norm before dividing (may be traced).
+
+  Returns:
+    ``(..., n, r)`` with orthonormal (or zero) columns.
+  """
+  r = p.shape[-1]
+  cols = []
+  rest = p
+  for k in range(r):
+    q = _normalize(rest[..., :, :1], eps)
+    cols.append(q)
+    rest = rest[..., :, 1:]
+    if k + 1 < r:
+      coef = jnp.einsum("...nk,...nj->...kj", q, rest)
+      rest = rest - q * coef
+  return jnp.concatenate(cols, axis=-1)
+
+
+def householder(p: jax.Array, eps=0.0) -> jax.Array:
+  """Orthonormal columns by Householder QR (``jnp.linalg.qr``, reduced).
+
+  Stable for any input, including rank-deficient and zero blocks (their
+  missing directions are completed to an orthonormal set, so the result is
+  always finite). ``eps`` is ignored: Householder reflections never divide
+  by a column norm.
+
+  Args:
+    p: ``(..., n, r)``.
+    eps: unused; accepted for a uniform signature.
+
+  Returns:
+    ``(..., n, r)`` with orthonormal columns.
+  """
+  del eps
+  q, _ = jnp.linalg.qr(p, mode="reduced")
+  return q
+
+
+def cholesky(p: jax.Array, eps=0.0) -> jax.Array:
+  """Orthonormal columns by Cholesky-QR2, with a Householder fallback.
+
+  .. math::
+    G = P^\\top P + \\epsilon I,\\quad G = L L^\\top,\\quad
+    Q = P L^{-\\top}
+
+  done twice (CholeskyQR2) to restore orthogonality lost to rounding. The
+  Gram matrix squares the condition number, so for ill-conditioned or
+  rank-deficient ``P`` (a zero gradient, a matrix of rank below ``r``) the
+  factorization fails; then the whole batch is orthogonalized by
+  :func:`householder` instead (one ``lax.cond``, no NaN).
+
+  Args:
+    p: ``(..., n, r)``.
+    eps: added to the Gram matrix's diagonal (may be traced).
+
+  Returns:
+    ``(..., n, r)`` with orthonormal columns.
+  """
+  r = p.shape[-1]
+  eye = jnp.eye(r, dtype=p.dtype)
+  # Scale each column to unit max-magnitude so the Gram matrix can neither
+  # underflow nor overflow (the column space is unchanged).
+  s = jnp.max(jnp.abs(p), axis=-2, keepdims=True)
+  x = p / jnp.where(s > 0, s, 1.0)
+
+  def chol_qr(x):
+    g = jnp.einsum("...nk,...nj->...kj", x, x) + eps * eye
+    low = jnp.linalg.cholesky(g)
+    # x L^{-T}: solve L Y^T = X^T, i.e. Y L^T = X (right side, lower^T).
+    y = jax.lax.linalg.triangular_solve(low, x, left_side=False, lower=True,
+                                        transpose_a=True)
+    diag = jnp.diagonal(low, axis1=-2, axis2=-1)
+    # Reliable when the Gram matrix is well inside float32's range of
+    # condition numbers: smallest pivot^2 above ~1e3 ulp of the largest.
+    big = jnp.max(diag, axis=-1)
+    small = jnp.min(diag, axis=-1)
+    ok = jnp.all(jnp.isfinite(y)) & jnp.all(small * small > 1e-4 * big * big)
+    return y, ok
+
+  y, ok1 = chol_qr(x)
+  y, ok2 = chol_qr(y)
+  return jax.lax.cond(ok1 & ok2, lambda: y, lambda: householder(p))
+
+
+def orthogonalizer(name: str, rank: int) -> Callable:
+  """The orthogonalization ``f(p, eps)`` for ``name``; rank 1 normalizes.
+
+  For rank 1 every method reduces to dividing the single column by its norm
+  (plus ``eps``), which is what is returned (PowerSGD's rank-1 shortcut).
+  """
+  if name not in ORTHOGONALIZATIONS:
+    raise ValueError(
+      f"orthogonalization must be one of {ORTHOGONALIZATIONS}, got {name!r}")
+  if rank == 1:
+    return _normalize
+  return {"gram_schmidt": gram_schmidt, "householder": householder,
+          "cholesky": cholesky}[name]
+
+
+class LowRankResult(NamedTuple):
+  """What :func:`lowrank_allreduce` returns, per group ``(b, n, m)``.
+
+  Attributes:
+    mean: the decoded average ``sum_k P_k Q_k^T / n`` (replicated).
+    sent: this device's own share ``sum_k P_k Q_{k,i}^T`` (varying).
+    q: the aggregated ``Q`` of the first round, for the next step's warm
+      start; a column that came out exactly zero keeps its previous value
+      (so a zero gradient cannot stall the power iteration forever).
+  """
+
+  mean: list
+  sent: list
+  q: list
+
+
+def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
+                      axis_name, *, num_devices: int,
+                      orthogonalize: Callable, eps=0.0,
+                      num_iters: int = 1) -> LowRankResult:
+  """PowerSGD's rank-``r`` allreduce of many matrices with two psums a round.
+
+  .. math::
+    P = \\mathrm{orth}\\Big(\\sum_i M_i Q\\Big),\\quad
+    Q = \\sum_i M_i^\\top P,\\quad
+    \\bar M \\approx \\tfrac{1}{n} P Q^\\top
+
+  Round ``k > 1`` (``num_iters > 1``) runs the same on what the earlier
+  rounds left, ``M_i - sent_i``, starting from the previous round's
+  aggregated ``Q``, and the approximations are accumulated (the authors'
+  alternating left/right multiplications, each followed by one psum). Each
+  round is two fused all-reduces: ``sum_g b_g n_g r`` and ``sum_g b_g m_g r``
+  float32 values.
+
+  Args:
+    ms: local matrices, one ``(b, n, m)`` float32 array per shape group.
+    qs: starting ``Q``, one ``(b, m, r)`` per group, identical on every
+      device.
+    axis_name: the data axis, or None (one device, no collective).
+    num_devices: static size of the axis.
+    orthogonalize: ``f(p, eps)`` from :func:`orthogonalizer`.
+    eps: the orthogonalization epsilon.
+    num_iters: rounds per step.
+
+  Returns:
+    A :class:`LowRankResult`.
+  """
+  ms = list(ms)
+  q_in = list(qs)
+  sent = [jnp.zeros_like(m) for m in ms]
+  mean = [jnp.zeros_like(m) for m in ms]
+  rest = ms
+  first_q = None
+  for k in range(num_iters):
+    p_local = [jnp.einsum("bnm,bmr->bnr", m, q) for m, q in zip(rest, q_in)]
+    ps = [orthogonalize(p, eps) for p in _core.fused_psum(p_local, axis_name)]
+    q_local = [jnp.einsum("bnm,bnr->bmr", m, p) for m, p in zip(rest, ps)]
+    q_sum = _core.fused_psum(q_local, axis_name)
+    mine = [jnp.einsum("bnr,bmr->bnm", p, q) for p, q in zip(ps, q_local)]
+    avg = [jnp.einsum("bnr,bmr->bnm", p, q / num_devices)
+           for p, q in zip(ps, q_sum)]
+    sent = [s + x for s, x in zip(sent, mine)] if k else mine
+    mean = [a + x for a, x in zip(mean, avg)] if k else avg
+    if k == 0:
+      first_q = q_sum
+    if k + 1 < num_iters:
+      rest = [m - s for m, s in zip(ms, sent)]
+      q_in = q_sum
+  keep = [jnp.where(jnp.any(q != 0, axis=-2, keepdims=True), q, old)
+          for q, old in zip(first_q, qs)]
+  return LowRankResult(mean=mean, sent=sent, q=keep)
