@@ -115,9 +115,11 @@ def plan(length: int, bound: int, n: int) -> Plan:
   Both exchanges send ``(n - 1) / n`` of their payloads per device (ring
   all-gather and all-to-all), so comparing payloads compares traffic:
   ``gather`` moves ``n * L * b`` bits, ``scatter`` ``n * C * (b + b2)`` with
-  ``C ~ L / n`` and ``b2`` the width of a sum of ``n`` codes. ``scatter``
-  wins from ``n = 3`` on for every width jaxcomm uses; on a tie ``gather``
-  (one collective) is taken.
+  ``C ~ L / n`` and ``b2`` the width of a sum of ``n`` codes, so
+  ``scatter`` wins when ``n b > b + b2``: for int8 (``b = 8``, ``b2 = 16``)
+  and ternary codes (``b = 2``, ``b2 = 4``) from ``n = 4`` on; at ``n = 3``
+  they tie and at ``n = 2`` ``gather`` wins. On a tie ``gather`` (one
+  collective, no partial sums) is taken.
 
   Args:
     length: number of codes per device.

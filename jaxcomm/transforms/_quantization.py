@@ -609,7 +609,8 @@ def natural_round(x: jax.Array, key: jax.Array) -> jax.Array:
   23 mantissa bits, so the probability is exact. Subnormals round to 0 or
   to the smallest normal, also unbiased. Departure: values within a factor
   two of the float32 maximum round down (the exponent saturates at 254)
-  rather than to infinity; NaN and Inf keep their exponent.
+  rather than to infinity; Inf stays Inf and NaN becomes an infinity of
+  its sign (the code has no mantissa), still non-finite.
 
   Args:
     x: float32 array.
