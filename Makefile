@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-slow bench bench-network lint clean
+.PHONY: train convergence test test-slow bench bench-network lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
+
+convergence: $(STAMP)
+	$(PY) -m benchmarks.convergence
 
 lint: $(STAMP)
 	$(PY) -m ruff check jaxcomm models tests benchmarks train.py

@@ -93,7 +93,7 @@ COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
   "signsgd": ("signsgd", {}),
   "signum": ("signum", {}),
   "ef_signsgd": ("ef_signsgd", {}),
-  "qsgd": ("qsgd", {"levels": 16}),
+  "qsgd": ("qsgd", {}),
   "terngrad": ("terngrad", {}),
   "natural": ("natural", {}),
   "int8": ("int8", {}),
@@ -963,7 +963,7 @@ def plot_curves(histories: dict[str, list[dict]], path: str,
     b.plot(mb, loss, label=label, lw=1)
   a.set_xlabel("step")
   b.set_xlabel("MiB sent per device (cumulative)")
-  b.set_xscale("symlog", linthresh=1e-3)
+  b.set_xscale("log")
   for ax in (a, b):
     ax.set_ylabel("train loss")
     ax.grid(alpha=0.3)
