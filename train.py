@@ -298,9 +298,10 @@ def parse_args(argv=None) -> Config:
                  help="UTF-8 text for charlm (default: pydoc_data topics)")
   g.add_argument("--seq-len", type=int, default=d.seq_len)
   g = p.add_argument_group("compression and optimization")
-  g.add_argument("--compressor", default=d.compressor,
+  g.add_argument("--compressor", default=None,
                  help=f"one of {', '.join(COMPRESSORS)} (those in this "
-                 "build of jaxcomm)")
+                 f"build of jaxcomm; default {d.compressor}, or "
+                 f"{FALLBACK[0]} where jaxcomm has no {d.compressor})")
   g.add_argument("--compressor-args", default=None,
                  help="factory arguments, e.g. rank=4,start_step=10 "
                  f"(default for {d.compressor}: {d.compressor_args})")
@@ -345,8 +346,17 @@ def parse_args(argv=None) -> Config:
   values = vars(ns)
   if values["model_args"] is None:
     values["model_args"] = d.model_args if ns.model == "charlm" else ""
+  if values["compressor"] is None:
+    values["compressor"] = d.compressor
+    if d.compressor not in available_compressors():
+      print(f"note: this build of jaxcomm has no {d.compressor}; using "
+            f"{FALLBACK[0]}({FALLBACK[1]}) instead")
+      values["compressor"] = FALLBACK[0]
+      if values["compressor_args"] is None:
+        values["compressor_args"] = FALLBACK[1]
   if values["compressor_args"] is None:
-    same = ALIASES.get(ns.compressor.lower(), ns.compressor.lower())
+    same = ALIASES.get(values["compressor"].lower(),
+                       values["compressor"].lower())
     values["compressor_args"] = (d.compressor_args
                                  if same == d.compressor else "")
   return Config(**values)
@@ -1002,16 +1012,8 @@ def main(argv=None, *, set_devices: bool = False) -> dict[str, Any]:
   runs, leave it False and the first ``--num-devices`` devices are used.
   """
   cfg = parse_args(argv)
-  note = None
-  if (cfg.compressor == DEFAULT_COMPRESSOR
-      and DEFAULT_COMPRESSOR not in available_compressors()):
-    note = (f"note: this build of jaxcomm has no {DEFAULT_COMPRESSOR}; "
-            f"using {FALLBACK[0]}({FALLBACK[1]}) instead")
-    cfg.compressor, cfg.compressor_args = FALLBACK
   if set_devices:
     configure_devices(cfg)
-  if note and jax.process_index() == 0:
-    print(note)
   result = run(cfg)
   if jax.process_index() == 0:
     r = result

@@ -71,7 +71,7 @@ QUICK_METHODS = ("dense", "top-k 0.01 + EF", "PowerSGD r2", "onebit")
 FULL = dict(model_args="embed_dim=32,hidden_size=96,num_layers=1",
             seq_len=32, batch_size=64, steps=400, eval_examples=1024)
 QUICK = dict(model_args="embed_dim=16,hidden_size=48,num_layers=1",
-             seq_len=16, batch_size=32, steps=60, eval_examples=256)
+             seq_len=16, batch_size=32, steps=100, eval_examples=256)
 
 
 def table(rows: list[dict]) -> str:
@@ -91,7 +91,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None, *, set_devices: bool = True) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true",
-                 help="a few methods, a smaller model, 60 steps")
+                 help="a few methods, a smaller model, 100 steps")
   p.add_argument("--workers", default="4,8",
                  help="comma-separated device counts")
   p.add_argument("--steps", type=int, default=None)

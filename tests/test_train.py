@@ -168,3 +168,17 @@ def test_corrupt_or_incompatible_checkpoint(tmp_path):
   # A fresh run into the same directory must be asked for.
   with pytest.raises(ValueError, match="--overwrite"):
     _run(tmp_path, *comp, "--steps", 4, name="c")
+
+
+def test_default_falls_back_without_powersgd(tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(train.COMPRESSORS, "powersgd", ("no_such_factory", {}))
+  argv = [a for a in TINY if a != "--no-plot"]
+  r = train.main(argv + ["--steps", "3", "--out-dir", str(tmp_path / "f")])
+  assert "no powersgd" in capsys.readouterr().out
+  assert r["compressor"] == "cast"
+  assert r["compressor_args"] == {"dtype": "bfloat16", "error_feedback": True}
+  for f in ("curves.png", "summary.md", "metrics.jsonl", "config.json"):
+    assert (tmp_path / "f" / f).exists(), f
+  with pytest.raises(ValueError, match="not in this build"):
+    train.main(TINY + ["--compressor", "powersgd", "--compressor-args",
+                       "rank=2", "--out-dir", str(tmp_path / "g")])
