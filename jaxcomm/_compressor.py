@@ -194,6 +194,16 @@ def _check_float(name, value, lo=None, hi=None, lo_open=False):
       f"{name} must be in {lo_s}{lo}, {hi}], got {value!r}")
 
 
+def _match_varying(x, like):
+  """``x`` marked varying over every axis ``like`` (an abstract value)
+  varies over."""
+  mat = getattr(like, "manual_axis_type", None)
+  want = frozenset(mat.varying) if mat is not None else frozenset(
+    getattr(like, "vma", ()))
+  missing = tuple(sorted(want - _core.varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def compressed(
   codec: Codec,
   *,
@@ -325,8 +335,17 @@ def compressed(
     if g:
       if start_step > 0:
         in_dense = step < start_step
+        # Both branches must agree in type: where the codec makes a state
+        # leaf vary over the axis (a per-device statistic), the dense
+        # branch's unchanged leaf is marked varying too.
+        want = jax.eval_shape(compress_branch, None)[2]
+
+        def dense_typed(_):
+          mean, sent, cs = dense_branch(None)
+          return mean, sent, jax.tree.map(_match_varying, cs, want)
+
         mean, sent, codec_state = jax.lax.cond(
-          in_dense, dense_branch, compress_branch, None)
+          in_dense, dense_typed, compress_branch, None)
       else:
         in_dense = jnp.zeros([], bool)
         mean, sent, codec_state = compress_branch(None)

@@ -114,11 +114,8 @@ _entry("powersgd_r2", {"rank": 2}, bad=_BAD)
 _entry("powersgd_r1_noef_cold",
        {"rank": 1, "error_feedback": False, "warm_start": False},
        warm_start=False, ef=False)
-_entry("powersgd_r4_iters2_gs",
-       {"rank": 4, "num_iters_per_step": 2,
-        "orthogonalization": "gram_schmidt",
-        "orthogonalization_epsilon": 1e-7, "seed": 3},
+_entry("powersgd_r4_iters2_cholesky_unbatched",
+       {"rank": 4, "num_iters_per_step": 2, "orthogonalization": "cholesky",
+        "orthogonalization_epsilon": 1e-7, "batch_same_shape": False,
+        "seed": 3},
        num_iters=2)
-_entry("powersgd_r3_cholesky_unbatched",
-       {"rank": 3, "orthogonalization": "cholesky",
-        "batch_same_shape": False})
