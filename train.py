@@ -668,7 +668,9 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
   if problems:
     raise CheckpointError(
       f"checkpoint {path} does not fit this run:\n  "
-      + "\n  ".join(problems[:20]))
+      + "\n  ".join(problems[:20])
+      + "\n(resume with the checkpoint's settings; --num-devices, "
+      "--stop-after, --checkpoint-every, --eval-* and logging may change)")
 
 
 # ------------------------------------------------------------------- run --
