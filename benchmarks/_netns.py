@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 
@@ -165,10 +166,55 @@ def run_group(commands: list[list[str]], timeout_s: float, env=None,
   return codes, outs, timed_out
 
 
+class Group:
+  """Processes started together, each in its own session, output to files.
+
+  ``running()`` is False once all have exited, or as soon as one fails
+  (the others are then killed: they would wait for it forever).
+  """
+
+  def __init__(self, commands: list[list[str]], env=None, cwd=None):
+    self.logs = [tempfile.TemporaryFile() for _ in commands]
+    self.procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, cwd=cwd, start_new_session=True)
+                  for c, log in zip(commands, self.logs)]
+
+  def running(self) -> bool:
+    codes = [p.poll() for p in self.procs]
+    if any(c not in (None, 0) for c in codes):
+      self.kill()
+      return False
+    return any(c is None for c in codes)
+
+  def kill(self) -> None:
+    """SIGKILL to each process group this object started."""
+    for p in self.procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+          pass
+
+  def finish(self) -> tuple[list[int], list[str]]:
+    """Waits for every process; ``(return codes, outputs)``."""
+    codes = [p.wait() for p in self.procs]
+    outs = []
+    for log in self.logs:
+      log.seek(0)
+      outs.append(log.read().decode(errors="replace"))
+      log.close()
+    return codes, outs
+
+
 def read_json_lines(path) -> list[dict]:
   """The JSON records a worker appended to ``path`` (missing file: [])."""
   try:
     with open(path) as f:
-      return [json.loads(line) for line in f if line.strip()]
+      lines = f.read().split("\n")
   except FileNotFoundError:
     return []
+  out = []
+  for line in lines[:-1]:   # the last piece may be a line being written
+    if line.strip():
+      out.append(json.loads(line))
+  return out

@@ -121,6 +121,18 @@ def _append(path, record):
 
 # ----------------------------------------------------------------- workers --
 
+def _go_path(out, mi, ri):
+  return f"{out}.go-{mi}-{ri}"
+
+
+def _wait_go(out, mi, ri, timeout_s):
+  deadline = time.monotonic() + timeout_s
+  while not os.path.exists(_go_path(out, mi, ri)):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"no go signal for method {mi}, rate {ri}")
+    time.sleep(0.02)
+
+
 def _jax_worker(a) -> int:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=import-outside-toplevel
@@ -149,7 +161,7 @@ def _jax_worker(a) -> int:
     return sum(0.5 * s * jnp.sum(w * w) + c * jnp.sum(w) for w in p)
 
   out = a.out if a.pid == 0 else None
-  for method in a.methods.split(","):
+  for mi, method in enumerate(a.methods.split(",")):
     attr, build = METHODS[method]
     if out:
       _append(out, {"event": "start", "method": method})
@@ -168,24 +180,30 @@ def _jax_worker(a) -> int:
       params, state, _ = dp.step(params, state, batch)
       jax.block_until_ready((params, state))
       first = time.perf_counter() - t0
-      for _ in range(a.warmup - 1):
-        params, state, _ = dp.step(params, state, batch)
-        jax.block_until_ready((params, state))
-      times = []
-      for _ in range(a.steps):
-        t0 = time.perf_counter()
-        params, state, _ = dp.step(params, state, batch)
-        jax.block_until_ready((params, state))
-        times.append(time.perf_counter() - t0)
       abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
       ops = jaxcomm.wire.claimed(comp, abstract, n)
       sent = jaxcomm.wire.summarize(ops, n).total_sent
-      finite = bool(jax.device_get(jnp.all(jnp.stack(
-        [jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)]))))
-      if out:
-        _append(out, {"method": method, "times": times,
-                      "first_step": first, "ops": ops, "sent": sent,
-                      "devices": n, "finite": finite})
+      for ri in range(a.nrates):
+        # The driver sets rate ri on the loopback, then says go.
+        if out:
+          _append(out, {"event": "ready", "method": method, "mi": mi,
+                        "ri": ri})
+        _wait_go(a.out, mi, ri, a.init_timeout)
+        for _ in range(a.warmup):
+          params, state, _ = dp.step(params, state, batch)
+          jax.block_until_ready((params, state))
+        times = []
+        for _ in range(a.steps):
+          t0 = time.perf_counter()
+          params, state, _ = dp.step(params, state, batch)
+          jax.block_until_ready((params, state))
+          times.append(time.perf_counter() - t0)
+        finite = bool(jax.device_get(jnp.all(jnp.stack(
+          [jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)]))))
+        if out:
+          _append(out, {"method": method, "ri": ri, "times": times,
+                        "first_step": first, "ops": ops, "sent": sent,
+                        "devices": n, "finite": finite})
     except Exception as e:  # pylint: disable=broad-except
       if out:
         _append(out, {"method": method,
@@ -281,42 +299,78 @@ def _worker_argv(kind, pid, nproc, port, out, a, **kw):
   return argv + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
 
 
-def _run_jax(ns, ports, a, nproc, rate, model, tmp) -> list[dict]:
-  """All methods for one (rate, processes, model); a method that hangs is
-  recorded as a timeout and the rest run in a fresh group."""
+def _run_jax(ns, ports, a, nproc, rates, model, tmp) -> list[dict]:
+  """All methods at all rates for one (processes, model).
+
+  One process group per attempt: each method is compiled once, then timed
+  at every rate (the driver changes the loopback's rate between them while
+  the workers wait). A method that makes no progress for ``a.timeout``
+  seconds (a hang) or crashes is recorded as such; the methods after it run
+  in a fresh group.
+  """
   remaining = list(a.methods)
   rows = []
   attempt = 0
   while remaining:
     attempt += 1
-    out = os.path.join(tmp, f"jax-{model}-{nproc}-{rate}-{attempt}.jsonl")
+    out = os.path.join(tmp, f"jax-{model}-{nproc}-{attempt}.jsonl")
     port = ports.take()
     cmds = [ns.command(_worker_argv(
       "jax", pid, nproc, port, out, a, model=model,
-      methods=",".join(remaining), local_devices=1))
+      methods=",".join(remaining), local_devices=1, nrates=len(rates)))
       for pid in range(nproc)]
-    timeout = a.timeout * len(remaining)
-    codes, outs, timed_out = _netns.run_group(cmds, timeout, env=_env(),
-                                              cwd=ROOT)
+    group = _netns.Group(cmds, env=_env(), cwd=ROOT)
+    seen, last, timed_out = 0, time.monotonic(), False
+    while group.running():
+      recs = _netns.read_json_lines(out)
+      for r in recs[seen:]:
+        last = time.monotonic()
+        if r.get("event") == "ready":
+          ns.set_rate(rates[r["ri"]])
+          open(_go_path(out, r["mi"], r["ri"]), "w").close()
+          print(f"  {r['method']} at {_rate_label(rates[r['ri']])}",
+                flush=True)
+      seen = len(recs)
+      if time.monotonic() - last > a.timeout:
+        timed_out = True
+        group.kill()
+        break
+      time.sleep(0.05)
+    codes, outs = group.finish()
+    for pid, text in enumerate(outs):
+      with open(f"{out}.{pid}.log", "w") as f:
+        f.write(text)
     recs = _netns.read_json_lines(out)
-    done = {r["method"]: r for r in recs if "method" in r and
-            r.get("event") is None}
     started = [r["method"] for r in recs if r.get("event") == "start"]
     for m in list(remaining):
-      if m in done:
-        rows.append(dict(done[m], model=model, procs=nproc, rate=rate))
+      done = [r for r in recs if r.get("method") == m and
+              r.get("event") is None]
+      for r in done:
+        rate = rates[r["ri"]] if "ri" in r else None
+        rows.append(dict(r, model=model, procs=nproc, rate=rate))
+      complete = (any("skipped" in r or "error" in r for r in done)
+                  or len({r.get("ri") for r in done}) == len(rates))
+      if complete:
         remaining.remove(m)
-    if not remaining:
+      elif m in started:
+        # Started, did not finish every rate: a hang or a crash.
+        why = (f"no progress for {a.timeout:.0f} s (hang?)" if timed_out
+               else f"exit codes {codes}: " + _tail(outs))
+        got = {r.get("ri") for r in done}
+        for ri, rate in enumerate(rates):
+          if ri not in got:
+            rows.append({"method": m, "error": why, "model": model,
+                         "procs": nproc, "rate": rate})
+        print(f"  {m}: {why}", flush=True)
+        remaining.remove(m)
+        break
+    if not started and remaining:
+      why = f"exit codes {codes}: " + _tail(outs)
+      for m in remaining:
+        rows.append({"method": m, "error": why, "model": model,
+                     "procs": nproc, "rate": None})
+      print(f"  workers failed before any method: {why}", flush=True)
       break
-    # The first unfinished method failed (hang or crash): record it, go on.
-    bad = started[-1] if started and started[-1] in remaining \
-      else remaining[0]
-    why = (f"timeout after {timeout:.0f} s" if timed_out else
-           f"exit codes {codes}: " + _tail(outs))
-    rows.append({"method": bad, "error": why, "model": model,
-                 "procs": nproc, "rate": rate})
-    remaining.remove(bad)
-    print(f"  {bad}: {why}", flush=True)
   return rows
 
 
@@ -362,6 +416,9 @@ def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
     for pid in range(nproc)]
   codes, outs, timed_out = _netns.run_group(cmds, a.timeout, env=_env(),
                                             cwd=ROOT)
+  for pid, text in enumerate(outs):
+    with open(f"{out}.{pid}.log", "w") as f:
+      f.write(text or "")
   recs = _netns.read_json_lines(out)
   ops = torch_ops(model_shapes(model), a.torch_rank if hook else None)
   row = {"method": label, "model": model, "procs": nproc, "rate": rate,
@@ -379,6 +436,10 @@ def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
     if steps:
       row["partial_step_times"] = [r["t"] for r in steps]
   return row
+
+
+def _rate_key(rate) -> float:
+  return math.inf if rate is None else rate
 
 
 def _rate_label(rate) -> str:
@@ -509,8 +570,9 @@ def _torch_available() -> bool:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--processes", default="2,4")
-  p.add_argument("--rates", default="none,1,10",
-                 help="Gbit/s, comma separated; 'none' = no limit")
+  p.add_argument("--rates", default=None,
+                 help="Gbit/s, comma separated; 'none' = no limit "
+                 "(default: none,1,10; with --quick: 1)")
   p.add_argument("--models", default="resnet18,charlm")
   p.add_argument("--methods", default=",".join(METHODS))
   p.add_argument("--steps", type=int, default=10)
@@ -531,7 +593,7 @@ def main(argv=None) -> int:
   for flag, typ in (("pid", int), ("nproc", int), ("port", int),
                     ("out", str), ("model", str), ("local-devices", int),
                     ("bucket-mb", float), ("hook", str), ("rank", int),
-                    ("label", str)):
+                    ("label", str), ("nrates", int)):
     p.add_argument(f"--{flag}", type=typ, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker == "jax":
@@ -540,8 +602,9 @@ def main(argv=None) -> int:
     return _torch_worker(a)
 
   if a.quick:
-    a.processes, a.rates, a.models, a.steps, a.warmup = (
-      "2", "1", "resnet18", 3, 2)
+    a.processes, a.models, a.steps, a.warmup = "2", "resnet18", 3, 2
+  if a.rates is None:
+    a.rates = "1" if a.quick else "none,1,10"
   unknown = [m for m in a.methods.split(",") if m not in METHODS]
   if unknown:
     p.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
@@ -585,31 +648,33 @@ def main(argv=None) -> int:
   t_all = time.perf_counter()
   with _netns.Namespace() as ns:
     print(f"namespace {ns.name}: loopback only", flush=True)
-    for rate in rates:
-      ns.set_rate(rate)
-      for nproc in procs:
-        for model in model_names:
-          t0 = time.perf_counter()
-          print(f"{_rate_label(rate)}, {nproc} processes, {model} ...",
-                flush=True)
-          got = _run_jax(ns, ports, a, nproc, rate, model, tmp) \
-            if a.methods else []
-          if use_torch and model in a.torch_models.split(","):
+    for nproc in procs:
+      for model in model_names:
+        t0 = time.perf_counter()
+        print(f"{nproc} processes, {model} gradients ...", flush=True)
+        got = _run_jax(ns, ports, a, nproc, rates, model, tmp) \
+          if a.methods else []
+        if use_torch and model in a.torch_models.split(","):
+          for rate in rates:
+            ns.set_rate(rate)
             for bucket in [float(b) for b in a.torch_buckets.split(",")]:
               for hook in (None, "powersgd"):
                 got.append(_run_torch(ns, ports, a, nproc, rate, model, tmp,
                                       bucket, hook))
-          for r in got:
-            state = _fmt(_median(r)) + " s" if r.get("times") else \
-              (r.get("skipped") or r.get("error"))
-            print(f"  {r['method']}: {state}", flush=True)
-          print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-          rows += got
-      if rate is not None:
-        print(ns.qdisc().strip().replace("\n", " | "), flush=True)
+                print(f"  {got[-1]['method']} at {_rate_label(rate)}",
+                      flush=True)
+        for r in sorted(got, key=lambda r: _rate_key(r["rate"])):
+          state = _fmt(_median(r)) + " s" if r.get("times") else \
+            (r.get("skipped") or r.get("error"))
+          print(f"  {_rate_label(r['rate'])} {r['method']}: {state}",
+                flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        rows += got
+  rows.sort(key=lambda r: (r["model"], r["procs"], _rate_key(r["rate"])))
   md = ["## Measured step times on a rate-limited loopback", "",
-        f"{len(procs)} process counts x {len(rates)} rates; one CPU device "
-        f"per process; median of {a.steps} steps after {a.warmup} warm-up; "
+        f"Processes {a.processes}; rates (Gbit/s) {a.rates}; one CPU device "
+        f"per process; median of {a.steps} steps after {a.warmup} warm-up "
+        f"steps at each rate; "
         f"model columns: jaxcomm.wire.CostModel.link(rate, "
         f"{a.latency_us:g} us) on the claimed collectives "
         "(communication only).", "",
