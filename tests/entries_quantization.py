@@ -307,12 +307,24 @@ def natural_ref(x, key):
 
 
 def _natural_ref(xs, state, t, key, n):
-  sent = []
-  for i, dev in enumerate(xs):
-    flat = natural_ref(_flat(dev), jax.random.fold_in(key, i))
-    sent.append(_split(flat, dev))
-  mean = [np.mean([s[j] for s in sent], axis=0) for j in range(len(xs[0]))]
-  return mean, sent, state
+  """Workers round with their own keys; from n = 3 on, the owner of each
+  chunk rounds the chunk's average again with key ``fold_in(key, n + k)``.
+  """
+  flats = [natural_ref(_flat(dev), jax.random.fold_in(key, i))
+           for i, dev in enumerate(xs)]
+  sent = [_split(f, dev) for f, dev in zip(flats, xs)]
+  length = flats[0].size
+  if n <= 2:
+    mean = np.mean(flats, axis=0)
+  else:
+    chunk = -(-(-(-length // n)) // WORD) * WORD
+    avg = np.zeros(n * chunk, np.float32)
+    avg[:length] = np.sum(np.asarray(flats, np.float32), axis=0) / n
+    mean = np.concatenate([
+      natural_ref(avg[k * chunk:(k + 1) * chunk],
+                  jax.random.fold_in(key, n + k)) for k in range(n)])
+    mean = mean[:length]
+  return _split(mean, xs[0]), sent, state
 
 
 registry.register(registry.Entry(

@@ -70,15 +70,17 @@ def test_stochastic_quantizers_are_unbiased(make):
 
 
 def test_noise_is_independent_per_device(mesh):
-  """Same gradient on every device: the natural-compressed average is not a
-  power of two, so the devices rounded independently."""
-  tx = jaxcomm.natural()
+  """Same gradient on every device: the TernGrad average takes values
+  between the ternary levels, so the devices drew independent noise."""
+  tx = jaxcomm.terngrad()
   params = {"w": jnp.zeros((512,), jnp.float32)}
   g = np.random.RandomState(1).randn(512).astype(np.float32)
   grads = [{"w": np.broadcast_to(g, (harness.N, 512)).copy()}]
   upd, _, _ = harness.device_run(tx, mesh, grads, params=params)
-  mant = np.asarray(upd[0]["w"], np.float32).view(np.uint32) & 0x7FFFFF
-  assert (mant != 0).mean() > 0.5
+  steps = np.asarray(upd[0]["w"], np.float64) / np.abs(g).max() * harness.N
+  np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+  # Shared noise would give only 0 or +-N.
+  assert (np.abs(np.round(steps)) % harness.N != 0).mean() > 0.3
 
 
 # -------------------------------------------------------------- onebit --
@@ -162,6 +164,10 @@ def test_quantized_exchange_choice_and_bytes():
     sent, dense = _wire(jaxcomm.int8(), k)
     # int8 codes (+ 16-bit sums) and a float per 128-element bucket.
     assert dense / sent > 2.5
+  # natural: 9-bit codes in two phases (an all-gather would send 63 bits
+  # per element at n = 8, more than the 56 of the float32 psum).
+  sent, dense = _wire(jaxcomm.natural(), 8)
+  np.testing.assert_allclose(8 * sent / 65536, 2 * 9 * 7 / 8, rtol=1e-3)
 
 
 # ------------------------------------------------------- packing, input --
@@ -190,7 +196,7 @@ def test_non_floating_input_is_a_value_error():
   with pytest.raises(ValueError, match="codes must be an integer"):
     _quantized.integer_allreduce(jnp.ones(4), 1, None)
   with pytest.raises(ValueError, match="values must be float32"):
-    _quantized.natural_allgather(jnp.arange(4), None)
+    _quantized.natural_allreduce(jnp.arange(4), None, lambda c: c)
 
 
 def test_natural_round_matches_numpy_and_keeps_nonfinite():

@@ -20,13 +20,15 @@ moves fewer bytes for the number of devices (:func:`plan`):
   Each device sends ``(n - 1) / n * L * (b + b2)`` bits: about ``b + b2``
   bits per element whatever ``n``.
 
-:func:`natural_allgather` exchanges the 9-bit codes of natural compression
-(sign bit + float32 exponent byte), which do not add as integers.
+:func:`natural_allreduce` exchanges the 9-bit codes of natural compression
+(sign bit + float32 exponent byte), which do not add as integers: from
+``n = 3`` on the chunk owners round their averaged chunk to powers of two a
+second time (unbiased) rather than gather ``9 (n - 1)`` bits per element.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -195,24 +197,60 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name) -> jax.Array:
 # ------------------------------------------------------ natural compression --
 
 
-def natural_words(length: int) -> tuple[int, int]:
-  """(sign words, exponent words) for ``length`` natural-compression codes."""
+def _nat_encode(values: jax.Array) -> jax.Array:
+  """float32[..., m] (m a multiple of 32, zero mantissas) -> 9-bit words."""
+  bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+  sign = pack_codes(bits >> 31, 1)
+  expo = pack_codes((bits >> 23) & jnp.uint32(0xFF), 8)
+  return jnp.concatenate([sign, expo], axis=-1)
+
+
+def _nat_decode(words: jax.Array, m: int) -> jax.Array:
+  """Inverse of :func:`_nat_encode` for ``m`` values per row."""
+  ws = m // WORD_BITS
+  s = unpack_codes(words[..., :ws], 1, m)
+  e = unpack_codes(words[..., ws:], 8, m)
+  return jax.lax.bitcast_convert_type((s << 31) | (e << 23), jnp.float32)
+
+
+def natural_plan(length: int, n: int) -> Plan:
+  """The exchange of :func:`natural_allreduce` for ``n`` devices.
+
+  ``gather``: all-gather of every device's 9-bit codes (``9 n L`` bits of
+  payload). ``scatter``: all-to-all of 9-bit chunks, the owner averages its
+  chunk in float32 and rounds it to powers of two again, all-gather of the
+  9-bit rounded chunks (``18 L``). ``scatter`` from ``n = 3`` on (tie at 2,
+  where the exact ``gather`` is kept).
+  """
   padded = _core.padded_length(length, WORD_BITS)
-  return padded // WORD_BITS, padded // 4
+  gather = [("all-gather", n * padded * 9 // 8)]
+  chunk = _core.padded_length(-(-length // n), WORD_BITS)
+  scatter = [("all-to-all", n * chunk * 9 // 8),
+             ("all-gather", n * chunk * 9 // 8)]
+  if n > 1 and sum(b for _, b in scatter) < sum(b for _, b in gather):
+    return Plan("scatter", 9, 9, chunk, scatter)
+  return Plan("gather", 9, 9, chunk, gather)
 
 
-def natural_allgather(values: jax.Array, axis_name) -> jax.Array:
+def natural_allreduce(values: jax.Array, axis_name,
+                      reround: Callable[[jax.Array], jax.Array]
+                      ) -> jax.Array:
   """Mean over devices of powers of two, moving 9 bits per element.
 
-  ``values`` must be natural-compressed float32 (zero mantissa): each is
-  sent as its sign bit (packed 32 to a word) and its exponent byte (packed 4
-  to a word), gathered from every device, rebuilt bit-exactly and averaged
-  in float32. Two-phase schemes would have to re-round the chunk sums, which
-  are not powers of two; the all-gather keeps the aggregate exact.
+  ``values`` must be natural-compressed float32 (zero mantissa bits): each
+  travels as its sign bit (32 to a word) and its exponent byte (4 to a
+  word). With :func:`natural_plan`'s ``gather`` every device decodes all
+  ``n`` rows and averages them exactly; with ``scatter`` the owner of a
+  chunk averages the ``n`` decoded chunks and calls ``reround`` on the
+  average (the sum of powers of two is not one), so each device sends
+  about 18 bits per element whatever ``n``. An unbiased ``reround`` (natural
+  compression with the owner's own noise) keeps the result unbiased.
 
   Args:
     values: ``float32[L]`` with zero mantissa bits.
     axis_name: the axis, or None.
+    reround: ``float32[C] -> float32[C]`` with zero mantissas, applied by
+      each chunk owner to its averaged chunk (``scatter`` only).
 
   Returns:
     ``float32[L]``: the mean, identical (invariant) on every device.
@@ -221,26 +259,20 @@ def natural_allgather(values: jax.Array, axis_name) -> jax.Array:
   if values.dtype != jnp.float32:
     raise ValueError(f"values must be float32, got {values.dtype}")
   length = values.shape[0]
-  padded = _core.padded_length(length, WORD_BITS)
-  bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
-  bits = jnp.pad(bits, (0, padded - length))
-  sign = pack_codes(bits >> 31, 1)
-  expo = pack_codes((bits >> 23) & jnp.uint32(0xFF), 8)
-  rows = _core.all_gather(jnp.concatenate([sign, expo]), axis_name)
-  ws = padded // WORD_BITS
-  s = unpack_codes(rows[:, :ws], 1, length)
-  e = unpack_codes(rows[:, ws:], 8, length)
-  vals = jax.lax.bitcast_convert_type((s << 31) | (e << 23), jnp.float32)
-  n = rows.shape[0]
-  return jnp.sum(vals, axis=0) / n
-
-
-def natural_collectives(length: int, n: int) -> list:
-  """The collectives of :func:`natural_allgather` (HLO kind, payload)."""
-  ws, we = natural_words(length)
-  return [("all-gather", n * (ws + we) * 4)]
+  n = _core.axis_size(axis_name)
+  p = natural_plan(length, n)
+  if p.kind == "gather":
+    padded = _core.padded_length(length, WORD_BITS)
+    rows = _core.all_gather(_nat_encode(jnp.pad(values, (0, padded - length))),
+                            axis_name)
+    return jnp.sum(_nat_decode(rows, padded), axis=0)[:length] / n
+  c = p.chunk
+  x = jnp.pad(values, (0, n * c - length)).reshape(n, c)
+  got = _core.all_to_all(_nat_encode(x), axis_name, 0, 0)
+  mine = reround(jnp.sum(_nat_decode(got, c), axis=0) / n)
+  rows = _core.all_gather(_nat_encode(mine), axis_name)
+  return _nat_decode(rows, c).reshape(-1)[:length]
 
 
 __all__ = ["code_bits", "pack_codes", "unpack_codes", "plan", "Plan",
-           "integer_allreduce", "natural_allgather", "natural_collectives",
-           "natural_words"]
+           "integer_allreduce", "natural_allreduce", "natural_plan"]
