@@ -21,7 +21,7 @@ from jaxcomm.collectives._core import to_words
 from jaxcomm.collectives._core import from_words
 from jaxcomm.collectives._lowrank import lowrank_allreduce
 from jaxcomm.collectives._quantized import integer_allreduce
-from jaxcomm.collectives._quantized import natural_allgather
+from jaxcomm.collectives._quantized import natural_allreduce
 from jaxcomm.collectives._signs import compressed_allreduce
 from jaxcomm.collectives._signs import gather_signs
 from jaxcomm.collectives._signs import majority_vote
