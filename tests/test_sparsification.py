@@ -1,0 +1,412 @@
+"""Sparsification family: collectives, DGC's four techniques, wire scaling,
+convergence with and without error feedback, bad input.
+
+The shared battery (tests/test_battery.py) runs every registry entry of
+tests/entries_sparsification.py; this file checks what is particular to the
+family.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import parallel
+from jaxcomm.collectives import _sparse
+from jaxcomm.transforms import _sparsification as sp
+from tests import entries_sparsification as ref
+from tests import harness
+from tests import registry
+
+
+def _submesh(k):
+  if len(jax.devices()) < k:
+    pytest.skip(f"needs {k} devices")
+  return jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# ------------------------------------------------------ sparse psum ----
+
+def test_index_dtype_is_the_smallest_that_holds_the_sentinel():
+  assert _sparse.index_dtype(255) == jnp.uint8
+  assert _sparse.index_dtype(256) == jnp.uint16
+  assert _sparse.index_dtype(65535) == jnp.uint16
+  assert _sparse.index_dtype(65536) == jnp.uint32
+
+
+@pytest.mark.parametrize("size,capacity", [(200, 7), (5000, 5), (70000, 3)])
+def test_pack_pairs_round_trip(size, capacity):
+  rng = np.random.RandomState(0)
+  idx = jnp.asarray(np.r_[rng.choice(size, capacity - 1, replace=False),
+                          size], jnp.int32)
+  val = jnp.asarray(rng.randn(capacity), jnp.float32)
+  words = _sparse.pack_pairs(idx, val, size)
+  assert words.dtype == jnp.uint32
+  assert words.shape == (_sparse.message_words(capacity, size),)
+  i2, v2 = _sparse.unpack_pairs(words, capacity, size)
+  np.testing.assert_array_equal(i2, idx)
+  np.testing.assert_array_equal(v2, val)
+
+
+def test_sparse_psum_adds_duplicates_and_ignores_padding(mesh):
+  size, cap = 300, 6    # uint16 indices: 300 does not fit uint8
+  rng = np.random.RandomState(1)
+  idx = rng.randint(0, 20, (8, cap)).astype(np.int32)    # many duplicates
+  idx[:, 0] = 5                                           # on every device
+  idx[:, 1] = idx[:, 2]                                   # within a device
+  idx[:, -1] = size                                       # padding slot
+  val = rng.randn(8, cap).astype(np.float32)
+  val[:, -1] = 1e6                                        # must not land
+
+  def f(i, v):
+    return _sparse.sparse_psum(i[0], v[0], size, "data")
+
+  got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")),
+                              out_specs=P()))(idx, val)
+  want = np.zeros(size)
+  for i in range(8):
+    for c in range(cap - 1):
+      want[idx[i, c]] += val[i, c]
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gtopk_needs_a_power_of_two():
+  mesh6 = _submesh(6)
+  tx = jaxcomm.gtopk(0.1)
+  params = {"w": jnp.zeros((512,), jnp.float32)}
+
+  def step(g):
+    return tx.update({"w": g[0]}, tx.init(params), params)[0]
+
+  fn = jax.shard_map(step, mesh=mesh6, in_specs=P("data"), out_specs=P())
+  with pytest.raises(ValueError, match="power-of-two"):
+    jax.jit(fn).lower(jnp.zeros((6, 512), jnp.float32))
+
+
+def test_gtopk_result_has_k_entries_and_is_the_same_everywhere(mesh):
+  # With 8 devices whose gradients share one dominant direction, the
+  # global top-k is that direction's support.
+  params = {"w": jnp.zeros((1024,), jnp.float32)}
+  rng = np.random.RandomState(2)
+  strong = np.zeros(1024)
+  strong[rng.choice(1024, 10, replace=False)] = 50.0
+  grads = [{"w": (strong + rng.randn(8, 1024)).astype(np.float32)}]
+  upd, state, _ = harness.device_run(jaxcomm.gtopk(10 / 1024), mesh, grads,
+                                     params=params)
+  u = upd[0]["w"]
+  assert np.count_nonzero(u) == 10
+  np.testing.assert_array_equal(np.nonzero(u)[0], np.nonzero(strong)[0])
+  # What each device holds back plus what reached the sum is its gradient.
+  res = harness.residuals_of(state)[0]
+  np.testing.assert_allclose(8 * u + res.sum(0), grads[0]["w"].sum(0),
+                             rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------ random-k ----
+
+def test_randomk_same_coordinates_everywhere_and_no_indices_on_wire(mesh):
+  tx = jaxcomm.randomk(0.05)
+  grads = harness.make_grads(seed=3, steps=1)
+  upd, state, _ = harness.device_run(tx, mesh, grads)
+  res = harness.residuals_of(state)
+  for r in res:
+    sent = np.stack([r_i == 0 for r_i in r])     # residual 0 where sent
+    assert np.all(sent == sent[0]), "devices chose different coordinates"
+    k = sp.num_selected(0.05, r[0].size)
+    assert sent[0].sum() == k
+  kinds = {op.kind for op in jaxcomm.wire.collectives(
+    harness.lower_update(tx, mesh))}
+  assert kinds == {"all-reduce"}
+
+
+def test_randomk_coordinates_are_uniform():
+  # Each coordinate is chosen with probability k / L over keys.
+  size, ratio, draws = 50, 0.1, 2000
+  keys = jax.random.split(jax.random.PRNGKey(0), draws)
+  idx = jax.vmap(lambda k: sp.randomk_indices(k, ratio, [size])[0])(keys)
+  counts = np.bincount(np.asarray(idx).ravel(), minlength=size)
+  p = sp.num_selected(ratio, size) / size
+  sd = math.sqrt(draws * p * (1 - p))
+  assert np.all(np.abs(counts - draws * p) < 5 * sd)
+
+
+# ----------------------------------------------------------------- DGC ----
+
+def _dgc_state(state):
+  return [s for s in harness._walk(state)
+          if isinstance(s, jaxcomm.CompressState)][0]
+
+
+def test_dgc_momentum_factor_masking(mesh):
+  """Sent coordinates are zero in both u (momentum) and v (residual)."""
+  tx = jaxcomm.dgc(0.05, momentum=0.9, exact=True)
+  grads = harness.make_grads(seed=4, steps=2)
+  _, state, _ = harness.device_run(tx, mesh, grads)
+  st = _dgc_state(state)
+  for u, v in zip(st.momentum, st.residual):
+    u, v = np.asarray(u), np.asarray(v)
+    sent = v == 0
+    k = sp.num_selected(0.05, v[0].size)
+    assert np.all(sent.reshape(8, -1).sum(1) == k)
+    assert np.all(u[sent] == 0)
+    assert np.all(u[~sent] != 0)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_dgc_clipping_threshold_scales_with_sqrt_n(k):
+  """Local clipping to clip_norm / sqrt(n) (survey eq. 14)."""
+  mesh = _submesh(k)
+  clip, size = 2.0, 1000
+  tx = jaxcomm.dgc(0.01, momentum=0.0, clip_norm=clip, exact=True)
+  params = {"w": jnp.zeros((size,), jnp.float32)}
+  # Constant gradient 10 per element: norm 10 sqrt(L) >> clip.
+  grads = [{"w": np.full((8, size), 10.0, np.float32)}]
+  _, state, _ = harness.device_run(tx, mesh, grads, params=params)
+  v = np.asarray(_dgc_state(state).residual[0])      # unsent: clipped g
+  unsent = v[v != 0]
+  limit = unsent[0] * math.sqrt(size)                  # norm of clipped g
+  np.testing.assert_allclose(unsent, unsent[0])
+  np.testing.assert_allclose(limit, clip / math.sqrt(k), rtol=1e-5)
+
+
+def test_dgc_density_follows_the_warmup_schedule():
+  size, ratio, per_stage = 20000, 0.001, 2
+  tx = jaxcomm.dgc(ratio, momentum=None, exact=True,
+                   warmup_steps_per_stage=per_stage, axis_name=None)
+  params = {"w": jnp.zeros((size,), jnp.float32)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  rng = np.random.RandomState(5)
+  schedule = sp.dgc_densities(ratio)
+  assert schedule == (0.25, 0.0625, 0.015625, 0.004, 0.001)
+  for t in range(per_stage * len(schedule) + 2):
+    g = {"w": jnp.asarray(rng.randn(size), jnp.float32)}
+    upd, state = update(g, state, params)
+    want = schedule[min(t // per_stage, len(schedule) - 1)]
+    assert np.count_nonzero(np.asarray(upd["w"])) == sp.num_selected(
+      want, size), t
+
+
+@pytest.mark.parametrize("dist", ["normal", "laplace", "lognormal"])
+@pytest.mark.parametrize("density", [0.01, 0.001])
+def test_dgc_sampled_threshold_lands_within_bounds(dist, density):
+  size = 200_000
+  rng = np.random.RandomState(6)
+  x = {"normal": rng.randn, "laplace": lambda s: rng.laplace(size=s),
+       "lognormal": lambda s: rng.lognormal(0, 2, s) * rng.choice(
+         [-1, 1], s)}[dist](size).astype(np.float32)
+  k = sp.num_selected(density, size)
+  s = sp.dgc_sample_size(density, size, 0.01)
+  key = jax.random.PRNGKey(7)
+  vals, idx, count, t = jax.jit(
+    sp.sampled_select, static_argnums=(1, 3))(jnp.asarray(x), k, key, s)
+  count = int(count)
+  assert 0.8 * k <= count <= 1.3 * k, (count, k)
+  idx, vals = np.asarray(idx), np.asarray(vals)
+  real = idx < size
+  assert real.sum() == min(k, count)
+  np.testing.assert_array_equal(vals[real], x[idx[real]])
+  assert np.all(np.abs(x[idx[real]]) >= float(t))
+  # Same selection as the numpy reference of the entries file.
+  want, want_count = ref.dgc_select_ref(x.astype(np.float64), k, key, 0.01,
+                                        density)
+  assert want_count == count
+  np.testing.assert_array_equal(np.sort(idx[real]), want)
+
+
+def test_dgc_sampled_default_matches_reference(mesh):
+  """The default (sampled, momentum 0.9) DGC on 8 devices vs numpy."""
+  init, step = ref._dgc_ref(0.9, math.inf, 1, 0.01, (0.02,), exact=False)
+  entry = registry.Entry(name="dgc_sampled", ref_init=init, ref_step=step,
+                         factory=jaxcomm.dgc, kwargs={"ratio": 0.02},
+                         conserves=False)
+  grads = harness.make_grads(seed=8, steps=2)
+  upd, state, _ = harness.device_run(entry.make(axis_name="data"), mesh,
+                                     grads)
+  want, want_res, _ = harness.numpy_run(entry, grads)
+  for t in range(2):
+    for k in want[t]:
+      np.testing.assert_allclose(upd[t][k], want[t][k], rtol=1e-4,
+                                 atol=1e-5)
+  for j, r in enumerate(harness.residuals_of(state)):
+    np.testing.assert_allclose(
+      r, np.stack([want_res[i][j] for i in range(8)]), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------- wire bytes ----
+
+def _payload(tx, mesh, params):
+  rep = jaxcomm.wire.report(harness.lower_update(tx, mesh, params=params))
+  dense = 4 * (48 + 1)       # the fused psum of "b" and the non-finite flag
+  pay = dict(rep.payload)
+  pay["all-reduce"] = pay.get("all-reduce", 0) - dense
+  return {k: v for k, v in pay.items() if v}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_wire_bytes_closed_forms(n):
+  mesh = _submesh(n)
+  params = harness.battery_params()
+  sizes = (1152, 3072)                       # conv, w: 4224 < 2^16: uint16
+  ratio = 0.02
+  k = sum(sp.num_selected(ratio, s) for s in sizes)
+  pair = 4 * k + 2 * (k + k % 2)             # values + uint16 indices
+  # top-k: an all-gather of n messages, n k (4 + 2) bytes.
+  assert _payload(jaxcomm.topk(ratio), mesh, params) == {
+    "all-gather": n * pair}
+  # gTop-k: log2(n) permutes of k pairs, one broadcast of k pairs.
+  assert _payload(jaxcomm.gtopk(ratio), mesh, params) == {
+    "collective-permute": int(math.log2(n)) * pair, "all-reduce": pair}
+  # CSC: chunk norms + chosen chunks; no n anywhere.
+  chunks = -(-sum(sizes) // 100)
+  assert _payload(jaxcomm.csc(100, 0.1), mesh, params) == {
+    "all-reduce": 4 * chunks + 4 * 100 * sp.num_selected(0.1, chunks)}
+  # random-k: k values, no indices.
+  assert _payload(jaxcomm.randomk(ratio), mesh, params) == {
+    "all-reduce": 4 * k}
+
+
+# --------------------------------------------------------- convergence ----
+
+_D, _M, _B = 1000, 4096, 16
+
+
+def _least_squares_excess(tx, steps=1500, lr=20.0):
+  """Relative excess loss (f(w) - f*) / (f(0) - f*) after minibatch SGD on
+  8 devices (16 rows each per step) through ``tx``."""
+  mesh = _submesh(8)
+  rng = np.random.RandomState(0)
+  a = rng.randn(_M, _D).astype(np.float32) / np.sqrt(_D)
+  b = a @ rng.randn(_D).astype(np.float32) + 0.1 * rng.randn(_M).astype(
+    np.float32)
+  w_ls = np.linalg.lstsq(a.astype(np.float64), b, rcond=None)[0]
+
+  def loss(w):
+    return 0.5 * np.mean((a.astype(np.float64) @ w - b) ** 2)
+
+  tx = optax.chain(tx, optax.sgd(lr))
+  params = {"w": jnp.zeros((_D,), jnp.float32)}
+  layout = parallel.state_layout(tx, params, mesh, "data")
+  specs = parallel.state_specs(layout, "data")
+  state = parallel.init_state(tx, params, mesh, "data", layout)
+  a_j, b_j = jnp.asarray(a), jnp.asarray(b)
+
+  def run(params, state, key):
+    def one(carry, t):
+      params, state = carry
+      k = jax.random.fold_in(jax.random.fold_in(key, t),
+                             jax.lax.axis_index("data"))
+      rows = jax.random.randint(k, (_B,), 0, _M)
+      w = jaxcomm.collectives.pvary(params["w"], "data")
+      g = a_j[rows].T @ (a_j[rows] @ w - b_j[rows]) / _B
+      local = parallel.to_local(state, layout)
+      u, local = tx.update({"w": g}, local, params)
+      params = optax.apply_updates(params, u)
+      return (params, parallel.to_global(local, layout)), None
+    (params, state), _ = jax.lax.scan(one, (params, state),
+                                      jnp.arange(steps))
+    return params, state
+
+  fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), specs, P()),
+                             out_specs=(P(), specs)))
+  p, _ = fn(parallel.replicate(params, mesh), state, jax.random.PRNGKey(1))
+  w = np.asarray(p["w"], np.float64)
+  f_star, f_0 = loss(w_ls), loss(np.zeros(_D))
+  return (loss(w) - f_star) / (f_0 - f_star)
+
+
+@pytest.mark.slow
+def test_topk_with_error_feedback_reaches_the_dense_optimum():
+  """Survey Table 8 in miniature: after the same 1500 steps, top-k with EF
+  is about where dense SGD is at 100x and 1000x compression; without EF it
+  lags far behind (measured: dense 6e-4; EF 8e-4 / 1.1e-2; no EF 2.9e-2 /
+  4.8e-1 relative excess loss at ratio 0.01 / 0.001)."""
+  dense = _least_squares_excess(jaxcomm.mean_gradients())
+  assert dense < 0.005
+  for ratio in (0.01, 0.001):
+    ef = _least_squares_excess(jaxcomm.topk(ratio))
+    no_ef = _least_squares_excess(jaxcomm.topk(ratio, error_feedback=False))
+    assert ef < 0.02, (ratio, ef, dense)
+    assert no_ef > 5 * ef and no_ef > 10 * dense, (ratio, ef, no_ef, dense)
+
+
+# ----------------------------------------------------------- bad input ----
+
+@pytest.mark.parametrize("factory", [jaxcomm.topk, jaxcomm.randomk,
+                                     jaxcomm.gtopk, jaxcomm.dgc])
+@pytest.mark.parametrize("ratio", [0.0, -0.1, 1.01, float("nan"), "a", True])
+def test_ratio_outside_unit_interval_is_rejected(factory, ratio):
+  with pytest.raises(ValueError, match="ratio"):
+    factory(ratio)
+
+
+def test_k_never_exceeds_the_leaf_and_is_at_least_one():
+  assert sp.num_selected(1.0, 7) == 7
+  assert sp.num_selected(1e-9, 7) == 1
+  assert sp.num_selected(0.1, 30) == 3          # not 4 from 3.0000000004
+  tx = jaxcomm.topk(1.0, axis_name=None)         # k = L: everything sent
+  x = {"w": jnp.arange(300, dtype=jnp.float32)}
+  upd, state = tx.update(x, tx.init(x), x)
+  np.testing.assert_array_equal(upd["w"], x["w"])
+  assert float(jnp.abs(state.residual[0]).max()) == 0.0
+
+
+def test_csc_pads_chunks_that_do_not_divide():
+  tx = jaxcomm.csc(chunk_size=7, ratio=1.0, axis_name=None)
+  x = {"w": jnp.asarray(np.random.RandomState(9).randn(300), jnp.float32)}
+  upd, state = tx.update(x, tx.init(x), x)
+  np.testing.assert_array_equal(upd["w"], x["w"])   # every chunk, no loss
+  with pytest.raises(ValueError, match="chunk_size"):
+    jaxcomm.csc(chunk_size=0, ratio=0.1)
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.dgc(0.05, axis_name=None),      # sampled threshold loop
+  lambda: jaxcomm.threshold(1.0, capacity_ratio=0.05, axis_name=None)])
+def test_inf_gradient_keeps_residual_mass(make):
+  """An Inf in the gradient: the update is NaN (for apply_if_finite to
+  skip), the residuals and DGC's momentum are unchanged and finite. (The
+  8-device NaN case runs in the battery for every entry.)"""
+  tx = make()
+  params = harness.battery_params()
+  grads = [jax.tree.map(lambda g: g[0], g) for g in harness.make_grads(10, 2)]
+  bad = jax.tree.map(np.array, grads[1])
+  bad["conv"][1, 0, 0, 0] = np.inf
+  update = jax.jit(tx.update)
+  _, s1 = update(grads[0], tx.init(params), params)
+  upd, s2 = update(bad, s1, params)
+  assert np.all(np.isnan(np.asarray(upd["w"])))
+  for a, b in zip(s1.residual + s1.momentum, s2.residual + s2.momentum):
+    np.testing.assert_array_equal(a, b)
+    assert np.all(np.isfinite(np.asarray(b)))
+  assert int(s2.stats.nonfinite_steps) == 1
+
+
+def test_threshold_overflow_stays_in_the_residual():
+  tx = jaxcomm.threshold(0.5, capacity_ratio=0.01, axis_name=None)
+  x = {"w": jnp.ones((1000,), jnp.float32)}       # all 1000 qualify
+  upd, state = tx.update(x, tx.init(x), x)
+  sent = np.asarray(upd["w"])
+  assert np.count_nonzero(sent) == 10               # the capacity
+  np.testing.assert_array_equal(np.nonzero(sent)[0], np.arange(10))
+  np.testing.assert_allclose(sent + np.asarray(state.residual[0]), 1.0)
+
+
+def test_threshold_value_can_be_injected():
+  tx = optax.inject_hyperparams(jaxcomm.threshold, static_args=(
+    "capacity_ratio", "axis_name"))(value=0.5, capacity_ratio=0.5,
+                                    axis_name=None)
+  x = {"w": jnp.linspace(-1.0, 1.0, 400)}
+  state = tx.init(x)
+  state.hyperparams["value"] = jnp.asarray(0.9)
+  upd, _ = jax.jit(tx.update)(x, state, x)
+  assert np.count_nonzero(np.asarray(upd["w"])) == np.sum(
+    np.abs(np.asarray(x["w"])) >= 0.9)
