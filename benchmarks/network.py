@@ -519,7 +519,7 @@ def targets(rows) -> str:
   return "\n".join(out) or "- (no PowerSGD rank 4 measurement at 1 Gbit/s)"
 
 
-def plot(rows, path) -> None:
+def plot(rows, path, latency_us=50.0) -> None:
   """Step time per method, one panel per gradient shape set, log scale."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -536,6 +536,7 @@ def plot(rows, path) -> None:
                       for r in mine})
     methods = list(dict.fromkeys(r["method"] for r in mine))
     width = 0.8 / max(1, len(methods))
+    pred_x, pred_y, heights = [], [], []
     for j, m in enumerate(methods):
       xs, ys = [], []
       for i, (p, rate) in enumerate(configs):
@@ -544,11 +545,20 @@ def plot(rows, path) -> None:
           if r["method"] == m and r["procs"] == p and rr == rate:
             xs.append(i + j * width)
             ys.append(_median(r))
+            shared = _predictions(r, r["rate"], latency_us)[1]
+            if shared == shared and shared > 0:
+              pred_x.append(xs[-1])
+              pred_y.append(shared)
       ax.bar(xs, ys, width, label=m)
+      heights += ys
+    if pred_x:
+      ax.scatter(pred_x, pred_y, marker="_", s=200, color="k", zorder=3,
+                 label="model: shared loopback (comm only)")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
     ax.set_xticklabels([f"{p} procs\n{_rate_label(None if r < 0 else r)}"
                         for p, r in configs])
     ax.set_yscale("log")
+    ax.set_ylim(bottom=min(heights + pred_y) / 3)
     ax.set_ylabel("step time, s (median)")
     ax.set_title(f"{model} gradient shapes, rate-limited loopback")
     ax.legend(fontsize=7, ncol=3)
@@ -688,7 +698,7 @@ def main(argv=None) -> int:
                         if not k.startswith("_")}, "rows": rows}, f,
               indent=1, default=str)
   try:
-    plot(rows, os.path.join(a.out_dir, "network.png"))
+    plot(rows, os.path.join(a.out_dir, "network.png"), a.latency_us)
     print(f"\nplot: {os.path.join(a.out_dir, 'network.png')}")
   except Exception as e:  # pylint: disable=broad-except
     print(f"plot failed: {type(e).__name__}: {e}")
