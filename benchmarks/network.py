@@ -375,9 +375,12 @@ def _run_jax(ns, ports, a, nproc, rates, model, tmp) -> list[dict]:
 
 
 def _tail(outs) -> str:
+  """The most telling line of the workers' output (an error if any)."""
+  keys = ("what():", "Error:", "error:", "Timeout", "Aborted")
   for o in outs:
-    if o and ("Error" in o or "error" in o):
-      return " | ".join(o.strip().splitlines()[-3:])[-400:]
+    for line in reversed((o or "").strip().splitlines()):
+      if any(k in line for k in keys):
+        return line.strip()[-300:]
   return (outs[0] or "").strip()[-300:] if outs else ""
 
 
@@ -414,8 +417,8 @@ def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
     "torch", pid, nproc, port, out, a, model=model, bucket_mb=bucket,
     hook=hook or "none", rank=a.torch_rank, label=label))
     for pid in range(nproc)]
-  codes, outs, timed_out = _netns.run_group(cmds, a.timeout, env=_env(),
-                                            cwd=ROOT)
+  codes, outs, timed_out = _netns.run_group(cmds, a.torch_timeout,
+                                            env=_env(), cwd=ROOT)
   for pid, text in enumerate(outs):
     with open(f"{out}.{pid}.log", "w") as f:
       f.write(text or "")
@@ -429,7 +432,7 @@ def _run_torch(ns, ports, a, nproc, rate, model, tmp, bucket, hook):
     row.update(final[-1])
   else:
     steps = [r for r in recs if r.get("event") == "step"]
-    why = (f"hang: timeout after {a.timeout:.0f} s, {len(steps)} of "
+    why = (f"hang: timeout after {a.torch_timeout:.0f} s, {len(steps)} of "
            f"{a.warmup + a.steps} steps done" if timed_out else
            f"exit codes {codes}: " + _tail(outs))
     row["error"] = why
@@ -591,8 +594,11 @@ def main(argv=None) -> int:
   p.add_argument("--torch-buckets", default="25,100")
   p.add_argument("--torch-rank", type=int, default=4)
   p.add_argument("--torch-models", default="resnet18")
-  p.add_argument("--timeout", type=float, default=240.0,
-                 help="seconds per method (per torch run)")
+  p.add_argument("--timeout", type=float, default=300.0,
+                 help="seconds without progress before a jaxcomm method "
+                 "counts as hung (compiling included)")
+  p.add_argument("--torch-timeout", type=float, default=150.0,
+                 help="seconds for one PyTorch run (start-up included)")
   p.add_argument("--init-timeout", type=int, default=120)
   p.add_argument("--latency-us", type=float, default=50.0)
   p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench"))
