@@ -156,24 +156,70 @@ def orthogonalizer(name: str, rank: int) -> Callable:
 
 
 class LowRankResult(NamedTuple):
-  """What :func:`lowrank_allreduce` returns, per group ``(b, n, m)``.
+  """What :func:`lowrank_allreduce` returns.
 
   Attributes:
-    mean: the decoded average ``sum_k P_k Q_k^T / n`` (replicated).
-    sent: this device's own share ``sum_k P_k Q_{k,i}^T`` (varying).
-    q: the aggregated ``Q`` of the first round, for the next step's warm
-      start; a column that came out exactly zero keeps its previous value
-      (so a zero gradient cannot stall the power iteration forever).
+    mean: per matrix, the decoded average ``sum_k P_k Q_k^T / n``
+      (replicated).
+    sent: per matrix, this device's own share ``sum_k P_k Q_{k,i}^T``
+      (varying).
+    q: per group, the aggregated ``Q`` ``(b, m, r)`` of the first round,
+      for the next step's warm start; a column that came out exactly zero
+      keeps its previous value (so a zero gradient cannot stall the power
+      iteration forever).
+    sent_sq: ``sum_j sum_k |Q_{k,i}|^2`` over this device's matrices and
+      the rounds: for orthonormal ``P_k`` each round removes exactly
+      ``|Q_{k,i}|^2`` from ``|M_i|^2`` (Pythagoras), so
+      ``|M - sent|^2 = |M|^2 - sent_sq`` without another pass over the
+      matrices.
   """
 
   mean: list
   sent: list
   q: list
+  sent_sq: jax.Array
+
+
+# Outer products P Q^T of rank up to this are written as r broadcast
+# multiply-adds, which XLA fuses with their consumers (the residual
+# x - sent, the output cast) into one pass over the matrix; a dot would
+# materialize the product first.
+_ELEMENTWISE_MAX_RANK = 8
+
+
+def _outer(p, qt, scale=None):
+  """``p @ qt`` for ``p (n, r)``, ``qt (r, m)``; optionally times scale."""
+  r = p.shape[-1]
+  if r > _ELEMENTWISE_MAX_RANK:
+    out = p @ qt
+  else:
+    out = p[:, 0:1] * qt[0:1, :]
+    for k in range(1, r):
+      out = out + p[:, k:k + 1] * qt[k:k + 1, :]
+  return out if scale is None else out * scale
+
+
+def _left(ms, q, idx):
+  """``M Q`` for the matrices ``idx`` of a group: ``(b, n, r)``."""
+  if len(idx) == 1:
+    return (ms[idx[0]] @ q[0])[None]
+  return jnp.einsum("bnm,bmr->bnr", jnp.stack([ms[j] for j in idx]), q)
+
+
+def _right(ms, p, idx):
+  """``P^T M`` for the matrices ``idx`` of a group: ``(b, r, m)``.
+
+  Written as ``P^T M`` (not ``M^T P``): XLA's CPU dot is ~20x slower when
+  it contracts the major axis of the big operand into a transposed output.
+  """
+  if len(idx) == 1:
+    return jnp.einsum("nr,nm->rm", p[0], ms[idx[0]])[None]
+  return jnp.einsum("bnr,bnm->brm", p, jnp.stack([ms[j] for j in idx]))
 
 
 def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
-                      axis_name, *, num_devices: int,
-                      orthogonalize: Callable, eps=0.0,
+                      groups: Sequence[Sequence[int]], axis_name, *,
+                      num_devices: int, orthogonalize: Callable, eps=0.0,
                       num_iters: int = 1) -> LowRankResult:
   """PowerSGD's rank-``r`` allreduce of many matrices with two psums a round.
 
@@ -186,13 +232,15 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   rounds left, ``M_i - sent_i``, starting from the previous round's
   aggregated ``Q``, and the approximations are accumulated (the authors'
   alternating left/right multiplications, each followed by one psum). Each
-  round is two fused all-reduces: ``sum_g b_g n_g r`` and ``sum_g b_g m_g r``
-  float32 values.
+  round is two fused all-reduces of ``sum_j n_j r`` and ``sum_j m_j r``
+  float32 values, whatever the number of matrices. Matrices grouped
+  together (same shape) are multiplied as one batched matmul.
 
   Args:
-    ms: local matrices, one ``(b, n, m)`` float32 array per shape group.
-    qs: starting ``Q``, one ``(b, m, r)`` per group, identical on every
-      device.
+    ms: local matrices ``(n_j, m_j)``, float32.
+    qs: starting ``Q`` per group, ``(b, m, r)``, identical on every device.
+    groups: per group, the indices into ``ms`` of its ``b`` matrices (all
+      of one shape).
     axis_name: the data axis, or None (one device, no collective).
     num_devices: static size of the axis.
     orthogonalize: ``f(p, eps)`` from :func:`orthogonalizer`.
@@ -203,21 +251,26 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
     A :class:`LowRankResult`.
   """
   ms = list(ms)
-  q_in = list(qs)
-  sent = [jnp.zeros_like(m) for m in ms]
-  mean = [jnp.zeros_like(m) for m in ms]
   rest = ms
+  q_in = list(qs)
+  mean = [None] * len(ms)
+  sent = [None] * len(ms)
   first_q = None
+  inv_n = 1.0 / num_devices
+  sent_sq = jnp.zeros([], jnp.float32)
   for k in range(num_iters):
-    p_local = [jnp.einsum("bnm,bmr->bnr", m, q) for m, q in zip(rest, q_in)]
+    p_local = [_left(rest, q, idx) for q, idx in zip(q_in, groups)]
     ps = [orthogonalize(p, eps) for p in _core.fused_psum(p_local, axis_name)]
-    q_local = [jnp.einsum("bnm,bnr->bmr", m, p) for m, p in zip(rest, ps)]
-    q_sum = _core.fused_psum(q_local, axis_name)
-    mine = [jnp.einsum("bnr,bmr->bnm", p, q) for p, q in zip(ps, q_local)]
-    avg = [jnp.einsum("bnr,bmr->bnm", p, q / num_devices)
-           for p, q in zip(ps, q_sum)]
-    sent = [s + x for s, x in zip(sent, mine)] if k else mine
-    mean = [a + x for a, x in zip(mean, avg)] if k else avg
+    qt_local = [_right(rest, p, idx) for p, idx in zip(ps, groups)]
+    qt_sum = _core.fused_psum(qt_local, axis_name)
+    sent_sq = sent_sq + sum(jnp.sum(jnp.square(q)) for q in qt_local)
+    for p, qt_i, qt, idx in zip(ps, qt_local, qt_sum, groups):
+      for b, j in enumerate(idx):
+        mine = _outer(p[b], qt_i[b])
+        avg = _outer(p[b], qt[b], inv_n)
+        sent[j] = mine if k == 0 else sent[j] + mine
+        mean[j] = avg if k == 0 else mean[j] + avg
+    q_sum = [jnp.swapaxes(qt, -1, -2) for qt in qt_sum]
     if k == 0:
       first_q = q_sum
     if k + 1 < num_iters:
@@ -225,4 +278,4 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
       q_in = q_sum
   keep = [jnp.where(jnp.any(q != 0, axis=-2, keepdims=True), q, old)
           for q, old in zip(first_q, qs)]
-  return LowRankResult(mean=mean, sent=sent, q=keep)
+  return LowRankResult(mean=mean, sent=sent, q=keep, sent_sq=sent_sq)

@@ -121,25 +121,23 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
 
   def apply(xs, state, ctx):
     shapes = [tuple(x.shape) for x in xs]
-    groups = _groups(shapes, batch)
-    ms = [jnp.stack([xs[j].reshape(mshape) for j in idx])
-          for mshape, idx in groups]
+    groups = [idx for _, idx in _groups(shapes, batch)]
+    ms = [x.reshape(matrix_shape(x.shape)) for x in xs]
     if warm_start:
       qs = list(state.q)
     else:
       fresh = initial_q(ctx.key, shapes, rank)
-      qs = [jnp.stack([fresh[j] for j in idx]) for _, idx in groups]
+      qs = [jnp.stack([fresh[j] for j in idx]) for idx in groups]
     res = _lowrank.lowrank_allreduce(
-      ms, qs, ctx.axis_name, num_devices=ctx.num_devices,
+      ms, qs, groups, ctx.axis_name, num_devices=ctx.num_devices,
       orthogonalize=orth, eps=eps, num_iters=num_iters)
-    mean = [None] * len(xs)
-    sent = [None] * len(xs)
-    for (_, idx), gm, gs in zip(groups, res.mean, res.sent):
-      for k, j in enumerate(idx):
-        mean[j] = gm[k].reshape(shapes[j])
-        sent[j] = gs[k].reshape(shapes[j])
-    err2 = sum(jnp.sum(jnp.square(x - s)) for x, s in zip(xs, sent))
+    mean = [m.reshape(s) for m, s in zip(res.mean, shapes)]
+    sent = [m.reshape(s) for m, s in zip(res.sent, shapes)]
+    # |x - sent|^2 = |x|^2 - |sent|^2: sent is x's orthogonal projection
+    # onto span(P) (exact for orthonormal P; rounding can only make it a
+    # hair negative, hence the clamp). One pass over x instead of two.
     tot2 = sum(jnp.sum(jnp.square(x)) for x in xs)
+    err2 = jnp.maximum(tot2 - res.sent_sq, 0.0)
     rel = jnp.sqrt(err2 / jnp.where(tot2 > 0, tot2, 1.0))
     new_q = tuple(res.q) if warm_start else tuple(qs)
     return _compressor.CodecResult(
