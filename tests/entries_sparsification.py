@@ -154,7 +154,8 @@ def dgc_select_ref(x, k, key, sample_ratio, density, max_rounds=10):
   """DGC's sampled threshold selection (numpy); returns (indices, count)."""
   size = x.size
   a = np.abs(x)
-  s = min(size, max(math.ceil(sample_ratio * size), math.ceil(2 / density)))
+  s = min(math.ceil(sample_ratio * size), math.ceil(100 / density))
+  s = min(size, max(s, math.ceil(2 / density)))
   if s == size:
     sample = a
   else:
