@@ -21,7 +21,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
-from tests import harness, registry
+from tests import harness
+from tests import registry
 
 ENTRIES = registry.load()
 NAMES = sorted(ENTRIES)
