@@ -1,6 +1,6 @@
 """PowerSGD on the gradient shapes of a ResNet-18 (CIFAR variant), on CPU.
 
-Prints four markdown tables:
+Prints three markdown tables:
 
 1. orthogonalization: Gram-Schmidt, Householder QR (``jnp.linalg.qr``) and
    Cholesky-QR2 (with its Householder fallback) on the ``P`` blocks of every
@@ -8,13 +8,15 @@ Prints four markdown tables:
    time, and loss of orthogonality ``max |P^T P - I|`` for blocks of
    condition number 1e2, 1e4, 1e6;
 2. step overhead on one device (``axis_name=None``: no collective, so the
-   figure is the compression math alone): ``tx.update`` of
-   ``powersgd(rank)`` minus ``tx.update`` of ``mean_gradients`` (the dense
-   path), rank 1, 2, 4, with same-shape batching on and off;
-3. PyTorch's DDP ``powerSGD_hook`` overhead on the same shapes (single
-   process gloo group: hook time minus ``allreduce_hook`` time), if ``torch``
-   imports; otherwise the column is skipped with how to enable it;
-4. bytes on the wire per step on 8 devices, read from the compiled HLO of
+   figure is the compression math alone, compress + decompress + error
+   feedback): ``tx.update`` of ``powersgd(rank)`` minus ``tx.update`` of
+   ``mean_gradients`` (the dense path), rank 1, 2, 4, with same-shape
+   batching on and off; next to it, in the same run and round-robin with
+   it, PyTorch's DDP ``powerSGD_hook`` overhead on the same shapes (single
+   process gloo group: hook time minus ``allreduce_hook`` time) if
+   ``torch`` imports, otherwise that column is skipped with how to enable
+   it;
+3. bytes on the wire per step on 8 devices, read from the compiled HLO of
    the shard_map'd update, against the dense float32 psum.
 
 The shapes are the CIFAR ResNet-18 (3x3 stem, 10 classes, 11,173,962
@@ -136,62 +138,49 @@ def orthogonalization_table(reps: int, ranks=(2, 4)) -> str:
   return "\n".join(rows)
 
 
-def _update_time(tx, grads, reps):
+def _jax_step(tx, grads):
+  """A no-argument callable running one jitted ``tx.update`` (blocking)."""
   state = tx.init(grads)
   fn = jax.jit(tx.update)
-  return _time(lambda g, s: fn(g, s, g), grads, state, reps=reps)
+  return lambda: jax.block_until_ready(fn(grads, state, grads))
 
 
-def overhead_table(reps: int, ranks=(1, 2, 4)) -> tuple[str, dict]:
-  shapes = resnet18_shapes()
-  grads = _grads(shapes)
-  base = _update_time(jaxcomm.mean_gradients(axis_name=None), grads, reps)
-  rows = [f"dense path (`mean_gradients`, axis_name=None): {base:.2f} ms "
-          "per step", "",
-          "| rank | batched same shapes | tx.update (ms) | overhead vs "
-          "dense (ms) |", "|---:|:---:|---:|---:|"]
-  out = {}
-  for rank in ranks:
-    for batch in (True, False):
-      tx = jaxcomm.powersgd(rank=rank, axis_name=None,
-                            batch_same_shape=batch)
-      t = _update_time(tx, grads, reps)
-      out[(rank, batch)] = t - base
-      rows.append(f"| {rank} | {'yes' if batch else 'no'} | {t:.2f} | "
-                  f"{t - base:.2f} |")
-  return "\n".join(rows), out
+def _torch_steps(ranks):
+  """No-argument callables for torch's hooks, or a reason they are absent.
 
-
-def torch_table(reps: int, ranks=(1, 2, 4)) -> str:
+  One flat gradient buffer of the same shapes (PyTorch layout: conv
+  ``(out, in, kh, kw)``, linear ``(out, in)``) in a single-process gloo
+  group; ``allreduce_hook`` is the dense baseline.
+  """
   try:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed.algorithms.ddp_comm_hooks import (  # noqa: PLC0415
       default_hooks, powerSGD_hook)
   except ImportError:
-    return ("PyTorch column skipped: `import torch` failed in this "
-            "environment. Enable it with `pip install torch==2.13.0` (an "
-            "optional benchmark extra, never a dependency of jaxcomm) and "
-            "run again.")
+    return None, ("PyTorch column skipped: `import torch` failed in this "
+                  "environment. Enable it with `pip install torch==2.13.0` "
+                  "(an optional benchmark extra, never a dependency of "
+                  "jaxcomm) and run again.")
   os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
   os.environ.setdefault("MASTER_PORT", "29533")
   if not dist.is_initialized():
     dist.init_process_group("gloo", rank=0, world_size=1)
-  shapes = resnet18_shapes()
-  # PyTorch layout: conv (out, in, kh, kw), linear (out, in).
+
   def to_torch(s):
     if len(s) == 4:
       return (s[3], s[2], s[0], s[1])
     if len(s) == 2:
       return (s[1], s[0])
     return s
+
   rng = np.random.RandomState(0)
   tensors = [torch.from_numpy(rng.randn(*to_torch(s)).astype(np.float32))
-             for s in shapes.values()]
+             for s in resnet18_shapes().values()]
   flat = torch.cat([t.reshape(-1) for t in tensors])
 
   class _Bucket:
-    """The GradBucket interface the hooks use, on one flat buffer."""
+    """The GradBucket interface the hooks use, over one flat buffer."""
 
     def __init__(self, buf, grads):
       self._buf, self._grads = buf, grads
@@ -214,37 +203,79 @@ def torch_table(reps: int, ranks=(1, 2, 4)) -> str:
     def set_buffer(self, b):
       self._buf.copy_(b)
 
-  def run(hook, state):
-    buf = flat.clone()
-    views, off = [], 0
-    for t in tensors:
-      views.append(buf[off:off + t.numel()].view_as(t))
-      off += t.numel()
-    return hook(state, _Bucket(buf, views)).wait()
+  def make(hook, state):
+    def run():
+      buf = flat.clone()
+      views, off = [], 0
+      for t in tensors:
+        views.append(buf[off:off + t.numel()].view_as(t))
+        off += t.numel()
+      return hook(state, _Bucket(buf, views)).wait()
+    return run
 
-  def med(hook, state):
-    for _ in range(3):
-      run(hook, state)
-    ts = []
-    for _ in range(reps):
-      start = time.perf_counter()
-      run(hook, state)
-      ts.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(ts)
-
-  base = med(default_hooks.allreduce_hook, None)
-  rows = [f"torch {torch.__version__}, allreduce_hook: {base:.2f} ms", "",
-          "| rank | powerSGD_hook (ms) | overhead vs allreduce (ms) |",
-          "|---:|---:|---:|"]
+  steps = {"dense": make(default_hooks.allreduce_hook, None)}
   for rank in ranks:
-    state = powerSGD_hook.PowerSGDState(
-      process_group=None, matrix_approximation_rank=rank,
-      start_powerSGD_iter=2, min_compression_rate=2,
-      use_error_feedback=True, warm_start=True,
-      batch_tensors_with_same_shape=True)
-    t = med(powerSGD_hook.powerSGD_hook, state)
-    rows.append(f"| {rank} | {t:.2f} | {t - base:.2f} |")
-  return "\n".join(rows)
+    for batch in (True, False):
+      state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank,
+        start_powerSGD_iter=2, min_compression_rate=2,
+        use_error_feedback=True, warm_start=True,
+        batch_tensors_with_same_shape=batch)
+      steps[(rank, batch)] = make(powerSGD_hook.powerSGD_hook, state)
+  return steps, f"torch {torch.__version__}"
+
+
+def overhead_table(reps: int, ranks=(1, 2, 4)) -> str:
+  """jaxcomm's and torch's step overheads, measured round-robin.
+
+  All callables are warmed up, then run in turn, ``reps`` rounds, so that
+  load from other processes on a shared host hits them alike; each figure
+  is the median over the rounds.
+  """
+  shapes = resnet18_shapes()
+  grads = _grads(shapes)
+  steps = {("jax", "dense"): _jax_step(jaxcomm.mean_gradients(
+    axis_name=None), grads)}
+  for rank in ranks:
+    for batch in (True, False):
+      steps[("jax", rank, batch)] = _jax_step(jaxcomm.powersgd(
+        rank=rank, axis_name=None, batch_same_shape=batch), grads)
+  torch_steps, torch_note = _torch_steps(ranks)
+  if torch_steps is not None:
+    for k, f in torch_steps.items():
+      steps[("torch", k)] = f
+  for f in steps.values():           # warm-up (and torch's 2 dense iters)
+    for _ in range(3):
+      f()
+  times = {k: [] for k in steps}
+  for _ in range(reps):
+    for k, f in steps.items():
+      start = time.perf_counter()
+      f()
+      times[k].append(time.perf_counter() - start)
+  med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+  base = med[("jax", "dense")]
+  lines = [f"dense path, median ms per step: jaxcomm `mean_gradients` "
+           f"{base:.2f}"]
+  if torch_steps is not None:
+    lines[0] += f"; {torch_note} `allreduce_hook` {med[('torch', 'dense')]:.2f}"
+  else:
+    lines.append("")
+    lines.append(torch_note)
+  lines += ["", "| rank | batched same shapes | jaxcomm overhead (ms) | torch "
+            "powerSGD_hook overhead (ms) | jaxcomm / torch |",
+            "|---:|:---:|---:|---:|---:|"]
+  for rank in ranks:
+    for batch in (False, True):
+      jx = med[("jax", rank, batch)] - base
+      if torch_steps is not None:
+        tt = med[("torch", (rank, batch))] - med[("torch", "dense")]
+        tcol, ratio = f"{tt:.2f}", f"{jx / tt:.2f}"
+      else:
+        tcol, ratio = "skipped", "-"
+      lines.append(f"| {rank} | {'yes' if batch else 'no (default)'} | "
+                   f"{jx:.2f} | {tcol} | {ratio} |")
+  return "\n".join(lines)
 
 
 def wire_table(ranks=(1, 2, 4), n: int = 8) -> str:
@@ -294,11 +325,9 @@ def main(argv=None):
         f"{jax.default_backend()}, {os.cpu_count()} CPU cores\n")
   print("## Orthogonalization of the P blocks\n")
   print(orthogonalization_table(args.reps))
-  print("\n## Step overhead, one device (axis_name=None)\n")
-  table, _ = overhead_table(args.reps)
-  print(table)
-  print("\n## PyTorch DDP powerSGD_hook, same shapes\n")
-  print(torch_table(args.reps))
+  print("\n## Step overhead, one device (axis_name=None), against "
+        "PyTorch's powerSGD_hook\n")
+  print(overhead_table(args.reps))
   print("\n## Bytes on the wire per step, 8 devices\n")
   print(wire_table())
 

@@ -114,8 +114,8 @@ _entry("powersgd_r2", {"rank": 2}, bad=_BAD)
 _entry("powersgd_r1_noef_cold",
        {"rank": 1, "error_feedback": False, "warm_start": False},
        warm_start=False, ef=False)
-_entry("powersgd_r4_iters2_cholesky_unbatched",
+_entry("powersgd_r4_iters2_cholesky_batched",
        {"rank": 4, "num_iters_per_step": 2, "orthogonalization": "cholesky",
-        "orthogonalization_epsilon": 1e-7, "batch_same_shape": False,
+        "orthogonalization_epsilon": 1e-7, "batch_same_shape": True,
         "seed": 3},
        num_iters=2)

@@ -210,6 +210,28 @@ def _lower(tx, params, mesh, k):
   return fn.lower(params, state, grads)
 
 
+def test_batched_same_shapes_equal_unbatched(mesh):
+  """Same-shape matrices as one batched matmul: same updates, same bytes."""
+  params = {"a": jnp.zeros((64, 48)), "b": jnp.zeros((64, 48)),
+            "c": jnp.zeros((3, 3, 8, 16)), "d": jnp.zeros((72, 16)),
+            "bias": jnp.zeros((48,))}
+  grads = harness.make_grads(12, 3, params=params)
+  out = {}
+  for batch in (True, False):
+    tx = jaxcomm.powersgd(rank=3, batch_same_shape=batch)
+    upd, state, _ = harness.device_run(tx, mesh, grads, params=params)
+    out[batch] = (upd, _codec_state(state).residual)
+    q = _codec_state(state).codec.q
+    # Groups: (64,48) x2 and (72,16) x2 (a conv kernel and a matrix).
+    assert [x.shape for x in q] == ([(2, 48, 3), (2, 16, 3)] if batch else
+                                    [(1, 48, 3), (1, 48, 3), (1, 16, 3),
+                                     (1, 16, 3)])
+    claim = jaxcomm.wire.claimed(tx, params, N)
+    assert sum(b for _, b in claim) == 4 * (3 * (2 * 64 + 2 * 48 + 2 * 72
+                                                 + 2 * 16) + 48 + 1)
+  chex.assert_trees_all_close(out[True], out[False], rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------- the leaf rule --
 
 def test_leaf_rule_and_reshape():

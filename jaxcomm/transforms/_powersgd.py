@@ -161,7 +161,7 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
              min_compression_rate: float = 2.0, error_feedback: bool = True,
              warm_start: bool = True, orthogonalization_epsilon=0.0,
              num_iters_per_step: int = 1, seed: int = 0, policy=None,
-             batch_same_shape: bool = True,
+             batch_same_shape: bool = False,
              orthogonalization: str = "householder"):
   """PowerSGD: rank-``r`` compression by warm-started power iteration.
 
@@ -215,7 +215,11 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
     num_iters_per_step: rounds of the low-rank allreduce per step.
     seed: seed of the initial ``Q`` (and of the transform's step keys).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    batch_same_shape: compress same-shape matrices as one batched matmul.
+    batch_same_shape: multiply same-shape matrices as one batched matmul
+      (PyTorch's ``batch_tensors_with_same_shape``). Off by default, as in
+      PyTorch: on CPU stacking the matrices costs a copy that the fewer
+      matmul calls do not win back (see ARCHITECTURE.md); on accelerators,
+      where each matmul is a kernel launch, turning it on may pay.
     orthogonalization: ``"householder"`` (default: ``jnp.linalg.qr``, the
       fastest and the only one that stays orthonormal for ill-conditioned
       ``P`` in the measurement recorded in ARCHITECTURE.md),
