@@ -155,8 +155,8 @@ def _torch_steps(ranks):
   try:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
-    from torch.distributed.algorithms.ddp_comm_hooks import (  # noqa: PLC0415
-      default_hooks, powerSGD_hook)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
   except ImportError:
     return None, ("PyTorch column skipped: `import torch` failed in this "
                   "environment. Enable it with `pip install torch==2.13.0` "
@@ -292,7 +292,7 @@ def wire_table(ranks=(1, 2, 4), n: int = 8) -> str:
     specs = jaxcomm.parallel.state_specs(layout)
     state = jaxcomm.parallel.init_state(tx, params, mesh, layout=layout)
 
-    def step(p, s, g):
+    def step(p, s, g, tx=tx, layout=layout):
       g = jax.tree.map(lambda x: x[0], g)
       u, s2 = tx.update(g, jaxcomm.parallel.to_local(s, layout), p)
       return u, jaxcomm.parallel.to_global(s2, layout)

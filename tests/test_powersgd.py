@@ -359,8 +359,8 @@ def test_orthogonalizations_agree_with_numpy_reference(method):
 def test_orthogonalizations_on_hard_blocks():
   r = np.random.RandomState(3)
   p = jnp.asarray(r.randn(2, 50, 4), jnp.float32)
-  want = np.einsum("bnk,bmk->bnm", *[np.linalg.qr(np.asarray(p,
-                                                               np.float64))[0]] * 2)
+  q64 = np.linalg.qr(np.asarray(p, np.float64))[0]
+  want = np.einsum("bnk,bmk->bnm", q64, q64)
   for method in _lowrank.ORTHOGONALIZATIONS:
     f = _lowrank.orthogonalizer(method, 4)
     q = np.asarray(jax.jit(f)(p, 0.0), np.float64)

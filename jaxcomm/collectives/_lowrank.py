@@ -10,14 +10,16 @@ matrix) of a step at once::
   mean   = P Q^T / n         the decoded average (replicated)
   sent_i = P Q_i^T           device i's own share: sum_i sent_i = n * mean
 
-Matrices of equal shape are batched: each argument is a list of groups
-``(b, n, m)`` and the products are batched matmuls. Whatever the number of
-matrices or groups, a round issues exactly two all-reduces.
+Matrices of equal shape may be grouped: a group's products are one batched
+matmul. Whatever the number of matrices or groups, a round issues exactly
+two all-reduces.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
