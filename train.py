@@ -70,7 +70,6 @@ import jaxcomm  # noqa: E402
 import models  # noqa: E402
 from jaxcomm import parallel  # noqa: E402
 from jaxcomm import wire  # noqa: E402
-from jaxcomm.collectives import _core  # noqa: E402
 from models import data as mdata  # noqa: E402
 
 AXIS = "data"
@@ -364,25 +363,6 @@ def parse_args(argv=None) -> Config:
 
 # ------------------------------------------------------------ model, data --
 
-class _CharLM(models.CharLM):
-  """``models.CharLM`` whose zero LSTM carry is typed like its inputs.
-
-  Inside ``shard_map`` with ``check_vma`` the LSTM scan needs its initial
-  carry to vary over the data axis as the embedded inputs do; the base class
-  makes an invariant zero carry, which the scan rejects.
-  """
-
-  def __call__(self, tokens):
-    x = self.embed(tokens)
-    zeros = jnp.zeros((tokens.shape[0], self.hidden_size), x.dtype)
-    axes = tuple(_core.varying_axes(x))
-    if axes:
-      zeros = jax.lax.pcast(zeros, axes, to="varying")
-    for i in range(self.num_layers):
-      x = getattr(self, f"lstm_{i}")(x, initial_carry=(zeros, zeros))
-    return self.head(x)
-
-
 def load_data(cfg: Config):
   """``(train, test, model_kwargs, dataset)``: arrays and size arguments."""
   models._registry.check_name(cfg.model)
@@ -431,9 +411,6 @@ def build_model(cfg: Config, data_kwargs: dict[str, Any]):
   """The model's :class:`models.Functional` (parameters seeded by seed)."""
   kwargs = dict(data_kwargs)
   kwargs.update(parse_kwargs(cfg.model_args))
-  if cfg.model == "charlm":
-    from flax import nnx
-    return models.functional(_CharLM(rngs=nnx.Rngs(cfg.seed), **kwargs))
   return models.functional(models.create(cfg.model, rngs=cfg.seed, **kwargs))
 
 

@@ -15,6 +15,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def _typed_like(zeros: jax.Array, x: jax.Array) -> jax.Array:
+  """``zeros`` marked varying over the mapped axes ``x`` varies over.
+
+  Inside ``shard_map`` with ``check_vma`` the LSTM scan needs its initial
+  carry typed like the per-device inputs; a fresh zero array is typed as
+  replicated, which the scan rejects. Outside shard_map this is a no-op.
+  """
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  axes = tuple(sorted(mat.varying)) if mat is not None else tuple(
+    sorted(getattr(jax.typeof(x), "vma", ())))
+  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 class CharLM(nnx.Module):
   """Embedding, ``num_layers`` LSTM layers, and next-character logits.
 
@@ -63,7 +76,8 @@ class CharLM(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Maps int tokens ``(batch, time)`` to logits ``(batch, time, vocab)``."""
     x = self.embed(tokens)
-    zeros = jnp.zeros((tokens.shape[0], self.hidden_size), x.dtype)
+    zeros = _typed_like(
+      jnp.zeros((tokens.shape[0], self.hidden_size), x.dtype), x)
     for i in range(self.num_layers):
       x = getattr(self, f"lstm_{i}")(x, initial_carry=(zeros, zeros))
     return self.head(x)
