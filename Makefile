@@ -25,7 +25,7 @@ convergence: $(STAMP)
 	$(PY) -m benchmarks.convergence
 
 lint: $(STAMP)
-	$(PY) -m ruff check jaxcomm models tests benchmarks train.py
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

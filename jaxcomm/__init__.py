@@ -19,20 +19,20 @@ from jaxcomm._compressor import compressed
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import cast
-from jaxcomm.transforms import mean_gradients
-from jaxcomm.transforms import powersgd
+from jaxcomm.transforms import csc
+from jaxcomm.transforms import dgc
 from jaxcomm.transforms import ef_signsgd
+from jaxcomm.transforms import gtopk
 from jaxcomm.transforms import int8
+from jaxcomm.transforms import mean_gradients
 from jaxcomm.transforms import natural
 from jaxcomm.transforms import onebit
+from jaxcomm.transforms import powersgd
 from jaxcomm.transforms import qsgd
+from jaxcomm.transforms import randomk
 from jaxcomm.transforms import signsgd
 from jaxcomm.transforms import signum
 from jaxcomm.transforms import terngrad
-from jaxcomm.transforms import csc
-from jaxcomm.transforms import dgc
-from jaxcomm.transforms import gtopk
-from jaxcomm.transforms import randomk
 from jaxcomm.transforms import threshold
 from jaxcomm.transforms import topk
 

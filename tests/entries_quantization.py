@@ -65,7 +65,7 @@ def _onebit_ref_step(xs, state, step, key, n):
     sent.append(w)
     flat_w.append(_flat(w))
   avg = np.mean(flat_w, axis=0)
-  chunk = -(-(-(-length // n)) // WORD) * WORD
+  chunk = -((-(-length // n)) // -WORD) * WORD
   mean = np.zeros(length)
   for k in range(n):
     lo, hi = k * chunk, min((k + 1) * chunk, length)
@@ -317,7 +317,7 @@ def _natural_ref(xs, state, t, key, n):
   if n <= 2:
     mean = np.mean(flats, axis=0)
   else:
-    chunk = -(-(-(-length // n)) // WORD) * WORD
+    chunk = -((-(-length // n)) // -WORD) * WORD
     avg = np.zeros(n * chunk, np.float32)
     avg[:length] = np.sum(np.asarray(flats, np.float32), axis=0) / n
     mean = np.concatenate([

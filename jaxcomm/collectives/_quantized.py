@@ -28,7 +28,8 @@ second time (unbiased) rather than gather ``9 (n - 1)`` bits per element.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

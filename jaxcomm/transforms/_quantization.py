@@ -27,7 +27,8 @@ averages down over devices) and reproducible from the state's seed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
