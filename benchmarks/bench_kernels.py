@@ -23,19 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks._common import time_ms
 from jaxcomm.kernels import bitpack
 from jaxcomm.kernels import topk
-
-
-def _time(fn, *args, reps: int) -> float:
-  """Median wall time of ``fn(*args)`` in ms, after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def _mass_recall(x_abs: np.ndarray, kept: np.ndarray, exact: np.ndarray,
@@ -79,36 +69,36 @@ def main(argv=None) -> None:
   x = jax.random.normal(key, (n,), jnp.float32)
   rows = []   # (name, ms, recall or None, note)
 
-  copy_ms = _time(jax.jit(lambda v: v + 0), x, reps=reps)
+  copy_ms = time_ms(jax.jit(lambda v: v + 0), x, reps=reps)
   rows.append(("copy (`x + 0`)", copy_ms, None, "baseline"))
 
   rows.append(("`jnp.packbits(x > 0)` (uint8)",
-               _time(jax.jit(lambda v: jnp.packbits(v > 0)), x, reps=reps),
+               time_ms(jax.jit(lambda v: jnp.packbits(v > 0)), x, reps=reps),
                None, ""))
   rows.append(("pack_signs (default path)",
-               _time(bitpack.pack_signs, x, reps=reps), None,
+               time_ms(bitpack.pack_signs, x, reps=reps), None,
                f"backend={jax.default_backend()}"))
   rows.append(("pack_signs_reference (shift+OR)",
-               _time(bitpack.pack_signs_reference, x, reps=reps), None, ""))
+               time_ms(bitpack.pack_signs_reference, x, reps=reps), None, ""))
   rows.append(("pack_signs_packbits (packbits -> uint32)",
-               _time(bitpack.pack_signs_packbits, x, reps=reps), None, ""))
+               time_ms(bitpack.pack_signs_packbits, x, reps=reps), None, ""))
 
   words = bitpack.pack_signs(x)
   rows.append(("unpack_signs (default path)",
-               _time(lambda w: bitpack.unpack_signs(w, n), words, reps=reps),
+               time_ms(lambda w: bitpack.unpack_signs(w, n), words, reps=reps),
                None, ""))
   unpackbits = jax.jit(_unpack_via_unpackbits, static_argnums=1)
   rows.append(("unpack via `jnp.unpackbits`",
-               _time(unpackbits, words, n, reps=reps), None, ""))
+               time_ms(unpackbits, words, n, reps=reps), None, ""))
 
   keys = jax.random.split(jax.random.key(1), args.workers)
   stacked = jax.vmap(lambda kk: bitpack.pack_signs_reference(
     jax.random.normal(kk, (n,), jnp.float32)))(keys)
   rows.append((f"vote, {args.workers} workers (default, bit-sliced)",
-               _time(lambda w: bitpack.vote(w, n), stacked, reps=reps),
+               time_ms(lambda w: bitpack.vote(w, n), stacked, reps=reps),
                None, "input: packed words"))
   rows.append((f"vote_reference, {args.workers} workers (unpack-count)",
-               _time(lambda w: bitpack.vote_reference(w, n), stacked,
+               time_ms(lambda w: bitpack.vote_reference(w, n), stacked,
                      reps=reps), None, ""))
 
   x_np = np.asarray(x)
@@ -119,13 +109,13 @@ def main(argv=None) -> None:
     tag = f"{100 * density:g}% (k={k})"
     exact_fn = jax.jit(lambda v, k=k: lax.top_k(jnp.abs(v), k))
     rows.append((f"top-k {tag}: `lax.top_k(abs)`",
-                 _time(exact_fn, x, reps=max(1, reps // 2)), None, "exact"))
+                 time_ms(exact_fn, x, reps=max(1, reps // 2)), None, "exact"))
     exact = np.asarray(exact_fn(x)[1])
 
     approx_fn = jax.jit(lambda v, k=k: lax.approx_max_k(jnp.abs(v), k))
     approx_idx = np.asarray(approx_fn(x)[1])
     rows.append((f"top-k {tag}: `lax.approx_max_k(abs)`",
-                 _time(approx_fn, x, reps=max(1, reps // 2)),
+                 time_ms(approx_fn, x, reps=max(1, reps // 2)),
                  _mass_recall(x_abs, approx_idx, exact, k),
                  "recall_target=0.95"))
 
@@ -136,14 +126,14 @@ def main(argv=None) -> None:
     sampled_fn = jax.jit(sampled)
     _, sel_idx, count = sampled_fn(x, key)
     rows.append((f"top-k {tag}: sampled_threshold + threshold_select",
-                 _time(sampled_fn, x, key, reps=reps),
+                 time_ms(sampled_fn, x, key, reps=reps),
                  _mass_recall(x_abs, np.asarray(sel_idx), exact, k),
                  f"sample={sample}, capacity=k, count/k="
                  f"{int(count) / k:.2f}"))
     sampled_ref = jax.jit(functools.partial(
       sampled, fn=topk.threshold_select_reference))
     rows.append((f"top-k {tag}: same, reference cumsum+scatter compaction",
-                 _time(sampled_ref, x, key, reps=max(1, reps // 2)), None,
+                 time_ms(sampled_ref, x, key, reps=max(1, reps // 2)), None,
                  ""))
     torch_ms = _torch_topk(x_np, k, max(1, reps // 2))
     rows.append((f"top-k {tag}: `torch.topk(abs)`", torch_ms, None,

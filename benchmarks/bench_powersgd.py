@@ -45,45 +45,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxcomm  # noqa: E402
+from benchmarks._common import resnet18_shapes  # noqa: E402
+from benchmarks._common import time_ms  # noqa: E402
 from jaxcomm.collectives import _lowrank  # noqa: E402
 from jaxcomm.transforms import _powersgd  # noqa: E402
-
-
-def resnet18_shapes() -> dict:
-  """Parameter shapes of a CIFAR ResNet-18 in Flax layout (11,173,962)."""
-  shapes = {"stem/conv": (3, 3, 3, 64), "stem/bn_scale": (64,),
-            "stem/bn_bias": (64,)}
-  cin = 64
-  for stage, (cout, stride) in enumerate(
-      [(64, 1), (128, 2), (256, 2), (512, 2)], start=1):
-    for block in range(2):
-      pre = f"layer{stage}/block{block}"
-      c_in = cin if block == 0 else cout
-      shapes[f"{pre}/conv1"] = (3, 3, c_in, cout)
-      shapes[f"{pre}/conv2"] = (3, 3, cout, cout)
-      for bn in ("bn1", "bn2"):
-        shapes[f"{pre}/{bn}_scale"] = (cout,)
-        shapes[f"{pre}/{bn}_bias"] = (cout,)
-      if block == 0 and (stride != 1 or c_in != cout):
-        shapes[f"{pre}/down_conv"] = (1, 1, c_in, cout)
-        shapes[f"{pre}/down_bn_scale"] = (cout,)
-        shapes[f"{pre}/down_bn_bias"] = (cout,)
-    cin = cout
-  shapes["fc/kernel"] = (512, 10)
-  shapes["fc/bias"] = (10,)
-  return shapes
-
-
-def _time(fn, *args, reps: int) -> float:
-  """Median wall time of ``fn(*args)`` in ms, after two warm-up calls."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def _grads(shapes, seed=0):
@@ -123,7 +88,7 @@ def orthogonalization_table(reps: int, ranks=(2, 4)) -> str:
     for name in _lowrank.ORTHOGONALIZATIONS:
       f = _lowrank.orthogonalizer(name, rank)
       fn = jax.jit(lambda bs, f=f: [f(b, 0.0) for b in bs])
-      ms = _time(fn, blocks, reps=reps)
+      ms = time_ms(fn, blocks, warmup=2, reps=reps)
       errs = []
       for cond in (1e2, 1e4, 1e6):
         worst = 0.0

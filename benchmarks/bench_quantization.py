@@ -5,7 +5,7 @@
    whole onebit worker compression (residual add, scale, pack, residual
    update), each as a ratio to one memory copy of the buffer.
 2. Bytes on the wire per device per step for each compressor against the
-   dense float32 psum, for ResNet-18 (ImageNet) parameter shapes at n = 8,
+   dense float32 psum, for ResNet-18 (CIFAR) parameter shapes at n = 8,
    from :func:`jaxcomm.wire.claimed`; for some compressors spot-checked
    against the collectives of the compiled 8-device step.
 
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 if "jax" not in sys.modules:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -29,20 +27,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxcomm  # noqa: E402
+from benchmarks._common import resnet18_shapes  # noqa: E402
+from benchmarks._common import time_ms  # noqa: E402
 from jaxcomm import parallel  # noqa: E402
 from jaxcomm.collectives import _signs  # noqa: E402
 from jaxcomm.kernels import bitpack  # noqa: E402
-
-
-def _time(fn, *args, reps: int) -> float:
-  """Median wall time of ``fn(*args)`` in ms, after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 @jax.jit
@@ -52,27 +41,6 @@ def onebit_compress(g, e):
   scale = _signs.worker_scales(x, [x.shape[0]])[0]
   words = bitpack.pack_signs(x)
   return words, scale, x - scale * jnp.where(x >= 0, 1.0, -1.0)
-
-
-def resnet18_params():
-  """ResNet-18 (ImageNet) parameter shapes, HWIO convs, BN scale + bias."""
-  p = {"conv1": jnp.zeros((7, 7, 3, 64)), "bn1": jnp.zeros((2, 64))}
-  cin = 64
-  for stage, cout in enumerate((64, 128, 256, 512), start=1):
-    for block in range(2):
-      pre = f"layer{stage}.{block}"
-      first = cin if block == 0 else cout
-      p[pre + ".conv1"] = jnp.zeros((3, 3, first, cout))
-      p[pre + ".bn1"] = jnp.zeros((2, cout))
-      p[pre + ".conv2"] = jnp.zeros((3, 3, cout, cout))
-      p[pre + ".bn2"] = jnp.zeros((2, cout))
-      if block == 0 and first != cout:
-        p[pre + ".down"] = jnp.zeros((1, 1, first, cout))
-        p[pre + ".down_bn"] = jnp.zeros((2, cout))
-    cin = cout
-  p["fc.w"] = jnp.zeros((512, 1000))
-  p["fc.b"] = jnp.zeros((1000,))
-  return jax.tree.map(lambda a: a.astype(jnp.float32), p)
 
 
 COMPRESSORS = [
@@ -125,26 +93,26 @@ def main(argv=None) -> None:
 
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   e = 0.1 * jax.random.normal(jax.random.key(1), (n,), jnp.float32)
-  copy_ms = _time(jax.jit(lambda v: v + 0), x, reps=reps)
+  copy_ms = time_ms(jax.jit(lambda v: v + 0), x, reps=reps)
   rows = [("copy (`x + 0`)", copy_ms, "baseline: read + write 4 B/elem")]
   rows.append(("`jnp.packbits(x > 0)` (uint8)",
-               _time(jax.jit(lambda v: jnp.packbits(v > 0)), x, reps=reps),
+               time_ms(jax.jit(lambda v: jnp.packbits(v > 0)), x, reps=reps),
                ""))
   rows.append(("bitpack.pack_signs (default path)",
-               _time(bitpack.pack_signs, x, reps=reps),
+               time_ms(bitpack.pack_signs, x, reps=reps),
                f"backend={jax.default_backend()}"))
   words = bitpack.pack_signs(x)
   rows.append(("bitpack.unpack_signs (default path)",
-               _time(lambda w: bitpack.unpack_signs(w, n), words, reps=reps),
+               time_ms(lambda w: bitpack.unpack_signs(w, n), words, reps=reps),
                "writes 4 B/elem"))
   stacked = jnp.stack([words] + [words ^ jnp.uint32(i * 2654435761 %
                                                     2 ** 32)
                                  for i in range(1, args.workers)])
   rows.append((f"bitpack.vote, {args.workers} workers (default path)",
-               _time(lambda w: bitpack.vote(w, n), stacked, reps=reps),
+               time_ms(lambda w: bitpack.vote(w, n), stacked, reps=reps),
                "input: packed words"))
   rows.append(("onebit compress (g + e, scale, pack, e')",
-               _time(onebit_compress, x, e, reps=reps),
+               time_ms(onebit_compress, x, e, reps=reps),
                "reads g, e; writes e' and 1/32 words"))
 
   print(f"\nquantization kernels on {jax.default_backend()} "
@@ -155,7 +123,7 @@ def main(argv=None) -> None:
   for name, ms, note in rows:
     print(f"| {name} | {ms:.1f} | {ms / copy_ms:.2f} | {note} |")
 
-  params = resnet18_params()
+  params = {k: jnp.zeros(v) for k, v in resnet18_shapes().items()}
   devices = 8
   total = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   dense = jaxcomm.wire.summarize(

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
+from benchmarks._common import resnet18_shapes
 from jaxcomm.transforms import _sparsification as sp
 
 SIZE = 25_000_000
@@ -101,29 +102,9 @@ def selection_table() -> str:
   return "\n".join(rows)
 
 
-def resnet18_shapes() -> dict:
-  """Parameter shapes of a ResNet-18 (ImageNet head), HWIO convs."""
-  shapes = {"conv1": (7, 7, 3, 64), "bn1": (64,)}
-  chans = [64, 128, 256, 512]
-  cin = 64
-  for s, c in enumerate(chans):
-    for blk in range(2):
-      p = f"layer{s + 1}.{blk}"
-      first_in = cin if blk == 0 else c
-      shapes[f"{p}.conv1"] = (3, 3, first_in, c)
-      shapes[f"{p}.conv2"] = (3, 3, c, c)
-      shapes[f"{p}.bn1"] = (c,)
-      shapes[f"{p}.bn2"] = (c,)
-      if blk == 0 and s > 0:
-        shapes[f"{p}.down"] = (1, 1, first_in, c)
-    cin = c
-  shapes["fc.w"] = (512, 1000)
-  shapes["fc.b"] = (1000,)
-  return {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
-
-
 def wire_table(n: int = 8) -> str:
-  params = resnet18_shapes()
+  params = {k: jax.ShapeDtypeStruct(v, jnp.float32)
+            for k, v in resnet18_shapes().items()}
   count = sum(math.prod(p.shape) for p in params.values())
   configs = [
     ("dense psum (mean_gradients)", jaxcomm.mean_gradients()),

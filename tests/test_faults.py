@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import jaxcomm
+from tests import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,30 +99,15 @@ _TINY = ["--model", "charlm",
 _STEPS, _EVERY = 12, 2
 
 
-def _free_port():
-  import socket  # pylint: disable=import-outside-toplevel
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(
-    f for f in env.get("XLA_FLAGS", "").split()
-    if "xla_force_host_platform_device_count" not in f)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
 def _launch(out_dir, every, *extra):
-  port = _free_port()
+  port = procs.free_port()
   return [subprocess.Popen(
     [sys.executable, os.path.join(ROOT, "train.py"), *_TINY,
      "--steps", str(_STEPS), "--checkpoint-every", str(every),
      "--out-dir", str(out_dir), "--coordinator", f"127.0.0.1:{port}",
      "--num-processes", "2", "--process-id", str(pid), *extra],
-    cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cwd=ROOT, env=procs.child_env(), stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
     start_new_session=True) for pid in range(2)]
 
 

@@ -2,52 +2,38 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests import procs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = dict(os.environ)
-  # The worker sets its own device count; drop the test session's flag.
-  env["XLA_FLAGS"] = " ".join(
-    f for f in env.get("XLA_FLAGS", "").split()
-    if "xla_force_host_platform_device_count" not in f)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return env
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   one = tmp_path / "one.json"
   subprocess.run([sys.executable, "-m", "tests.mp_worker", "0", "1", "0", "8",
-                  str(one)], cwd=ROOT, env=_env(), check=True, timeout=300)
-  port = _free_port()
+                  str(one)], cwd=ROOT, env=procs.child_env(), check=True,
+                 timeout=300)
+  port = procs.free_port()
   two = tmp_path / "two.json"
-  procs = [subprocess.Popen(
+  workers = [subprocess.Popen(
     [sys.executable, "-m", "tests.mp_worker", str(pid), "2", str(port), "4",
-     str(two)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+     str(two)], cwd=ROOT, env=procs.child_env(), stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT) for pid in range(2)]
   outs = []
-  for p in procs:
+  for p in workers:
     try:
       out, _ = p.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-      for q in procs:
+      for q in workers:
         q.kill()
       raise
     outs.append(out.decode(errors="replace"))
-  for p, out in zip(procs, outs):
+  for p, out in zip(workers, outs):
     assert p.returncode == 0, out[-3000:]
   a, b = json.loads(one.read_text()), json.loads(two.read_text())
   assert a["processes"] == 1 and b["processes"] == 2
@@ -63,8 +49,8 @@ def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
   code = (
     "import jaxcomm\n"
     "jaxcomm.parallel.initialize('127.0.0.1:%d', 2, 1, "
-    "local_device_count=1, timeout_s=5)\n" % _free_port())
-  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
-                     capture_output=True, timeout=120)
+    "local_device_count=1, timeout_s=5)\n" % procs.free_port())
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                     env=procs.child_env(), capture_output=True, timeout=120)
   assert p.returncode != 0
   assert b"could not reach the coordinator" in p.stderr, p.stderr[-2000:]

@@ -133,16 +133,21 @@ def _sparse_exchange(indices, values, sizes, xs, ctx):
 
 # -------------------------------------------------------------- top-k ----
 
+def _local_topk(xs, ratio, granularity):
+  """Each segment's k largest |x|: (indices, values, segment sizes)."""
+  segs = _flat_segments(xs, granularity)
+  idx, val = [], []
+  for seg in segs:
+    v, i = _topk.topk_abs(seg, num_selected(ratio, seg.shape[0]))
+    idx.append(i)
+    val.append(v)
+  return idx, val, [s.shape[0] for s in segs]
+
+
 def _topk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(xs, state, ctx):
-    segs = _flat_segments(xs, granularity)
-    sizes = [s.shape[0] for s in segs]
-    idx, val = [], []
-    for seg in segs:
-      v, i = _topk.topk_abs(seg, num_selected(ratio, seg.shape[0]))
-      idx.append(i)
-      val.append(v)
+    idx, val, sizes = _local_topk(xs, ratio, granularity)
     mean, sent = _sparse_exchange(idx, val, sizes, xs, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
@@ -593,13 +598,7 @@ def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
 def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(xs, state, ctx):
-    segs = _flat_segments(xs, granularity)
-    sizes = [s.shape[0] for s in segs]
-    idx, val = [], []
-    for seg in segs:
-      v, i = _topk.topk_abs(seg, num_selected(ratio, seg.shape[0]))
-      idx.append(i)
-      val.append(v)
+    idx, val, sizes = _local_topk(xs, ratio, granularity)
     g_idx, g_val, delivered = _sparse.gtopk_psum(idx, val, sizes,
                                                  ctx.axis_name)
     total = sum(sizes)
