@@ -113,6 +113,10 @@ def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,
   Example::
 
     tx = optax.chain(jaxcomm.cast(jnp.bfloat16), optax.sgd(0.1))
+
+  References:
+    Micikevicius et al, `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, 2018.
   """
   return _compressor.compressed(_cast_codec(dtype), axis_name=axis_name,
                                 error_feedback=error_feedback,
