@@ -96,6 +96,7 @@ COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
   "terngrad": ("terngrad", {}),
   "natural": ("natural", {}),
   "int8": ("int8", {}),
+  "uint8": ("uint8", {}),
 }
 ALIASES = {"none": "dense", "mean_gradients": "dense", "mean": "dense",
            "bf16": "cast", "fp16": "cast", "1bit": "onebit",

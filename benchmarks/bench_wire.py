@@ -20,6 +20,7 @@ CONFIGS = [
   ("dense mean", lambda: jaxcomm.mean_gradients()),
   ("bf16 cast", lambda: jaxcomm.cast(jnp.bfloat16)),
   ("int8", lambda: jaxcomm.int8()),
+  ("uint8", lambda: jaxcomm.uint8()),
   ("qsgd(127, 128)", lambda: jaxcomm.qsgd()),
   ("terngrad", lambda: jaxcomm.terngrad()),
   ("natural", lambda: jaxcomm.natural()),

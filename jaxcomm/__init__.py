@@ -35,5 +35,6 @@ from jaxcomm.transforms import signum
 from jaxcomm.transforms import terngrad
 from jaxcomm.transforms import threshold
 from jaxcomm.transforms import topk
+from jaxcomm.transforms import uint8
 
 __version__ = "0.1.0"

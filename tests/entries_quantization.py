@@ -291,6 +291,51 @@ registry.register(registry.Entry(
 ))
 
 
+def _uint8_ref(bucket):
+  """Asymmetric 8-bit codes: lo = min, s = (max - lo) / 255 over each real
+  bucket (padding excluded), bounds shared over devices; q = round((x - lo)
+  / s), the ratio formed in float32 as the compressor forms it.
+  """
+  def step(xs, state, t, key, n):
+    mean = [np.zeros_like(x) for x in xs[0]]
+    sent = [[None] * len(xs[0]) for _ in range(n)]
+    for j, x0 in enumerate(xs[0]):
+      d = x0.size
+      b = min(bucket, d)
+      for start in range(0, d, b):
+        vals = [np.ravel(xs[i][j])[start:start + b] for i in range(n)]
+        lo = np.float32(min(np.min(v) for v in vals))
+        hi = np.float32(max(np.max(v) for v in vals))
+        s = (hi - lo) / np.float32(255)
+        for i in range(n):
+          if s > 0:
+            r = (np.float32(vals[i]) - lo) / s
+            q = np.clip(np.round(r), 0, 255).astype(np.float64)
+          else:
+            q = np.zeros(vals[i].shape)
+          dec = np.float64(lo) + np.float64(s) * q
+          if sent[i][j] is None:
+            sent[i][j] = np.zeros(d)
+          sent[i][j][start:start + b] = dec
+      for i in range(n):
+        sent[i][j] = sent[i][j].reshape(x0.shape)
+        mean[j] = mean[j] + sent[i][j] / n
+    return mean, sent, state
+  return step
+
+
+registry.register(registry.Entry(
+  name="uint8",
+  ref_init=lambda shapes: None,
+  ref_step=_uint8_ref(128),
+  factory=jaxcomm.uint8,
+  kwargs={"bucket_size": 128},
+  static_args=("bucket_size", "error_feedback", "policy"),
+  bad_args=[({"bucket_size": 0}, "bucket_size"),
+            ({"bucket_size": None}, "bucket_size")],
+))
+
+
 # ---------------------------------------------------------------- natural --
 
 

@@ -39,15 +39,17 @@ from jaxcomm.collectives import _core
 WORD_BITS = 32
 
 
-def code_bits(bound: int) -> int:
-  """Bits per code for integers in ``[-bound, bound]`` (a power of two).
+def code_bits(bound: int, low: int | None = None) -> int:
+  """Bits per code for integers in ``[low, bound]`` (a power of two).
 
-  Codes are stored offset by ``bound`` (``0 .. 2 bound``) and packed
-  ``32 / bits`` to a word, so ``bits`` is rounded up to 1, 2, 4, 8, 16 or 32.
+  ``low`` defaults to ``-bound``. Codes are stored offset by ``-low``
+  (``0 .. bound - low``) and packed ``32 / bits`` to a word, so ``bits`` is
+  rounded up to 1, 2, 4, 8, 16 or 32.
   """
-  if bound < 0:
-    raise ValueError(f"bound must be >= 0, got {bound}")
-  need = max(1, int(2 * bound).bit_length())
+  low = -bound if low is None else low
+  if bound < low:
+    raise ValueError(f"bound must be >= low ({low}), got {bound}")
+  need = max(1, int(bound - low).bit_length())
   bits = 1
   while bits < need:
     bits *= 2
@@ -112,7 +114,7 @@ class Plan(NamedTuple):
   collectives: list
 
 
-def plan(length: int, bound: int, n: int) -> Plan:
+def plan(length: int, bound: int, n: int, low: int | None = None) -> Plan:
   """Chooses the exchange that moves fewest bytes for ``n`` devices.
 
   Both exchanges send ``(n - 1) / n`` of their payloads per device (ring
@@ -128,12 +130,13 @@ def plan(length: int, bound: int, n: int) -> Plan:
     length: number of codes per device.
     bound: codes lie in ``[-bound, bound]``.
     n: number of devices.
+    low: if set, codes lie in ``[low, bound]`` instead (e.g. unsigned).
 
   Returns:
     A :class:`Plan`.
   """
-  bits = code_bits(bound)
-  sum_bits = code_bits(n * bound)
+  bits = code_bits(bound, low)
+  sum_bits = code_bits(n * bound, None if low is None else n * low)
   words = _core.padded_length(length, WORD_BITS) * bits // WORD_BITS
   gather = [("all-gather", n * words * 4)]
   chunk = _core.padded_length(-(-length // n), WORD_BITS)
@@ -153,7 +156,8 @@ def _check_int(codes):
   return codes.astype(jnp.int32)
 
 
-def integer_allreduce(codes: jax.Array, bound: int, axis_name) -> jax.Array:
+def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
+                      low: int | None = None) -> jax.Array:
   """Exact sum over devices of integer codes, moved as packed words.
 
   .. math::
@@ -163,6 +167,8 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name) -> jax.Array:
     codes: ``int[L]``, this device's codes, each in ``[-bound, bound]``.
     bound: ``q`` (static).
     axis_name: the axis to sum over, or None.
+    low: if set (static), codes lie in ``[low, q]`` instead of ``[-q, q]``
+      (``low = 0``, ``q = 255``: unsigned 8-bit codes, 8 bits each).
 
   Returns:
     ``int32[L]``, the sum, identical (and typed invariant) on every device.
@@ -174,8 +180,8 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name) -> jax.Array:
   codes = _check_int(codes)
   length = codes.shape[0]
   n = _core.axis_size(axis_name)
-  p = plan(length, bound, n)
-  offset = jnp.int32(bound)
+  p = plan(length, bound, n, low)
+  offset = jnp.int32(bound if low is None else -low)
   if p.kind == "gather":
     padded = _core.padded_length(length, WORD_BITS)
     u = jnp.pad(codes + offset, (0, padded - length)).astype(jnp.uint32)
@@ -188,7 +194,7 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name) -> jax.Array:
   got = _core.all_to_all(words, axis_name, 0, 0)
   mine = jnp.sum(unpack_codes(got, p.bits, c).astype(jnp.int32) - offset,
                  axis=0)                                        # [c]
-  sum_off = jnp.int32(n * bound)
+  sum_off = n * offset
   packed = pack_codes((mine + sum_off).astype(jnp.uint32), p.sum_bits)
   total = _core.all_gather(packed, axis_name, tiled=True)
   vals = unpack_codes(total, p.sum_bits, n * c).astype(jnp.int32) - sum_off

@@ -11,6 +11,7 @@ from jaxcomm.transforms._quantization import qsgd
 from jaxcomm.transforms._quantization import signsgd
 from jaxcomm.transforms._quantization import signum
 from jaxcomm.transforms._quantization import terngrad
+from jaxcomm.transforms._quantization import uint8
 from jaxcomm.transforms._sparsification import csc
 from jaxcomm.transforms._sparsification import dgc
 from jaxcomm.transforms._sparsification import gtopk

@@ -17,6 +17,7 @@ factory         message per element            exchange (per device sends)
 ``qsgd``        level in ``[-s, s]``           integer allreduce
 ``terngrad``    ternary ``{-1, 0, 1}``         integer allreduce
 ``int8``        ``round(127 x / max|x|)``      integer allreduce
+``uint8``       ``round((x - min) / s)``       integer allreduce
 ``natural``     sign + exponent byte (9 bits)  two-phase, re-rounded, ~18 bits
 =============== ============================== ================================
 
@@ -370,15 +371,22 @@ def bucket_layout(shapes, bucket_size: int | None) -> _Layout:
 def _integer_codec(name: str, bound: int, bucket_size, *,
                    stat: Callable, quantize: Callable, unit: Callable,
                    prepare: Callable | None = None,
-                   stochastic: bool) -> _compressor.Codec:
+                   stochastic: bool, low: int | None = None,
+                   zero: Callable | None = None) -> _compressor.Codec:
   """A quantizer whose codes, under a scale shared by all devices, add up.
 
-  Per bucket: ``stat(xb) -> [nb]`` the local statistic; the shared scale is
-  its maximum over devices (one small ``pmax``); ``quantize(xb, S, u) ->
-  int32`` codes in ``[-bound, bound]``; ``unit(S)`` the value of one code
-  step. ``prepare(x)`` (per leaf) runs before bucketing (TernGrad's
-  clipping). Codes are summed exactly by
-  :func:`jaxcomm.collectives.integer_allreduce`.
+  Per bucket: ``stat(xb) -> [nb]`` (``[nb, 2]`` when ``zero`` is set) the
+  local statistic;
+  the shared scale is its maximum over devices (one small ``pmax``);
+  ``quantize(xb, S, u) -> int32`` codes in ``[-bound, bound]`` (``[low,
+  bound]`` if ``low`` is set); ``unit(S)`` the value of one code step.
+  ``prepare(x)`` (per leaf) runs before bucketing (TernGrad's clipping).
+  Codes are summed exactly by :func:`jaxcomm.collectives.integer_allreduce`.
+
+  Asymmetric codes: ``zero(S)`` is the value of code 0, a code ``q`` decodes
+  to ``zero(S) + unit(S) q`` and a sum ``t`` of ``n`` codes to ``n zero(S) +
+  unit(S) t``. The last bucket is then padded with its last value, not 0,
+  so that padding cannot move the bucket's minimum or maximum.
   """
 
   def apply(xs, state, ctx):
@@ -386,37 +394,46 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
     xbs = []
     for x, b, c in zip(xs, lay.buckets, lay.counts):
       v = jnp.ravel(x if prepare is None else prepare(x))
-      xbs.append(jnp.pad(v, (0, b * c - v.size)).reshape(c, b))
+      mode = "constant" if zero is None else "edge"
+      xbs.append(jnp.pad(v, (0, b * c - v.size), mode=mode).reshape(c, b))
     local = jnp.concatenate([stat(xb) for xb in xbs])
     shared = _core.pmax(local, ctx.axis_name)
     if stochastic:
       noise = jax.random.uniform(device_key(ctx), (lay.padded,), jnp.float32)
-    codes, units, off, boff = [], [], 0, 0
+    codes, units, zeros, off, boff = [], [], [], 0, 0
     for xb, c in zip(xbs, lay.counts):
       s = shared[boff:boff + c]
       u = (noise[off:off + xb.size].reshape(xb.shape) if stochastic
            else None)
       codes.append(quantize(xb, s[:, None], u))
       units.append(unit(s)[:, None])
+      zeros.append(None if zero is None else zero(s)[:, None])
       off += xb.size
       boff += c
     total = _quantized.integer_allreduce(
-      jnp.concatenate([q.ravel() for q in codes]), bound, ctx.axis_name)
+      jnp.concatenate([q.ravel() for q in codes]), bound, ctx.axis_name,
+      low=low)
     n = ctx.num_devices
     mean, sent, off = [], [], 0
-    for x, q, un in zip(xs, codes, units):
+    for x, q, un, z in zip(xs, codes, units, zeros):
       t = total[off:off + q.size].reshape(q.shape)
-      mean.append((t.astype(jnp.float32) * un).ravel()[:x.size]
-                  .reshape(x.shape) / n)
-      sent.append((q.astype(jnp.float32) * un).ravel()[:x.size]
-                  .reshape(x.shape))
+      if z is None:
+        m = (t.astype(jnp.float32) * un).ravel()[:x.size].reshape(x.shape) / n
+        d = q.astype(jnp.float32) * un
+      else:
+        m = (z + un * (t.astype(jnp.float32) / n)).ravel()[:x.size] \
+          .reshape(x.shape)
+        d = z + un * q.astype(jnp.float32)
+      mean.append(m)
+      sent.append(d.ravel()[:x.size].reshape(x.shape))
       off += q.size
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(shapes, n):
     lay = bucket_layout(shapes, bucket_size)
-    return ([("all-reduce", 4 * lay.num_buckets)]
-            + _quantized.plan(lay.padded, bound, n).collectives)
+    stats = 1 if zero is None else 2
+    return ([("all-reduce", 4 * stats * lay.num_buckets)]
+            + _quantized.plan(lay.padded, bound, n, low).collectives)
 
   return _compressor.Codec(name=name, init=lambda shapes: (), apply=apply,
                            wire=wire)
@@ -597,6 +614,76 @@ def int8(bucket_size: int = 128, *, axis_name="data",
                                 error_feedback=error_feedback, policy=policy)
 
 
+def _uint8_span(S):
+  """``(lo, s)`` from the shared ``(-lo, hi)``: ``s = (hi - lo) / 255``."""
+  return -S[..., 0], (S[..., 1] + S[..., 0]) / 255.0
+
+
+def uint8(bucket_size: int = 128, *, axis_name="data",
+          error_feedback: bool = True, policy=None):
+  """Asymmetric uint8 quantization with a per-bucket minimum and scale.
+
+  .. math::
+    \\ell = \\min_{i} \\min_{k \\in b} x_{i,k}, \\quad
+    h = \\max_{i} \\max_{k \\in b} x_{i,k}, \\quad
+    s = \\frac{h - \\ell}{255}, \\quad
+    q_k = \\operatorname{round}\\Big(\\frac{x_k - \\ell}{s}\\Big)
+    \\in [0, 255], \\quad
+    \\hat x_k = \\ell + s q_k
+
+  The bucket's bounds ``l`` and ``h`` are shared by all devices (one
+  ``pmax`` of ``(-min, max)`` per bucket, two floats) so that the codes add
+  up exactly: the sum of ``n`` devices' codes ``t`` decodes as ``n l + s t``
+  and the mean is ``l + s t / n``. Codes travel 8 bits each
+  (:func:`jaxcomm.collectives.integer_allreduce` with ``low=0``). A bucket
+  with ``s = 0`` sends all-zero codes and decodes to ``l`` exactly.
+  Deterministic rounding (half to even); with error feedback (default) the
+  rounding error ``x - x_hat`` is resent later and mass is conserved.
+
+  Compared with :func:`int8`, the 256 levels span ``[l, h]`` rather than
+  ``[-S, S]``: finer steps for buckets far from symmetric about 0, at one
+  more float32 per bucket.
+
+  Args:
+    bucket_size: elements per ``(l, s)`` pair, ``>= 1`` (static).
+    axis_name: the data axis.
+    error_feedback: keep the rounding error per device.
+    policy: a :class:`jaxcomm.LeafPolicy`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example::
+
+    tx = optax.chain(jaxcomm.uint8(), optax.adam(1e-3))
+
+  References:
+    PyTorch, `DDP Communication Hooks: quantization hooks
+    <https://pytorch.org/docs/stable/ddp_comm_hooks.html>`_ (one
+    ``(min, scale)`` per tensor; here per bucket).
+    Dettmers, `8-Bit Approximations for Parallelism in Deep Learning
+    <https://arxiv.org/abs/1511.04561>`_, 2016.
+  """
+  _check_int("bucket_size", bucket_size)
+  _check_bool("error_feedback", error_feedback)
+
+  def stat(xb):
+    return jnp.stack([-jnp.min(xb, axis=1), jnp.max(xb, axis=1)], axis=1)
+
+  def quantize(xb, S, u):
+    del u
+    lo, s = _uint8_span(S)
+    r = jnp.where(s > 0, (xb - lo) / jnp.where(s > 0, s, 1.0), 0.0)
+    return jnp.clip(jnp.round(r), 0, 255).astype(jnp.int32)
+
+  codec = _integer_codec(
+    "uint8", 255, bucket_size, stat=stat, quantize=quantize,
+    unit=lambda S: _uint8_span(S)[1], zero=lambda S: _uint8_span(S)[0],
+    low=0, stochastic=False)
+  return _compressor.compressed(codec, axis_name=axis_name,
+                                error_feedback=error_feedback, policy=policy)
+
+
 # ---------------------------------------------------------------- natural --
 
 
@@ -692,5 +779,5 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
 
 
 __all__ = ["onebit", "signsgd", "signum", "ef_signsgd", "qsgd", "terngrad",
-           "int8", "natural", "natural_round", "bucket_layout",
+           "int8", "uint8", "natural", "natural_round", "bucket_layout",
            "OneBitState", "SignumState", "device_key"]
