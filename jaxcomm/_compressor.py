@@ -33,12 +33,12 @@ import dataclasses
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm import _buckets
 from jaxcomm import _policy
 from jaxcomm.collectives import _core
 
@@ -57,6 +57,8 @@ class Context(NamedTuple):
     step: the step counter before this step (int32 array).
     key: a PRNG key for this step, identical on every device (a shared key
       for random-k; fold in ``device_index`` for independent noise).
+    layout: the bucket's static :class:`jaxcomm._buckets.Layout` (for flat
+      codecs; None for codecs that take a list of leaves).
   """
 
   axis_name: Any
@@ -64,21 +66,23 @@ class Context(NamedTuple):
   device_index: jax.Array
   step: jax.Array
   key: jax.Array
+  layout: Any = None
 
 
 class CodecResult(NamedTuple):
   """What a codec returns for one step.
 
   Attributes:
-    mean: per compressed leaf, the decoded average over devices; identical
-      (and typed invariant) on every device.
-    sent: per compressed leaf, what this device's own message decodes to; the
-      error-feedback residual is ``x - sent``.
+    mean: the decoded average over devices; identical (and typed invariant)
+      on every device. A flat ``[size]`` buffer for a flat codec, a list of
+      leaves otherwise.
+    sent: what this device's own message decodes to (same form as
+      ``mean``); the error-feedback residual is ``x - sent``.
     state: the codec's new state.
   """
 
-  mean: list
-  sent: list
+  mean: Any
+  sent: Any
   state: Any
 
 
@@ -86,23 +90,35 @@ class CodecResult(NamedTuple):
 class Codec:
   """A compressor's math and exchange, in the form :func:`compressed` takes.
 
+  :func:`compressed` lays the compressed leaves into flat float32 buckets
+  (:mod:`jaxcomm._buckets`) and calls the codec once per bucket. A *flat*
+  codec (``flat=True``) works on the bucket itself: ``init(layout)``,
+  ``apply(x, state, ctx)`` with ``x`` the ``[layout.size]`` buffer and
+  ``ctx.layout`` its layout, ``wire(layout, n)``; per-leaf semantics go
+  through the layout's group views, one op per group of equal shapes, so
+  the program does not grow with the number of leaves. A codec with
+  ``flat=False`` gets the bucket's leaves as a list (``init(shapes)``,
+  ``apply(xs, ...)``, ``wire(shapes, n)``), which costs ops per leaf.
+
   Attributes:
     name: the public name, used in messages.
-    init: ``init(shapes) -> state`` for the compressed leaves' shapes.
-    apply: ``apply(xs, state, ctx) -> CodecResult`` with ``xs`` the float32
-      compressed leaves (error feedback already added).
-    wire: ``wire(shapes, n) -> [(kind, payload_bytes), ...]``, the collectives
-      ``apply`` issues for these shapes on ``n`` devices, in HLO terms
+    init: ``init(layout | shapes) -> state``.
+    apply: ``apply(x | xs, state, ctx) -> CodecResult`` (error feedback
+      already added to the input).
+    wire: ``wire(layout | shapes, n) -> [(kind, payload_bytes), ...]``, the
+      collectives ``apply`` issues on ``n`` devices, in HLO terms
       (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
       ``collective-permute``). Checked against the compiled HLO in tests.
     accepts: ``accepts(shape) -> bool``, the codec's own leaf rule.
+    flat: whether the codec works on flat buckets (see above).
   """
 
   name: str
-  init: Callable[[Sequence[Shape]], Any]
-  apply: Callable[[list, Any, Context], CodecResult]
-  wire: Callable[[Sequence[Shape], int], list[Collective]]
+  init: Callable[[Any], Any]
+  apply: Callable[[Any, Any, Context], CodecResult]
+  wire: Callable[[Any, int], list[Collective]]
   accepts: Callable[[Shape], bool] = lambda shape: True
+  flat: bool = False
 
 
 class CompressStats(NamedTuple):
@@ -111,8 +127,9 @@ class CompressStats(NamedTuple):
   Attributes:
     residual_norm: L2 norm of this device's error-feedback residual after the
       step (0 without error feedback).
-    nonfinite_steps: steps skipped because some device's gradient held a NaN
-      or Inf (residuals and codec state were left unchanged).
+    nonfinite_steps: steps skipped because some device's gradient, or what
+      the compressor made of it (the average, the residual), held a NaN or
+      Inf (residuals and codec state were left unchanged).
   """
 
   residual_norm: jax.Array
@@ -124,11 +141,12 @@ class CompressState(NamedTuple):
 
   Attributes:
     count: steps taken (int32).
-    residual: error-feedback residual per compressed leaf (float32, per
-      device); empty without error feedback.
-    momentum: momentum-correction buffer ``u`` per compressed leaf (per
-      device); empty unless ``momentum`` is set.
-    codec: the codec's own state.
+    residual: error-feedback residual per bucket (flat float32, per
+      device); empty without error feedback. ``Spec.leaves_of`` (through
+      :func:`spec_of`) gives it back per leaf.
+    momentum: momentum-correction buffer ``u`` per bucket (per device);
+      empty unless ``momentum`` is set.
+    codec: the codec's own state, one per bucket (a tuple).
     key: PRNG key data (uint32[2]), split every step, identical everywhere.
     stats: :class:`CompressStats`.
   """
@@ -136,7 +154,7 @@ class CompressState(NamedTuple):
   count: jax.Array
   residual: tuple
   momentum: tuple
-  codec: Any
+  codec: tuple
   key: jax.Array
   stats: CompressStats
 
@@ -164,17 +182,36 @@ class Spec:
   def paths(self, params) -> list[str]:
     return self.policy.plan(params, self.codec.accepts)
 
+  def layouts(self, params) -> tuple[_buckets.Layout, ...]:
+    """The buckets of the compressed leaves of ``params``."""
+    leaves = jax.tree.leaves(params)
+    comp = _policy.select(leaves, self.paths(params), _policy.COMPRESS)
+    return _buckets.plan([tuple(l.shape) for l in comp],
+                         self.policy.bucket_bytes)
+
+  def leaves_of(self, buffers, params) -> list:
+    """Per-bucket buffers (a state's ``residual`` or ``momentum``) back as
+    one array per compressed leaf, in ``jax.tree.leaves`` order. Leading
+    axes (e.g. the device axis of a stored state) are kept."""
+    layouts = self.layouts(params)
+    out = {}
+    for lay, buf in zip(layouts, buffers):
+      for j, leaf in zip(lay.leaves, lay.split(buf)):
+        out[j] = leaf
+    return [out[j] for j in sorted(out)]
+
   def collectives(self, params, n: int) -> list[Collective]:
     """Collectives one compressed step issues on ``n`` devices."""
     leaves = jax.tree.leaves(params)
     paths = self.paths(params)
-    shapes = [tuple(l.shape) for l in _policy.select(leaves, paths,
-                                                     _policy.COMPRESS)]
-    out = list(self.codec.wire(shapes, n)) if shapes else []
+    out = []
+    for lay in self.layouts(params):
+      arg = lay if self.codec.flat else list(lay.shapes)
+      out.extend(self.codec.wire(arg, n))
     dense = sum(int(l.size) for l in _policy.select(leaves, paths,
                                                     _policy.DENSE))
     # The fused dense psum always carries one extra float32: the flag that
-    # tells every device whether some device saw a non-finite gradient.
+    # tells every device whether some device saw a non-finite value.
     out.append(("all-reduce", 4 * (dense + 1)))
     return [(k, b) for k, b in out if b > 0]
 
@@ -204,6 +241,28 @@ def _match_varying(x, like):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def safe_norm(xs) -> jax.Array:
+  """L2 norm of a list of arrays, scaled by ``max |x|`` so that it does not
+  overflow float32 for finite inputs (``|x| ~ 1e20`` squares to inf)."""
+  xs = [x for x in xs if x.size]
+  if not xs:
+    return jnp.zeros([], jnp.float32)
+  m = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
+  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+  total = sum(jnp.sum(jnp.square(x / safe)) for x in xs)
+  return jnp.where(m > 0, safe * jnp.sqrt(total), m)
+
+
+def _apply_codec(codec: Codec, layout, x, state, ctx):
+  """Runs the codec on one bucket; returns flat (mean, sent, state)."""
+  ctx = ctx._replace(layout=layout)
+  if codec.flat:
+    res = codec.apply(x, state, ctx)
+    return res.mean, res.sent, res.state
+  res = codec.apply(layout.split(x), state, ctx)
+  return (_buckets.flatten(res.mean), _buckets.flatten(res.sent), res.state)
+
+
 def compressed(
   codec: Codec,
   *,
@@ -218,6 +277,11 @@ def compressed(
   seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds a compressing GradientTransformation from a :class:`Codec`.
+
+  The compressed leaves are laid into flat float32 buckets
+  (``policy.bucket_bytes``); error feedback, momentum, clipping and the
+  codec run on whole buckets, so the traced program does not grow with the
+  number of leaves.
 
   Args:
     codec: the compressor's math and exchange.
@@ -238,7 +302,8 @@ def compressed(
       the parameters as much as it would have when it was computed.
     start_step: exchange dense means (no compression, residual untouched)
       while ``count < start_step``.
-    policy: which leaves to compress (:class:`jaxcomm.LeafPolicy`).
+    policy: which leaves to compress and how to bucket them
+      (:class:`jaxcomm.LeafPolicy`).
     seed: seed of the PRNG key kept in the state.
 
   Returns:
@@ -263,16 +328,17 @@ def compressed(
   spec = Spec(codec=codec, policy=policy, axis_name=axis_name,
               start_step=start_step)
 
+  def codec_init(layout):
+    return codec.init(layout if codec.flat else list(layout.shapes))
+
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
-    paths = spec.paths(params)
-    comp = _policy.select(leaves, paths, _policy.COMPRESS)
-    zeros = tuple(jnp.zeros(l.shape, jnp.float32) for l in comp)
+    layouts = spec.layouts(params)
+    zeros = tuple(jnp.zeros((lay.size,), jnp.float32) for lay in layouts)
     return CompressState(
       count=jnp.zeros([], jnp.int32),
       residual=zeros if keep_residual else (),
       momentum=zeros if use_momentum else (),
-      codec=codec.init([tuple(l.shape) for l in comp]),
+      codec=tuple(codec_init(lay) for lay in layouts),
       key=jax.random.PRNGKey(seed),
       stats=CompressStats(residual_norm=jnp.zeros([], jnp.float32),
                           nonfinite_steps=jnp.zeros([], jnp.int32)),
@@ -283,15 +349,18 @@ def compressed(
     n = _core.check_axis(axis_name, codec.name)
     leaves, treedef = jax.tree.flatten(updates)
     paths = spec.paths(updates)
-    comp_idx = [i for i, p in enumerate(paths) if p == _policy.COMPRESS]
+    layouts = spec.layouts(updates)
+    _check_state(state, layouts, keep_residual, use_momentum, codec.name)
+    comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
     dense_idx = [i for i, p in enumerate(paths) if p == _policy.DENSE]
-    g = [leaves[i].astype(jnp.float32) for i in comp_idx]
-    dense = [leaves[i] for i in dense_idx]
-    floats = g + dense
-    local_bad = jnp.zeros([], jnp.float32)
-    if floats:
-      local_bad = 1.0 - jnp.all(jnp.stack(
-        [jnp.all(jnp.isfinite(x)) for x in floats])).astype(jnp.float32)
+    # One flat float32 buffer per bucket (equal shapes side by side).
+    g = [_buckets.flatten([leaves[comp[j]] for j in lay.leaves])
+         for lay in layouts]
+    dense = _buckets.flatten([leaves[i] for i in dense_idx])
+    local_bad = jnp.zeros([], bool)
+    for x in g + [dense]:
+      if x.size:
+        local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
 
     step = state.count
     key, step_key = jax.random.split(state.key)
@@ -301,7 +370,7 @@ def compressed(
 
     # Local gradient clipping (DGC): threshold scaled by n^-1/2.
     if clip_norm is not None and g:
-      norm = optax.tree.norm(g)
+      norm = safe_norm(g)
       limit = clip_norm / jnp.sqrt(jnp.float32(n))
       scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
       g = [x * scale for x in g]
@@ -324,12 +393,14 @@ def compressed(
       xs = g
 
     def compress_branch(_):
-      res = codec.apply(list(xs), state.codec, ctx)
-      return list(res.mean), list(res.sent), res.state
+      outs = [_apply_codec(codec, lay, x, cs, ctx)
+              for lay, x, cs in zip(layouts, xs, state.codec)]
+      return ([o[0] for o in outs], [o[1] for o in outs],
+              tuple(o[2] for o in outs))
 
     def dense_branch(_):
       # Dense phase: exact mean, nothing left behind, codec state untouched.
-      mean = [m / n for m in _core.fused_psum(g, axis_name)]
+      mean = [_core.psum(x, axis_name) / n for x in g]
       return mean, list(g), state.codec
 
     if g:
@@ -353,19 +424,26 @@ def compressed(
       in_dense = jnp.zeros([], bool)
       mean, sent, codec_state = [], [], state.codec
 
-    # One fused psum for every dense leaf plus the non-finite flag.
-    summed = _core.fused_psum(dense + [local_bad], axis_name)
-    any_bad = summed[-1] > 0
-    dense_mean = [(s / n).astype(d.dtype) for s, d in zip(summed[:-1], dense)]
-
     if keep_residual:
+      new_res = [x - s for x, s in zip(xs, sent)]
       if start_step > 0:
-        new_res = [jnp.where(in_dense, r, x - s)
-                   for r, x, s in zip(residual, xs, sent)]
-      else:
-        new_res = [x - s for x, s in zip(xs, sent)]
+        new_res = [jnp.where(in_dense, r, e)
+                   for r, e in zip(residual, new_res)]
     else:
       new_res = []
+    # What the compressor made must be finite too (an overflow inside a
+    # codec, a sum over devices past float32's range): it joins the flag
+    # that the fused dense psum carries, so every device decides alike.
+    for m, e in zip(mean, new_res if keep_residual else sent):
+      local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
+        | ~jnp.all(jnp.isfinite(e))
+
+    # One fused psum for every dense leaf plus the non-finite flag.
+    flat = jnp.concatenate([dense, local_bad.astype(jnp.float32)[None]])
+    summed = _core.psum(flat, axis_name)
+    any_bad = summed[-1] > 0
+    dense_mean = summed[:-1] / n
+
     if use_momentum:
       if momentum_masking:
         new_u = [jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
@@ -380,16 +458,24 @@ def compressed(
       lambda a, b: jnp.where(any_bad, b, a), new, old)
     new_res = keep(tuple(new_res), state.residual)
     new_u = keep(tuple(new_u), state.momentum)
-    codec_state = keep(codec_state, state.codec)
-    res_norm = (optax.tree.norm(list(new_res)) if new_res
-                else jnp.zeros([], jnp.float32))
+    codec_state = keep(tuple(codec_state), state.codec)
+    res_norm = safe_norm(list(new_res))
 
     out = list(leaves)
     nan = jnp.float32(jnp.nan)
-    for i, m in zip(comp_idx, mean):
-      out[i] = jnp.where(any_bad, nan, m).astype(leaves[i].dtype)
-    for i, m in zip(dense_idx, dense_mean):
-      out[i] = jnp.where(any_bad, nan, m).astype(leaves[i].dtype)
+    for lay, m in zip(layouts, mean):
+      m = jnp.where(any_bad, nan, m)
+      for j, leaf in zip(lay.leaves, lay.split(m)):
+        i = comp[j]
+        out[i] = leaf.astype(leaves[i].dtype)
+    if dense_idx:
+      dense_mean = jnp.where(any_bad, nan, dense_mean)
+      offset = 0
+      for i in dense_idx:
+        size = leaves[i].size
+        out[i] = dense_mean[offset:offset + size].reshape(
+          leaves[i].shape).astype(leaves[i].dtype)
+        offset += size
 
     new_state = CompressState(
       count=optax.safe_increment(state.count),
@@ -406,6 +492,23 @@ def compressed(
 
   return optax.GradientTransformationExtraArgs(
     _Init(init_fn, spec), update_fn)
+
+
+def _check_state(state, layouts, keep_residual, use_momentum, name):
+  """Names what is wrong when the state does not belong to these grads."""
+  if not isinstance(state, CompressState):
+    raise ValueError(
+      f"{name}: state must be the CompressState this compressor's init "
+      f"returned, got {type(state).__name__}")
+  want = [(lay.size,) for lay in layouts]
+  for field, on in (("residual", keep_residual), ("momentum", use_momentum)):
+    got = [tuple(x.shape) for x in getattr(state, field)]
+    if on and got != want:
+      raise ValueError(
+        f"{name}: the gradients do not match the state's {field}: the "
+        f"compressed leaves need buckets of {want} elements, the state "
+        f"holds {got} (gradients of other shapes than the params given to "
+        "init, or another compressor's state)")
 
 
 def spec_of(tx) -> Spec:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _buckets
+
 COMPRESS = "compress"
 DENSE = "dense"
 SKIP = "skip"
@@ -47,15 +49,23 @@ class LeafPolicy:
   ``(n + m) * r * min_compression_rate < n * m``). All other floating leaves
   go through one fused dense psum.
 
+  Compressed leaves are laid out in flat float32 buckets
+  (:mod:`jaxcomm._buckets`) and the compressor runs once per bucket:
+  ``bucket_bytes`` caps a bucket's size (as DDP's ``bucket_cap_mb``; a leaf
+  larger than the cap gets a bucket of its own); ``None`` puts every
+  compressed leaf in one bucket, the smallest program.
+
   Attributes:
     min_size: smallest number of elements worth compressing.
     min_ndim: smallest rank worth compressing (2 keeps biases dense).
     mask: optional pytree of bools or callable returning one.
+    bucket_bytes: largest bucket in bytes (float32), or None for one bucket.
   """
 
   min_size: int = 256
   min_ndim: int = 1
   mask: Any = None
+  bucket_bytes: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.min_size, (int, np.integer)) or self.min_size < 0:
@@ -64,6 +74,7 @@ class LeafPolicy:
     if not isinstance(self.min_ndim, (int, np.integer)) or self.min_ndim < 0:
       raise ValueError(
         f"min_ndim must be a non-negative int, got {self.min_ndim!r}")
+    _buckets.check_bucket_bytes(self.bucket_bytes)
 
   def plan(self, grads, accepts: Callable[[tuple[int, ...]], bool]
            ) -> list[str]:

@@ -40,7 +40,7 @@ def codec_state(host_state):
   while stack:
     s = stack.pop()
     if isinstance(s, jaxcomm.CompressState):
-      return s.codec
+      return s.codec[0]   # the one bucket
     if isinstance(s, (tuple, list)):
       stack.extend(s)
   raise AssertionError("no CompressState")

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm import _buckets
 from jaxcomm import parallel
 
 N = 8
@@ -142,12 +143,25 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
   return out, res, sent_all
 
 
-def residuals_of(state) -> list:
-  """The CompressState residuals (host arrays, leading device axis)."""
+def residuals_of(state, params=None) -> list:
+  """The CompressState residuals per compressed leaf (host arrays, leading
+  device axis), split out of the flat buckets (one bucket, equal shapes
+  side by side, as ``jaxcomm._buckets.plan`` lays them)."""
+  params = battery_params() if params is None else params
+  shapes = [tuple(params[k].shape) for k in COMPRESSED]
   for s in _walk(state):
     if isinstance(s, jaxcomm.CompressState):
-      return [np.asarray(r) for r in s.residual]
+      return split_buckets(s.residual, shapes)
   raise AssertionError("no CompressState in state")
+
+
+def split_buckets(buffers, shapes) -> list:
+  """Per-bucket flat buffers ``[..., size]`` -> per leaf (tree order)."""
+  out = {}
+  for lay, buf in zip(_buckets.plan(shapes), buffers):
+    for j, leaf in zip(lay.leaves, lay.split(np.asarray(buf))):
+      out[j] = leaf
+  return [out[j] for j in sorted(out)]
 
 
 def _walk(x):

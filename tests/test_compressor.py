@@ -71,7 +71,8 @@ def test_error_feedback_matches_numpy():
     sent = _top1(x)
     np.testing.assert_allclose(out, sent, rtol=1e-6, atol=1e-7)
     e = x - sent
-  np.testing.assert_allclose(state.residual[0], e, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.residual[0].reshape(e.shape), e,
+                             rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(state.stats.residual_norm, np.linalg.norm(e),
                              rtol=1e-5)
 
@@ -115,10 +116,13 @@ def test_momentum_correction_and_masking():
     np.testing.assert_allclose(out, sent, rtol=1e-5, atol=1e-6)
     v = v - sent
     u = np.where(sent != 0, 0.0, u)        # momentum factor masking
-  np.testing.assert_allclose(state.momentum[0], u, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(state.residual[0], v, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.momentum[0].reshape(u.shape), u,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.residual[0].reshape(v.shape), v,
+                             rtol=1e-5, atol=1e-6)
   # The sent coordinate's momentum is zero after the step.
-  assert np.all(np.asarray(state.momentum[0])[sent != 0] == 0)
+  assert np.all(np.asarray(state.momentum[0]).reshape(sent.shape)[sent != 0]
+                == 0)
 
 
 def test_dense_phase_before_start_step():

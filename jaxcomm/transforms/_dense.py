@@ -14,10 +14,11 @@ def _mean_codec() -> _compressor.Codec:
   # Accepts no leaf: every floating leaf goes through the fused dense psum.
   return _compressor.Codec(
     name="mean_gradients",
-    init=lambda shapes: (),
+    init=lambda layout: (),
     apply=None,  # never called: no leaf is compressed
-    wire=lambda shapes, n: [],
+    wire=lambda layout, n: [],
     accepts=lambda shape: False,
+    flat=True,
   )
 
 
@@ -58,28 +59,23 @@ def _cast_codec(dtype) -> _compressor.Codec:
   dtype = _CAST_DTYPES[name]
   itemsize = np.dtype(dtype).itemsize
 
-  def apply(xs, state, ctx):
+  def apply(x, state, ctx):
     n = ctx.num_devices
     # Divide by n before the cast, so the sum cannot overflow where the
     # mean would not (fp16's max is 65504).
-    low = [(x / n).astype(dtype) for x in xs]
-    flat = jnp.concatenate([jnp.ravel(l).astype(jnp.float32) for l in low])
-    total = _core.scatter_gather_sum(flat, ctx.axis_name, dtype)
-    mean, offset = [], 0
-    for x in xs:
-      mean.append(total[offset:offset + x.size].reshape(x.shape))
-      offset += x.size
-    sent = [l.astype(jnp.float32) * n for l in low]
+    low = (x / n).astype(dtype)
+    mean = _core.scatter_gather_sum(low.astype(jnp.float32), ctx.axis_name,
+                                    dtype)
+    sent = low.astype(jnp.float32) * n
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(shapes, n):
-    total = sum(int(np.prod(s)) for s in shapes)
-    chunk = _core.padded_length(-(-total // n), 4 // itemsize)
+  def wire(layout, n):
+    chunk = _core.padded_length(-(-layout.size // n), 4 // itemsize)
     return [("all-to-all", chunk * n * itemsize),
             ("all-gather", chunk * n * itemsize)]
 
-  return _compressor.Codec(name=f"cast({name})", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name=f"cast({name})", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,

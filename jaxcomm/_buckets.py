@@ -1,0 +1,217 @@
+"""Buckets: the compressed leaves of a step laid out as a few flat buffers.
+
+A compressor never loops over leaves in traced code. :func:`plan` lays the
+compressed leaves (their shapes are static) into flat float32 buffers,
+*buckets*, and a codec runs once per bucket. Inside a bucket, leaves of equal
+shape sit next to each other, so each run of equal shapes (a *group*) is one
+contiguous slice that reshapes for free to ``[G, *shape]``: per-leaf
+semantics (a per-leaf scale, a per-leaf k, a per-leaf matrix) become one
+batched op per group, and the program grows with the number of distinct
+shapes, not with the number of leaves (a transformer's 24 identical layers
+are one group per parameter kind).
+
+Buckets are capped in bytes (``LeafPolicy(bucket_bytes=...)``, like DDP's
+``bucket_cap_mb``); a leaf larger than the cap has a bucket of its own, and
+no leaf is ever split. ``bucket_bytes=None`` (the default) puts every
+compressed leaf in one bucket.
+
+Everything here is static Python (shapes, offsets) except the array helpers
+of :class:`Layout`, which issue one op per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """A run of equal-shape leaves, contiguous in its bucket.
+
+  Attributes:
+    shape: the leaves' shape.
+    count: how many leaves (``G``).
+    first: index of the group's first segment in the bucket.
+    offset: element offset of the group in the bucket.
+    leaves: for each leaf of the group, its index among all compressed
+      leaves in ``jax.tree.leaves`` order (use it to derive per-leaf keys).
+  """
+
+  shape: Shape
+  count: int
+  first: int
+  offset: int
+  leaves: tuple[int, ...]
+
+  @property
+  def leaf_size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def size(self) -> int:
+    return self.count * self.leaf_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The static layout of one bucket.
+
+  Attributes:
+    leaves: per segment (bucket order), the leaf's index among all
+      compressed leaves in ``jax.tree.leaves`` order.
+    shapes: per segment, the leaf's shape.
+    groups: runs of equal shapes (see :class:`Group`).
+  """
+
+  leaves: tuple[int, ...]
+  shapes: tuple[Shape, ...]
+  groups: tuple[Group, ...]
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(int(o) for o in np.cumsum((0,) + self.sizes)[:-1])
+
+  @property
+  def size(self) -> int:
+    return int(sum(self.sizes))
+
+  @property
+  def num_segments(self) -> int:
+    return len(self.shapes)
+
+  # -------------------------------------------------- array helpers ----
+
+  def views(self, flat: jax.Array) -> list[jax.Array]:
+    """Per group, the ``[G, leaf_size]`` view of ``flat`` (free reshapes).
+
+    ``flat`` may carry leading batch axes: ``[..., size]`` gives
+    ``[..., G, leaf_size]`` views.
+    """
+    lead = flat.shape[:-1]
+    return [flat[..., g.offset:g.offset + g.size].reshape(
+      lead + (g.count, g.leaf_size)) for g in self.groups]
+
+  def matrices(self, flat: jax.Array, as_matrix: Callable[[Shape], Shape]
+               ) -> list[jax.Array]:
+    """Per group, ``[G, n, m]`` with ``(n, m) = as_matrix(shape)``."""
+    return [v.reshape((g.count,) + tuple(as_matrix(g.shape)))
+            for v, g in zip(self.views(flat), self.groups)]
+
+  def join(self, parts: Sequence[jax.Array]) -> jax.Array:
+    """Inverse of :meth:`views`: per-group arrays back into one buffer."""
+    flats = [jnp.reshape(p, p.shape[:-2] + (-1,)) if p.ndim >= 2 else p
+             for p in parts]
+    return flats[0] if len(flats) == 1 else jnp.concatenate(flats, axis=-1)
+
+  def join_any(self, parts: Sequence[jax.Array]) -> jax.Array:
+    """Per-group arrays of any trailing shape ``[G, ...]`` -> flat."""
+    flats = [jnp.ravel(p) for p in parts]
+    return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+
+  def reduce(self, fn: Callable[[jax.Array], jax.Array], flat: jax.Array
+             ) -> jax.Array:
+    """Per-segment reduction: ``fn([G, leaf_size]) -> [G]`` on each group,
+    concatenated to ``[num_segments]`` in bucket order."""
+    parts = [fn(v) for v in self.views(flat)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def broadcast(self, per_segment: jax.Array) -> jax.Array:
+    """``[num_segments]`` values -> ``[size]`` (each segment's value repeated
+    over its elements)."""
+    parts = []
+    for g in self.groups:
+      v = per_segment[g.first:g.first + g.count]
+      parts.append(jnp.broadcast_to(v[:, None], (g.count, g.leaf_size)
+                                    ).reshape(-1))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def split(self, flat: jax.Array) -> list[jax.Array]:
+    """The bucket's leaves, in bucket order, in their shapes.
+
+    ``flat`` may carry leading axes: ``[..., size]`` -> ``[..., *shape]``.
+    """
+    lead = flat.shape[:-1]
+    return [flat[..., o:o + s].reshape(lead + tuple(shape))
+            for o, s, shape in zip(self.offsets, self.sizes, self.shapes)]
+
+
+def flatten(leaves: Sequence[jax.Array], dtype=jnp.float32) -> jax.Array:
+  """Leaves (in bucket order) into one flat buffer of ``dtype``."""
+  flats = [jnp.ravel(x).astype(dtype) for x in leaves]
+  if not flats:
+    return jnp.zeros((0,), dtype)
+  return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
+
+
+def plan(shapes: Sequence[Shape], bucket_bytes: int | None = None,
+         itemsize: int = 4) -> tuple[Layout, ...]:
+  """Lays compressed leaves of these shapes (tree order) into buckets.
+
+  Equal shapes are grouped, groups ordered by their first leaf; buckets are
+  filled in that order up to ``bucket_bytes`` (``None``: one bucket),
+  splitting between leaves only.
+
+  Returns:
+    One :class:`Layout` per bucket (empty tuple for no leaves).
+  """
+  shapes = [tuple(int(d) for d in s) for s in shapes]
+  if not shapes:
+    return ()
+  order: list[Shape] = []
+  members: dict[Shape, list[int]] = {}
+  for j, s in enumerate(shapes):
+    if s not in members:
+      members[s] = []
+      order.append(s)
+    members[s].append(j)
+  seq = [(s, j) for s in order for j in members[s]]
+  cap = None if bucket_bytes is None else int(bucket_bytes)
+  buckets: list[list[tuple[Shape, int]]] = [[]]
+  used = 0
+  for s, j in seq:
+    nbytes = int(np.prod(s, dtype=np.int64)) * itemsize
+    if cap is not None and buckets[-1] and used + nbytes > cap:
+      buckets.append([])
+      used = 0
+    buckets[-1].append((s, j))
+    used += nbytes
+  return tuple(_layout(b) for b in buckets)
+
+
+def _layout(items: list[tuple[Shape, int]]) -> Layout:
+  groups, offset = [], 0
+  i = 0
+  while i < len(items):
+    s = items[i][0]
+    k = i
+    while k < len(items) and items[k][0] == s:
+      k += 1
+    g = Group(shape=s, count=k - i, first=i, offset=offset,
+              leaves=tuple(j for _, j in items[i:k]))
+    groups.append(g)
+    offset += g.size
+    i = k
+  return Layout(leaves=tuple(j for _, j in items),
+                shapes=tuple(s for s, _ in items), groups=tuple(groups))
+
+
+def check_bucket_bytes(value) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+      or value < 1:
+    raise ValueError(
+      f"bucket_bytes must be a positive int (bytes) or None, got {value!r}")
+  return int(value)
