@@ -438,11 +438,14 @@ def compressed(
       local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
         | ~jnp.all(jnp.isfinite(e))
 
-    # One fused psum for every dense leaf plus the non-finite flag.
-    flat = jnp.concatenate([dense, local_bad.astype(jnp.float32)[None]])
+    # One fused psum for every dense leaf plus the non-finite flag. Dense
+    # leaves are divided by n first, so the sum does not overflow where the
+    # mean would not; a mean that still overflows is seen alike on every
+    # device (the psum's result is replicated) and skips the step too.
+    flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
     summed = _core.psum(flat, axis_name)
-    any_bad = summed[-1] > 0
-    dense_mean = summed[:-1] / n
+    dense_mean = summed[:-1]
+    any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
 
     if use_momentum:
       if momentum_masking:

@@ -240,3 +240,99 @@ def test_wire_bytes_match_compiled_hlo(name, mesh):
   claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(tx, params, harness.N),
                                  n=harness.N, params=params)
   assert hlo.payload == claim.payload, (name, hlo.payload, claim.payload)
+
+
+def _overflow_grads(scale, one_device=False):
+  """Finite gradients far from float32's usual range: ``scale`` times a
+  +-1 pattern on all devices, or a single ``scale`` element on device 3."""
+  params = {k: v for k, v in harness.battery_params().items() if k != "step"}
+  g = harness.make_grads(11, 1, params=params)[0]
+  if one_device:
+    g = jax.tree.map(np.array, g)
+    g["w"][3, 1, 2] = scale
+    return params, g
+  return params, jax.tree.map(lambda x: np.sign(x) * np.float32(scale), g)
+
+
+@entry_param
+@pytest.mark.parametrize("case", ["1e20_all", "1e30_one", "1e38_all"])
+def test_overflow_inside_compressor_never_poisons_state(name, case, mesh):
+  """Finite gradients whose norms, scales or sums overflow float32.
+
+  Whatever the codec makes of them, either the step goes through with
+  finite updates and residuals, or it is skipped and counted on every
+  device with the residuals untouched; a normal step after it is finite.
+  """
+  entry = ENTRIES[name]
+  tx = optax.chain(entry.make(axis_name="data"),
+                   optax.apply_if_finite(optax.sgd(1.0), 5))
+  scale = {"1e20_all": 1e20, "1e30_one": 1e30, "1e38_all": 1e38}[case]
+  params, big = _overflow_grads(scale, one_device=case == "1e30_one")
+  normal = harness.make_grads(12, 2, params=params)
+  _, s0, _ = harness.device_run(tx, mesh, normal[:1], params=params)
+  upd, s1, _ = harness.device_run(tx, mesh, [big], state=s0, params=params)
+  r0, r1 = harness.residuals_of(s0), harness.residuals_of(s1)
+  for r in r1:
+    assert np.all(np.isfinite(r)), f"{name}/{case}: non-finite residual"
+  skipped = int(np.asarray(jaxcomm.stats(s1)[0].nonfinite_steps).max())
+  if skipped:
+    for a, b in zip(r0, r1):
+      np.testing.assert_array_equal(a, b)
+    for k in ("w", "conv", "b"):
+      assert np.all(upd[0][k] == 0), f"{name}/{case}: skipped step moved {k}"
+  else:
+    for k in ("w", "conv", "b"):
+      assert np.all(np.isfinite(upd[0][k])), f"{name}/{case}: {k}"
+  upd2, s2, _ = harness.device_run(tx, mesh, normal[1:], state=s1,
+                                   params=params)
+  for k in ("w", "conv", "b"):
+    assert np.all(np.isfinite(upd2[0][k])), f"{name}/{case}: next step {k}"
+  for r in harness.residuals_of(s2):
+    assert np.all(np.isfinite(r))
+
+
+@entry_param
+def test_kernel_paths_agree_inside_shard_map(name, mesh, monkeypatch):
+  """JAXCOMM_KERNELS=always (Pallas, interpreted on CPU) and =never (plain
+  jnp) give the same steps inside the 8-device shard_map (check_vma on)."""
+  entry = ENTRIES[name]
+  grads = harness.make_grads(seed=3, steps=2)
+  out = {}
+  for mode in ("always", "never"):
+    monkeypatch.setenv("JAXCOMM_KERNELS", mode)
+    tx = entry.make(axis_name="data")   # a fresh transform: a fresh trace
+    updates, state, _ = harness.device_run(tx, mesh, grads)
+    out[mode] = (updates, harness.residuals_of(state))
+  chex.assert_trees_all_close(out["always"], out["never"], rtol=1e-6,
+                              atol=1e-6)
+
+
+def _stacked_params(layers: int) -> dict:
+  """``layers`` identical blocks (a kernel, a bias, a norm scale)."""
+  out = {}
+  for i in range(layers):
+    out[f"l{i:02d}"] = {"k": jnp.zeros((32, 24), jnp.float32),
+                        "b": jnp.zeros((24,), jnp.float32),
+                        "s": jnp.zeros((16, 16), jnp.float32)}
+  return out
+
+
+def _hlo_ops(tx, params, mesh) -> int:
+  text = harness.lower_update(tx, mesh, params).as_text()
+  return sum(1 for line in text.splitlines() if " = " in line)
+
+
+@entry_param
+def test_program_does_not_grow_with_leaves(name, mesh):
+  """Four times the leaves (same shapes) add no more ops to a compressor's
+  step than to the dense mean's (whose per-leaf split is the floor)."""
+  entry = ENTRIES[name]
+  dense = jaxcomm.mean_gradients()
+  growth = {}
+  for tx_name, tx in (("dense", dense), (name, entry.make(axis_name="data"))):
+    small = _hlo_ops(tx, _stacked_params(4), mesh)
+    large = _hlo_ops(tx, _stacked_params(16), mesh)
+    growth[tx_name] = large - small
+  # The compressed leaves' per-leaf split and state add a few ops per leaf
+  # at most; a per-leaf codec adds tens.
+  assert growth[name] <= 2 * growth["dense"] + 64, growth
