@@ -16,6 +16,7 @@ from jaxcomm._compressor import CompressState
 from jaxcomm._compressor import CompressStats
 from jaxcomm._compressor import Context
 from jaxcomm._compressor import compressed
+from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import cast
