@@ -255,9 +255,9 @@ def _overflow_grads(scale, one_device=False):
 
 
 @entry_param
-@pytest.mark.parametrize("case", ["1e20_all", "1e30_one", "1e38_all"])
-def test_overflow_inside_compressor_never_poisons_state(name, case, mesh):
-  """Finite gradients whose norms, scales or sums overflow float32.
+def test_overflow_inside_compressor_never_poisons_state(name, mesh):
+  """Finite gradients whose norms, scales or sums overflow float32 (1e20
+  everywhere, 1e30 in one element of one device, 1e38 everywhere).
 
   Whatever the codec makes of them, either the step goes through with
   finite updates and residuals, or it is skipped and counted on every
@@ -266,29 +266,35 @@ def test_overflow_inside_compressor_never_poisons_state(name, case, mesh):
   entry = ENTRIES[name]
   tx = optax.chain(entry.make(axis_name="data"),
                    optax.apply_if_finite(optax.sgd(1.0), 5))
-  scale = {"1e20_all": 1e20, "1e30_one": 1e30, "1e38_all": 1e38}[case]
-  params, big = _overflow_grads(scale, one_device=case == "1e30_one")
+  params, _ = _overflow_grads(1.0)
   normal = harness.make_grads(12, 2, params=params)
   _, s0, _ = harness.device_run(tx, mesh, normal[:1], params=params)
-  upd, s1, _ = harness.device_run(tx, mesh, [big], state=s0, params=params)
-  r0, r1 = harness.residuals_of(s0), harness.residuals_of(s1)
-  for r in r1:
-    assert np.all(np.isfinite(r)), f"{name}/{case}: non-finite residual"
-  skipped = int(np.asarray(jaxcomm.stats(s1)[0].nonfinite_steps).max())
-  if skipped:
-    for a, b in zip(r0, r1):
-      np.testing.assert_array_equal(a, b)
+  for case, scale, one in (("1e20_all", 1e20, False),
+                           ("1e30_one", 1e30, True),
+                           ("1e38_all", 1e38, False)):
+    _, big = _overflow_grads(scale, one_device=one)
+    upd, s1, _ = harness.device_run(tx, mesh, [big], state=s0,
+                                    params=params)
+    r0, r1 = harness.residuals_of(s0), harness.residuals_of(s1)
+    for r in r1:
+      assert np.all(np.isfinite(r)), f"{name}/{case}: non-finite residual"
+    skipped = int(np.asarray(jaxcomm.stats(s1)[0].nonfinite_steps).max()) \
+      - int(np.asarray(jaxcomm.stats(s0)[0].nonfinite_steps).max())
+    if skipped:
+      assert skipped == 1
+      for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)
+      for k in ("w", "conv", "b"):
+        assert np.all(upd[0][k] == 0), f"{name}/{case}: skip moved {k}"
+    else:
+      for k in ("w", "conv", "b"):
+        assert np.all(np.isfinite(upd[0][k])), f"{name}/{case}: {k}"
+    upd2, s2, _ = harness.device_run(tx, mesh, normal[1:], state=s1,
+                                     params=params)
     for k in ("w", "conv", "b"):
-      assert np.all(upd[0][k] == 0), f"{name}/{case}: skipped step moved {k}"
-  else:
-    for k in ("w", "conv", "b"):
-      assert np.all(np.isfinite(upd[0][k])), f"{name}/{case}: {k}"
-  upd2, s2, _ = harness.device_run(tx, mesh, normal[1:], state=s1,
-                                   params=params)
-  for k in ("w", "conv", "b"):
-    assert np.all(np.isfinite(upd2[0][k])), f"{name}/{case}: next step {k}"
-  for r in harness.residuals_of(s2):
-    assert np.all(np.isfinite(r))
+      assert np.all(np.isfinite(upd2[0][k])), f"{name}/{case}: next {k}"
+    for r in harness.residuals_of(s2):
+      assert np.all(np.isfinite(r)), f"{name}/{case}: next residual"
 
 
 @entry_param
