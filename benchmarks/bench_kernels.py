@@ -2,9 +2,14 @@
 
 Times sign packing, unpacking and the 8-worker vote, and top-k selection at
 0.1% and 1% density, on a 25M-element float32 array, each as a ratio to one
-memory copy of that array. Approximate selections also report the recall of
-the true top-k |mass|: the |x| mass of the entries they keep that are in the
-exact top-k, over the mass of the exact top-k (at most k entries kept).
+memory copy of that array (a jitted ``x + 0``). On GPU/TPU it also times each
+Pallas kernel against its jnp path (``use_kernel=True`` / ``False``) and the
+top-k kernel against ``lax.top_k`` at k = 16, 128 and 1024: the figures the
+``auto`` table of :mod:`jaxcomm.kernels` is chosen from. The "default path"
+rows follow ``JAXCOMM_KERNELS`` (printed in the header). Approximate
+selections also report the recall of the true top-k |mass|: the |x| mass of
+the entries they keep that are in the exact top-k, over the mass of the
+exact top-k (at most k entries kept).
 
 Run: ``python -m benchmarks.bench_kernels [--size N] [--reps R]``. Wall-clock
 numbers on a shared CPU host are noisy; read the ratios, not the digits. No
@@ -24,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks._common import time_ms
+from jaxcomm import kernels
 from jaxcomm.kernels import bitpack
 from jaxcomm.kernels import topk
 
@@ -101,6 +107,29 @@ def main(argv=None) -> None:
                time_ms(lambda w: bitpack.vote_reference(w, n), stacked,
                      reps=reps), None, ""))
 
+  if jax.default_backend() in ("gpu", "tpu"):
+    # Kernel against jnp path, forced both ways (compiled, not interpreted).
+    def both(label, fn, *fargs):
+      for use in (True, False):
+        path = "kernel" if use else "jnp"
+        ms = time_ms(jax.jit(functools.partial(fn, use_kernel=use)), *fargs,
+                     reps=reps)
+        rows.append((f"{label}: {path}", ms, None, "use_kernel forced"))
+
+    both("pack_signs", bitpack.pack_signs, x)
+    both("unpack_signs",
+         lambda w, use_kernel: bitpack.unpack_signs(w, n,
+                                                    use_kernel=use_kernel),
+         words)
+    both(f"vote, {args.workers} workers",
+         lambda w, use_kernel: bitpack.vote(w, n, use_kernel=use_kernel),
+         stacked)
+    for k in (16, 128, 1024):
+      both(f"topk_abs k={k}",
+           lambda v, use_kernel, k=k: topk.topk_abs(v, k,
+                                                    use_kernel=use_kernel),
+           x)
+
   x_np = np.asarray(x)
   x_abs = np.abs(x_np)
   for density in (0.001, 0.01):
@@ -141,7 +170,8 @@ def main(argv=None) -> None:
 
   print(f"\njaxcomm.kernels on {jax.default_backend()} "
         f"({jax.devices()[0].device_kind}), n={n:,} float32, "
-        f"median of {reps} (top-k exact/approx: {max(1, reps // 2)})\n")
+        f"median of {reps} (top-k exact/approx: {max(1, reps // 2)}), "
+        f"JAXCOMM_KERNELS={kernels.mode()}\n")
   print("| op | ms | x copy | recall of top-k mass | note |")
   print("|---|---:|---:|---:|---|")
   for name, ms, recall, note in rows:

@@ -83,11 +83,64 @@ def _shapes_bytes(text: str) -> list[int]:
   return out
 
 
+# The three forms XLA prints replica groups in (see _group_size).
+_IOTA_GROUPS_RE = re.compile(
+  r"replica_groups=\[(\d+),(\d+)\]<=\[[\d,]*\](?:T\([\d,]*\))?")
+_LIST_GROUPS_RE = re.compile(r"replica_groups=\{(\{[^}]*\}(?:,\{[^}]*\})*)\}")
+_MESH_GROUPS_RE = re.compile(
+  r"replica_groups=mesh\[(?P<mesh>[^\]]*)\]"
+  r"(?:,\s*device_ids=\(.*?\))?\s*\{(?P<axes>[^}]*)\}")
+_MESH_AXIS_RE = re.compile(r"""^\s*['"]?([^'"=]+?)['"]?\s*=\s*(\d+)\s*$""")
+_GROUP_AXIS_RE = re.compile(
+  r"""^\s*['"]?([^'":]+?)['"]?\s*(?::\((\d+)\)(\d+))?\s*$""")
+
+
+def _mesh_group_size(mesh: str, axes: str) -> int | None:
+  """Devices per group of ``mesh['a'=2,'b'=4] {'b'}`` (None: unreadable)."""
+  sizes = {}
+  for part in mesh.split(","):
+    m = _MESH_AXIS_RE.match(part)
+    if not m:
+      return None
+    sizes[m.group(1)] = int(m.group(2))
+  size = 1
+  for part in axes.split(","):
+    if not part.strip():
+      continue
+    m = _GROUP_AXIS_RE.match(part)
+    if not m:
+      return None
+    if m.group(3) is not None:          # a sub-axis name:(pre_size)size
+      size *= int(m.group(3))
+    elif m.group(1) in sizes:
+      size *= sizes[m.group(1)]
+    else:
+      return None
+  return size
+
+
 def _group_size(line: str, num_devices: int) -> int:
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+  """Devices per replica group of one collective's HLO line.
+
+  XLA prints replica groups three ways: as explicit lists,
+  ``replica_groups={{0,1,2,3},{4,5,6,7}}``; in the iota form,
+  ``replica_groups=[G,S]<=[dims]`` or ``[G,S]<=[dims]T(perm)`` (``G`` groups
+  of ``S`` devices, from an iota reshaped to ``dims`` and transposed by
+  ``perm``); and, from JAX 0.11, in the mesh-axes form,
+  ``replica_groups=mesh['a'=2,'data'=4] {'data'}`` (one group per
+  combination of the other axes; its size the product of the named axes'
+  sizes, ``name:(pre)size`` naming a sub-axis of ``size``). No groups, or
+  ``{}``, means every device.
+  """
+  m = _IOTA_GROUPS_RE.search(line)
   if m:
     return int(m.group(2))
-  m = re.search(r"replica_groups=\{(\{[^}]*\}(?:,\{[^}]*\})*)\}", line)
+  m = _MESH_GROUPS_RE.search(line)
+  if m:
+    size = _mesh_group_size(m.group("mesh"), m.group("axes"))
+    if size is not None:
+      return size
+  m = _LIST_GROUPS_RE.search(line)
   if m:
     first = m.group(1).split("}")[0].strip("{")
     return len([t for t in first.split(",") if t.strip()])

@@ -4,7 +4,9 @@ Each kernel runs with ``interpret=True`` and is compared with its jnp
 reference and with an independent numpy computation (``np.packbits``,
 stable ``np.argsort``, ``np.nonzero``). Sizes stay small: interpret mode is
 slow. The last tests lower each kernel for TPU (Mosaic) and GPU (Triton) on
-this CPU host, which checks the Python-side lowering only.
+this CPU host, which checks the Python-side lowering only. In between:
+every kernel inside an 8-device ``jax.shard_map`` with ``check_vma=True``,
+and the ``JAXCOMM_KERNELS`` switch.
 """
 
 import functools
@@ -14,8 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm import kernels
+from jaxcomm.kernels import _dispatch
 from jaxcomm.kernels import bitpack
 from jaxcomm.kernels import topk
 
@@ -173,11 +178,13 @@ def test_vote_bad_shape():
     kernels.vote(np.zeros((3, 2), np.uint32), 100)
 
 
-def test_dispatch_on_cpu():
+def test_dispatch_on_cpu(monkeypatch):
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
   assert jax.default_backend() == "cpu"
-  assert bitpack._resolve_kernel(None, False) == (False, False)
-  assert bitpack._resolve_kernel(True, False) == (True, True)
-  assert bitpack._resolve_kernel(False, True) == (False, True)
+  assert _dispatch.resolve("pack_signs", None, False) == (False, False)
+  assert _dispatch.resolve("pack_signs", True, False) == (True, True)
+  assert _dispatch.resolve("pack_signs", False, True) == (False, True)
+  assert _dispatch.resolve("topk_abs", None, False, k=1) == (False, False)
 
 
 def test_dispatchers_under_jit():
@@ -341,6 +348,222 @@ def test_sampled_threshold():
     assert k / 2 <= kept <= 2 * k, (key, kept)
 
 
+# ------------------------------------------------- inside shard_map (vma)
+
+
+SHARD_LENGTH = 1000
+SHARD_WORKERS = 5
+
+
+def _shard_ops(kernel: bool):
+  """Each dispatcher on one device's data, kernel or jnp path forced.
+
+  Each takes the device's block ``x`` (float32[SHARD_WORKERS, SHARD_LENGTH])
+  and returns a tuple of arrays.
+  """
+  length = SHARD_LENGTH
+
+  def pack(x):
+    return (kernels.pack_signs(x[0], use_kernel=kernel),)
+
+  def unpack(x):
+    words = bitpack.pack_signs_reference(x[0])
+    return (kernels.unpack_signs(words, length, use_kernel=kernel),)
+
+  def vote(x):
+    words = jax.vmap(bitpack.pack_signs_reference)(x)
+    return (kernels.vote(words, length, use_kernel=kernel),)
+
+  def vote_gathered(x):
+    # The signSGD pattern: every device's packed signs, all-gathered.
+    words = lax.all_gather(bitpack.pack_signs_reference(x[0]), "data")
+    return (kernels.vote(words, length, use_kernel=kernel),)
+
+  def topk_abs(x):
+    return kernels.topk_abs(x[0], 16, use_kernel=kernel)
+
+  def threshold_select(x):
+    # A constant (invariant) and a per-device (varying) threshold.
+    fixed = kernels.threshold_select(x[0], 1.5, 64, use_kernel=kernel)
+    t = jnp.max(jnp.abs(x[1])) / 2
+    own = kernels.threshold_select(x[0], t, 64, use_kernel=kernel)
+    return fixed + own
+
+  def sampled_threshold(x):
+    return (kernels.sampled_threshold(x[0], 40, None, length,
+                                      use_kernel=kernel),
+            kernels.sampled_threshold(x[0], 40, jax.random.key(1), 500,
+                                      use_kernel=kernel))
+
+  return {"pack_signs": pack, "unpack_signs": unpack, "vote": vote,
+          "vote_gathered": vote_gathered, "topk_abs": topk_abs,
+          "threshold_select": threshold_select,
+          "sampled_threshold": sampled_threshold}
+
+
+def _per_device_signal(n_dev):
+  x = np.random.default_rng(21).standard_normal(
+    (n_dev, SHARD_WORKERS, SHARD_LENGTH)).astype(np.float32)
+  x[:, :, ::9] = 0.0
+  return x
+
+
+@pytest.mark.parametrize("name", sorted(_shard_ops(True)))
+def test_kernels_inside_shard_map_check_vma(mesh, name):
+  """Per-device data, varying in, varying out, equal to the jnp path."""
+  n_dev = mesh.shape["data"]
+  x = _per_device_signal(n_dev)
+  kernel_op, jnp_op = _shard_ops(True)[name], _shard_ops(False)[name]
+  typed = []
+
+  def body(xb):
+    outs = kernel_op(xb[0])
+    typed.append([_dispatch.varying_axes(o) for o in outs])
+    return tuple(o[None] for o in outs)
+
+  def reference(xb):
+    return tuple(o[None] for o in jnp_op(xb[0]))
+
+  def shard(f):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                 out_specs=P("data"), check_vma=True))
+
+  run = shard(body)
+  outs = run(x)
+  assert "pallas_call" in str(jax.make_jaxpr(run)(x))
+  assert "pallas_call" not in str(jax.make_jaxpr(shard(reference))(x))
+  assert all(axes == {"data"} for axes in typed[0]), typed
+  expected = shard(reference)(x)
+  assert len(outs) == len(expected)
+  for i, (got, want) in enumerate(zip(outs, expected)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                  err_msg=f"{name} output {i}")
+  if name != "vote_gathered":   # per device, outside shard_map too
+    for d in range(n_dev):
+      for got, want in zip(outs, jnp_op(x[d])):
+        np.testing.assert_array_equal(np.asarray(got[d]), np.asarray(want))
+
+
+@pytest.mark.parametrize("name", sorted(set(_shard_ops(True))
+                                        - {"vote_gathered"}))
+def test_kernels_inside_shard_map_invariant_inputs(mesh, name):
+  """Replicated inputs give replicated outputs: out_specs=P() type-checks."""
+  x = _per_device_signal(1)[0]
+  kernel_op, jnp_op = _shard_ops(True)[name], _shard_ops(False)[name]
+  typed = []
+
+  def body(xb):
+    outs = kernel_op(xb)
+    typed.append([_dispatch.varying_axes(o) for o in outs])
+    return outs
+
+  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(),
+                              check_vma=True))
+  outs = run(x)
+  assert all(not axes for axes in typed[0]), typed
+  for got, want in zip(outs, jnp_op(x)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_vote_many_workers_inside_shard_map(mesh):
+  # Above the unroll limit: the kernel's fori_loop runs on varying data.
+  n_workers, length = 70, 64
+  rng = np.random.default_rng(22)
+  signs = rng.random((mesh.shape["data"], n_workers, length)) < 0.5
+  words = np.stack([np.stack([_np_pack(s) for s in dev]) for dev in signs])
+
+  def body(w):
+    return kernels.vote(w[0], length, use_kernel=True)[None]
+
+  out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"),
+                              out_specs=P("data"), check_vma=True))(words)
+  for d in range(mesh.shape["data"]):
+    expected = _np_pack(_np_vote(np.where(signs[d], 1, -1)))
+    np.testing.assert_array_equal(np.asarray(out[d]), expected)
+
+
+# ------------------------------------------------------ JAXCOMM_KERNELS
+
+
+def _dispatchers():
+  """Every public dispatcher, on small inputs, as ``name -> (fn, args)``."""
+  x = jnp.asarray(_signal(3000, seed=31))
+  words = bitpack.pack_signs_reference(x)
+  return {
+    "pack_signs": (kernels.pack_signs, (x,)),
+    "unpack_signs": (lambda w: kernels.unpack_signs(w, 3000), (words,)),
+    "vote": (lambda w: kernels.vote(w, 3000), (jnp.stack([words] * 3),)),
+    "topk_abs": (lambda x: kernels.topk_abs(x, 16), (x,)),
+    "threshold_select": (lambda x: kernels.threshold_select(x, 1.0, 64),
+                         (x,)),
+    "sampled_threshold": (
+      lambda x: kernels.sampled_threshold(x, 16, None, 3000), (x,)),
+  }
+
+
+def _fresh(fn):
+  """A new function object: jit's trace cache is keyed on the function."""
+  return lambda *args: fn(*args)
+
+
+def _runs_kernel(fn, args):
+  return "pallas_call" in str(jax.make_jaxpr(_fresh(fn))(*args))
+
+
+@pytest.mark.parametrize("name", sorted(_dispatchers()))
+def test_env_switch_picks_the_path(monkeypatch, name):
+  fn, args = _dispatchers()[name]
+  monkeypatch.setenv("JAXCOMM_KERNELS", "always")
+  assert _runs_kernel(fn, args)
+  kernel_out = jax.jit(_fresh(fn))(*args)
+  monkeypatch.setenv("JAXCOMM_KERNELS", "never")
+  assert not _runs_kernel(fn, args)
+  chex.assert_trees_all_equal(kernel_out, jax.jit(_fresh(fn))(*args))
+  for auto in ("auto", " AUTO ", ""):      # the default on CPU: jnp
+    monkeypatch.setenv("JAXCOMM_KERNELS", auto)
+    assert not _runs_kernel(fn, args)
+  monkeypatch.delenv("JAXCOMM_KERNELS")
+  assert not _runs_kernel(fn, args)
+
+
+def test_explicit_use_kernel_overrides_env(monkeypatch):
+  x = jnp.asarray(_signal(500, seed=32))
+  monkeypatch.setenv("JAXCOMM_KERNELS", "never")
+  assert _runs_kernel(lambda x: kernels.pack_signs(x, use_kernel=True), (x,))
+  assert _runs_kernel(lambda x: kernels.topk_abs(x, 8, use_kernel=True),
+                      (x,))
+  monkeypatch.setenv("JAXCOMM_KERNELS", "always")
+  assert not _runs_kernel(
+    lambda x: kernels.pack_signs(x, use_kernel=False), (x,))
+  assert not _runs_kernel(
+    lambda x: kernels.threshold_select(x, 1.0, 8, use_kernel=False), (x,))
+
+
+def test_env_switch_bad_value(monkeypatch):
+  x = jnp.ones((64,), jnp.float32)
+  monkeypatch.setenv("JAXCOMM_KERNELS", "sometimes")
+  for call in (kernels.mode, lambda: kernels.pack_signs(x),
+               lambda: kernels.topk_abs(x, 4, use_kernel=False)):
+    with pytest.raises(ValueError,
+                       match="JAXCOMM_KERNELS.*auto, always, never"):
+      call()
+
+
+def test_auto_table():
+  auto = _dispatch.auto_uses_kernel
+  for backend in ("cpu", "gpu", "tpu", "METAL"):
+    for op in ("pack_signs", "unpack_signs", "vote", "threshold_select"):
+      assert not auto(op, backend), (op, backend)
+  assert not auto("topk_abs", "cpu", k=1)
+  for backend in ("gpu", "tpu"):
+    assert auto("topk_abs", backend, k=16)
+    assert auto("topk_abs", backend, k=64)
+    assert not auto("topk_abs", backend, k=65)
+    assert not auto("topk_abs", backend, k=1024)
+  with pytest.raises(ValueError, match="unknown kernel op"):
+    auto("sort", "gpu")
+
+
 # ---------------------------------------------------------------- lowering
 
 
@@ -359,6 +582,47 @@ def _lowering_cases():
   }
 
 
+_NO_GPU = "No supported GPU devices found"
+
+
+def _abstract_gpu_mesh(mesh=None):
+  """An abstract mesh on an abstract H100 (None where JAX has no such API).
+
+  From JAX 0.11 the Triton lowering asks for a GPU's compute capability and,
+  with no GPU present, for an abstract GPU device
+  (``jax.sharding.AbstractDevice`` in an abstract mesh) to read it from.
+  ``mesh``: the axes to copy (default: one device, one Explicit axis).
+  """
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    return None
+  if mesh is None:
+    sizes, names = (1,), ("gpu",)
+    types = (jax.sharding.AxisType.Explicit,)
+  else:
+    sizes, names = tuple(mesh.shape.values()), tuple(mesh.axis_names)
+    types = tuple(mesh.axis_types)
+  try:
+    device = jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    return jax.sharding.AbstractMesh(sizes, names, axis_types=types,
+                                     abstract_device=device)
+  except TypeError:          # a JAX whose AbstractMesh takes no device
+    return None
+
+
+def _lower(fn, args, platform, abstract_mesh=None):
+  """Lowers for ``platform``; for GPU, on an abstract H100 where JAX has it."""
+  def lower():
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+
+  if platform == "cuda" and abstract_mesh is None:
+    abstract_mesh = _abstract_gpu_mesh()
+  if platform != "cuda" or abstract_mesh is None:
+    return lower()
+  with jax.sharding.use_abstract_mesh(abstract_mesh):
+    return lower()
+
+
 @pytest.mark.parametrize("platform,backend,marker", (
   ("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")))
 @pytest.mark.parametrize("name", sorted(_lowering_cases()))
@@ -366,7 +630,44 @@ def test_kernels_lower_for_accelerators(name, platform, backend, marker):
   fn, args = _lowering_cases()[name]
   fn = functools.partial(fn, platform=backend)
   try:
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+    lowered = _lower(fn, args, platform)
   except ImportError as e:   # jaxlib built without that backend's dialects
     pytest.skip(f"no {platform} lowering in this jaxlib: {e}")
+  except RuntimeError as e:
+    if _NO_GPU not in str(e):
+      raise
+    pytest.skip(f"this JAX lowers Triton kernels only for a GPU it can "
+                f"name, and none could be given: {e}")
   assert marker in lowered.as_text()
+
+
+@pytest.mark.parametrize("platform,backend,marker", (
+  ("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")))
+def test_kernels_lower_inside_shard_map(mesh, platform, backend, marker):
+  """The compiled (not interpreted) kernels type-check inside shard_map."""
+  length = 5000
+
+  def body(x):
+    x = x[0]
+    words = bitpack.pack_signs_pallas(x, platform=backend)
+    gathered = lax.all_gather(words, "data")
+    voted = bitpack.vote_pallas(gathered, length, platform=backend)
+    signs = bitpack.unpack_signs_pallas(voted, length, platform=backend)
+    top = topk.topk_abs_pallas(x, 16, platform=backend)
+    sel = topk.threshold_select_pallas(x, 1.0, 64, platform=backend)
+    return tuple(o[None] for o in (words, voted, signs, *top, *sel))
+
+  abstract = _abstract_gpu_mesh(mesh) if platform == "cuda" else None
+  fn = jax.shard_map(body, mesh=abstract or mesh, in_specs=P("data"),
+                     out_specs=P("data"), check_vma=True)
+  x = jnp.ones((mesh.shape["data"], length), jnp.float32)
+  try:
+    lowered = _lower(fn, (x,), platform, abstract)
+  except ImportError as e:
+    pytest.skip(f"no {platform} lowering in this jaxlib: {e}")
+  except RuntimeError as e:
+    if _NO_GPU not in str(e):
+      raise
+    pytest.skip(f"this JAX lowers Triton kernels only for a GPU it can "
+                f"name, and none could be given: {e}")
+  assert lowered.as_text().count(marker) >= 5

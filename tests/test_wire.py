@@ -72,6 +72,46 @@ HloModule m, num_partitions=4
   assert ops == [wire.Op("all-reduce", 52, 4), wire.Op("all-gather", 32, 4)]
 
 
+@pytest.mark.parametrize("groups,size", (
+  # Explicit lists.
+  ("{{0,1,2,3},{4,5,6,7}}", 4),
+  ("{{0,4},{1,5},{2,6},{3,7}}", 2),
+  ("{{0,1,2,3,4,5,6,7}}", 8),
+  # Iota form: [G,S]<=[dims] and [G,S]<=[dims]T(perm), G groups of S.
+  ("[2,4]<=[8]", 4),
+  ("[1,8]<=[8]", 8),
+  ("[2,4]<=[4,2]T(1,0)", 4),
+  ("[4,2]<=[2,4]T(1,0)", 2),
+  ("[2,2]<=[2,2]T(1,0)", 2),
+  # Mesh-axes form (JAX 0.11): the product of the named axes' sizes.
+  ("mesh['a'=2,'data'=4] {'data'}", 4),
+  ("mesh['a'=2,'data'=4] {'a'}", 2),
+  ("mesh['a'=2,'data'=4] {'a','data'}", 8),
+  ("mesh[a=2,data=4] {data}", 4),
+  ("mesh['data'=8] {'data':(2)4}", 4),
+  ("mesh['x'=2,'y'=4], device_ids=([[0,2,4,6],[1,3,5,7]]) {'y'}", 4),
+  # No groups: every device.
+  ("{}", 8),
+))
+def test_replica_group_forms(groups, size):
+  text = ("HloModule m, num_partitions=8\n"
+          "  %a = f32[10]{0} all-reduce(%x), channel_id=1, "
+          f"replica_groups={groups}, use_global_device_ids=true, "
+          "to_apply=%sum\n")
+  assert wire.collectives(text) == [wire.Op("all-reduce", 40, size)]
+
+
+def test_replica_groups_jax_011_line():
+  # Verbatim (metadata cut) from JAX 0.11.2's CPU compile of the subgroup
+  # psum of test_subgroup_replica_groups.
+  text = (
+    "HloModule jit_f, num_partitions=8\n"
+    "  ROOT %psum_invariant.7 = f32[1,10]{1,0} all-reduce(%param.1), "
+    "channel_id=1, replica_groups=mesh['a'=2,'data'=4] {'data'}, "
+    "use_global_device_ids=true, to_apply=%region_0.0\n")
+  assert wire.collectives(text) == [wire.Op("all-reduce", 40, 4)]
+
+
 def test_dense_payload_counts_float_leaves_only():
   params = {"w": jnp.zeros((3, 4)), "i": jnp.zeros((5,), jnp.int32),
             "h": jnp.zeros((2,), jnp.bfloat16)}

@@ -2,11 +2,74 @@
 
 ``bitpack``: sign packing, unpacking and the packed majority vote.
 ``topk``: top-k by magnitude, threshold selection and sampled thresholds.
-The names below dispatch: Pallas kernels on GPU/TPU, jnp on CPU.
+
+The names below dispatch between a Pallas kernel and a jnp path: every
+dispatcher (``pack_signs``, ``unpack_signs``, ``vote``, ``topk_abs``,
+``threshold_select``, and ``sampled_threshold``, whose top-k of the sample
+follows ``topk_abs``) asks one function, :func:`mode`, and one table.
+
+**The switch.** The environment variable ``JAXCOMM_KERNELS`` is read at trace
+time, each time a dispatcher is traced:
+
+* ``auto`` (the default, also when unset or empty): the path measured
+  fastest for the backend and size, from the table below;
+* ``always``: the kernel everywhere (interpreted on CPU, where Pallas has no
+  compiled lowering);
+* ``never``: the jnp path everywhere.
+
+An explicit ``use_kernel=True`` / ``False`` argument wins over the variable.
+Any other value raises ``ValueError``. A function that ``jax.jit`` already
+traced and cached keeps the path it was traced with.
+
+**The ``auto`` table** (backend x op -> path). GPU figures: one H100, 25M
+float32, median time as a ratio to a jitted ``x + 0`` of the same array
+(lower is faster).
+
+===========  ================  ===========================================
+backend      op                ``auto`` path, and the figure behind it
+===========  ================  ===========================================
+gpu          pack_signs        jnp ``pack_signs_reference``: 0.81x, against
+                               the kernel's 1.55x and ``jnp.packbits``'s
+                               0.88x
+gpu          unpack_signs      jnp reference: 0.76x, against the kernel's
+                               1.29x
+gpu          vote              bit-sliced jnp: 0.65x, against the kernel's
+                               2.96x (8 workers)
+gpu          topk_abs          the kernel for ``k <= 64``, ``lax.top_k``
+                               above. The kernel 4.3x at k=16 against
+                               ``lax.top_k``'s 237x; at k=128 the kernel
+                               11.6x against 7.7x, at k=1024 118x against
+                               11.7x; ``lax.top_k`` ~7.2x at k=25,000 and
+                               250,000. The cut at 64 lies between the
+                               measured 16 and 128 (64 itself unmeasured).
+gpu          threshold_select  jnp (mask packed by jnp, then compaction):
+                               not measured; its mask kernel is the
+                               pack_signs kernel plus a compare, and that
+                               kernel lost to jnp
+tpu          pack_signs,       jnp: nothing was measured on a TPU; the jnp
+             unpack_signs,     path is the default until a measurement says
+             vote,             otherwise
+             threshold_select
+tpu          topk_abs          the kernel for ``k <= 64``, ``lax.top_k``
+                               above: not measured on a TPU; kept because
+                               ``lax.top_k`` at small k is the one jnp path
+                               known to be pathological (237x on the H100)
+cpu          all               jnp: the fastest jnp path measured on CPU
+                               (see :mod:`~jaxcomm.kernels.bitpack` and
+                               :mod:`~jaxcomm.kernels.topk`)
+other        all               jnp
+===========  ================  ===========================================
+
+**Inside ``jax.shard_map``** with ``check_vma=True``, every kernel's outputs
+are typed varying over the mesh axes its inputs vary over (invariant inputs
+give invariant outputs), in interpret mode too; see
+:mod:`jaxcomm.kernels._dispatch`.
 """
 
 from jaxcomm.kernels import bitpack
 from jaxcomm.kernels import topk
+from jaxcomm.kernels._dispatch import ENV_VAR
+from jaxcomm.kernels._dispatch import mode
 from jaxcomm.kernels.bitpack import count_votes
 from jaxcomm.kernels.bitpack import pack_signs
 from jaxcomm.kernels.bitpack import unpack_signs
@@ -16,8 +79,10 @@ from jaxcomm.kernels.topk import threshold_select
 from jaxcomm.kernels.topk import topk_abs
 
 __all__ = [
+  "ENV_VAR",
   "bitpack",
   "count_votes",
+  "mode",
   "pack_signs",
   "sampled_threshold",
   "threshold_select",

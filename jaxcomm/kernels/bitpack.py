@@ -18,12 +18,15 @@ Conventions, shared by every function here:
   happen for even ``n`` and resolve to +1.
 
 Each op comes three ways: ``*_reference`` (plain jnp, the definition),
-``*_pallas`` (a ``pl.pallas_call`` kernel blocked over words, keyword-only
+``*_pallas`` (a ``pallas_call`` kernel blocked over words, keyword-only
 ``interpret``), and the public dispatcher (``pack_signs``, ``unpack_signs``,
-``vote``), which runs the kernel when ``jax.default_backend()`` is ``gpu`` or
-``tpu`` and the fastest jnp path on CPU (``use_kernel=None``);
+``vote``). With ``use_kernel=None`` the dispatcher follows
+``JAXCOMM_KERNELS`` (``auto`` by default: the jnp path on every backend, the
+one measured fastest on CPU and on an H100; see
+:mod:`jaxcomm.kernels` for the table and the figures);
 ``use_kernel=True`` forces the kernel (interpreted on CPU), ``False`` forces
-jnp.
+jnp. Kernels are typed like their inputs inside ``jax.shard_map`` with
+``check_vma=True`` (varying in, varying out).
 
 Which jnp path is fastest on CPU was measured (``benchmarks/bench_kernels.py``,
 25M float32 on a shared 2-core CPU host): the shift-and-OR reference beats a
@@ -43,8 +46,9 @@ it. In JAX 0.10 a plain ``pl.pallas_call`` on GPU goes to Mosaic GPU, which
 needs explicit layouts these portable kernels do not carry, so on GPU the
 wrappers pass ``pallas.triton.CompilerParams()`` (the Triton lowering); on
 TPU they lower through Mosaic. Both lowerings are checked on a CPU host in
-``tests/test_kernels.py`` (the device-side compilation is not). No GPU or TPU
-was reachable when this was written: no accelerator speed is claimed.
+``tests/test_kernels.py`` (the device-side compilation is not). The GPU
+figures that set the default path come from one H100 run (quoted in
+:mod:`jaxcomm.kernels`); nothing was timed on a TPU.
 
 Inputs whose length is not a multiple of ``32 * block_words`` are padded in
 the wrapper (one copy of the input); lengths that are multiples cost nothing.
@@ -59,8 +63,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcomm.kernels import _dispatch
+
 WORD_BITS = 32
-_ACCELERATORS = ("gpu", "tpu")
 _UNROLL_WORKERS = 64
 
 
@@ -76,21 +81,6 @@ def num_words(length: int) -> int:
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _resolve_kernel(use_kernel: bool | None, interpret: bool
-                    ) -> tuple[bool, bool]:
-  """Returns ``(run_kernel, interpret)`` for the current default backend.
-
-  ``use_kernel=None`` picks the kernel on GPU/TPU and jnp elsewhere; a kernel
-  asked for on a backend without a Pallas lowering (CPU) runs interpreted.
-  """
-  on_accelerator = jax.default_backend() in _ACCELERATORS
-  if use_kernel is None:
-    use_kernel = on_accelerator
-  if use_kernel and not on_accelerator:
-    interpret = True
-  return bool(use_kernel), bool(interpret)
 
 
 def _compiler_params(platform: str | None, interpret: bool):
@@ -200,7 +190,7 @@ def pack_signs_pallas(x: jax.Array, *, block_words: int = 1024,
   bw = _next_pow2(min(max(block_words, 32), max(words, 32)))
   padded_words = -(-words // bw) * bw
   x = jnp.pad(x, (0, padded_words * WORD_BITS - length), constant_values=-1)
-  out = pl.pallas_call(
+  out = _dispatch.pallas_call(
     _pack_signs_kernel,
     out_shape=jax.ShapeDtypeStruct((padded_words, 1), jnp.int32),
     grid=(padded_words // bw,),
@@ -223,8 +213,9 @@ def pack_signs(x: jax.Array, *, interpret: bool = False,
   Args:
     x: a floating array of any shape, read flattened (length ``L``).
     interpret: run the Pallas kernel in interpret mode.
-    use_kernel: ``None`` (kernel on GPU/TPU, fastest jnp on CPU), ``True``
-      (always the kernel; interpreted on CPU) or ``False`` (always jnp).
+    use_kernel: ``None`` (follow ``JAXCOMM_KERNELS``: ``auto``, the default,
+      is jnp on every backend), ``True`` (always the kernel; interpreted on
+      CPU) or ``False`` (always jnp).
 
   Returns:
     ``uint32[ceil(L / 32)]``: bit ``j`` of word ``i`` is 1 iff
@@ -236,7 +227,8 @@ def pack_signs(x: jax.Array, *, interpret: bool = False,
     >>> bitpack.pack_signs(jnp.array([1.0, -2.0, 0.0]))
     Array([5], dtype=uint32)
   """
-  run_kernel, interpret = _resolve_kernel(use_kernel, interpret)
+  run_kernel, interpret = _dispatch.resolve("pack_signs", use_kernel,
+                                            interpret)
   if run_kernel:
     return pack_signs_pallas(x, interpret=interpret)
   return pack_signs_reference(x)
@@ -293,7 +285,7 @@ def unpack_signs_pallas(words: jax.Array, length: int, dtype=jnp.float32, *,
   bw = _next_pow2(min(max(block_words, 32), max(need, 32)))
   padded_words = -(-need // bw) * bw
   words = jnp.pad(words[:need], (0, padded_words - need))
-  out = pl.pallas_call(
+  out = _dispatch.pallas_call(
     _unpack_signs_kernel,
     out_shape=jax.ShapeDtypeStruct((padded_words, WORD_BITS), dtype),
     grid=(padded_words // bw,),
@@ -324,7 +316,8 @@ def unpack_signs(words: jax.Array, length: int, dtype=jnp.float32, *,
   Returns:
     ``dtype[length]`` of +1/-1.
   """
-  run_kernel, interpret = _resolve_kernel(use_kernel, interpret)
+  run_kernel, interpret = _dispatch.resolve("unpack_signs", use_kernel,
+                                            interpret)
   if run_kernel:
     return unpack_signs_pallas(words, length, dtype, interpret=interpret)
   return unpack_signs_reference(words, length, dtype)
@@ -464,7 +457,7 @@ def vote_pallas(words: jax.Array, length: int, *, block_words: int = 1024,
   bw = _next_pow2(min(max(block_words, 128), max(w, 128)))
   padded_words = -(-w // bw) * bw
   words = jnp.pad(words, ((0, rows - n), (0, padded_words - w)))
-  out = pl.pallas_call(
+  out = _dispatch.pallas_call(
     functools.partial(_vote_kernel, n_workers=n),
     out_shape=jax.ShapeDtypeStruct((1, padded_words), jnp.int32),
     grid=(padded_words // bw,),
@@ -503,7 +496,7 @@ def vote(words: jax.Array, length: int, *, interpret: bool = False,
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant <https://arxiv.org/abs/1810.05291>`_, 2019.
   """
-  run_kernel, interpret = _resolve_kernel(use_kernel, interpret)
+  run_kernel, interpret = _dispatch.resolve("vote", use_kernel, interpret)
   if run_kernel:
     return vote_pallas(words, length, interpret=interpret)
   return vote_bitsliced(words, length)

@@ -1,0 +1,163 @@
+"""The one switch of the kernels, and ``pallas_call`` typed for shard_map.
+
+:func:`mode` reads ``JAXCOMM_KERNELS``, :func:`auto_uses_kernel` is the
+``auto`` table and :func:`resolve` combines them with a dispatcher's
+``use_kernel`` argument; :func:`pallas_call` is the ``pl.pallas_call`` every
+kernel here goes through. What they decide, the table and the figures behind
+it are documented once, in :mod:`jaxcomm.kernels`.
+
+Typing inside ``shard_map``: with ``check_vma=True`` every value inside
+``jax.shard_map`` is typed with the mesh axes it varies over, and a
+``pallas_call`` must say how its outputs vary. :func:`pallas_call` reads the
+varying axes of the inputs from ``jax.typeof``, casts every input to their
+union with ``jax.lax.pcast(..., to="varying")`` (a type-only cast, no data
+moves) and types every output with that union through the
+``manual_axis_type`` of its ``jax.ShapeDtypeStruct``: varying in, varying
+out; invariant in, invariant out; outside ``shard_map`` nothing changes. In
+interpret mode, JAX's default Pallas interpreter cannot run a kernel on
+varying inputs (its grid loop, and any loop inside a kernel, are traced with
+invariant types and then fail the loop's type check), so with varying inputs
+the kernel is interpreted by Pallas' TPU interpreter
+(``pltpu.InterpretParams()``), which handles them. Interpret mode exists for
+tests on CPU; compiled kernels are not affected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+ENV_VAR = "JAXCOMM_KERNELS"
+MODES = ("auto", "always", "never")
+OPS = ("pack_signs", "unpack_signs", "vote", "topk_abs", "threshold_select")
+ACCELERATORS = ("gpu", "tpu")
+# auto: the top-k kernel for k up to this on GPU/TPU (jaxcomm.kernels).
+TOPK_KERNEL_MAX_K = 64
+
+
+def mode() -> str:
+  """The kernel mode from ``JAXCOMM_KERNELS``: ``auto``, ``always``, ``never``.
+
+  Raises:
+    ValueError: for any other value.
+  """
+  raw = os.environ.get(ENV_VAR, "")
+  value = raw.strip().lower() or "auto"
+  if value not in MODES:
+    raise ValueError(
+      f"{ENV_VAR} must be one of {', '.join(MODES)} (unset means auto), "
+      f"got {raw!r}")
+  return value
+
+
+def auto_uses_kernel(op: str, backend: str, *, k: int | None = None) -> bool:
+  """The ``auto`` choice for ``op`` on ``backend`` (the module's table)."""
+  if op not in OPS:
+    raise ValueError(f"unknown kernel op {op!r}; known: {', '.join(OPS)}")
+  if op == "topk_abs" and backend in ACCELERATORS:
+    return k is not None and int(k) <= TOPK_KERNEL_MAX_K
+  return False
+
+
+def resolve(op: str, use_kernel: bool | None, interpret: bool, *,
+            k: int | None = None) -> tuple[bool, bool]:
+  """Returns ``(run_kernel, interpret)`` for ``op`` on the default backend.
+
+  Args:
+    op: one of :data:`OPS`.
+    use_kernel: ``True`` / ``False`` force the path; ``None`` follows
+      :func:`mode` (``auto`` asks :func:`auto_uses_kernel`).
+    interpret: the caller's ``interpret``; forced on when a kernel runs on a
+      backend without a Pallas lowering (CPU).
+    k: the size the ``auto`` choice depends on (top-k's ``k``).
+  """
+  current = mode()            # validated even when use_kernel is explicit
+  backend = jax.default_backend()
+  if use_kernel is None:
+    if current == "always":
+      use_kernel = True
+    elif current == "never":
+      use_kernel = False
+    else:
+      use_kernel = auto_uses_kernel(op, backend, k=k)
+  elif op not in OPS:
+    raise ValueError(f"unknown kernel op {op!r}; known: {', '.join(OPS)}")
+  if use_kernel and backend not in ACCELERATORS:
+    interpret = True
+  return bool(use_kernel), bool(interpret)
+
+
+# --------------------------------------------------------------------------
+# pallas_call typed like its inputs inside shard_map
+# --------------------------------------------------------------------------
+
+
+def _sds_varying_kwarg() -> str:
+  params = inspect.signature(jax.ShapeDtypeStruct).parameters
+  if "manual_axis_type" in params:
+    return "manual_axis_type"
+  return "vma"                # JAX before ManualAxisType
+
+
+_SDS_KWARG = _sds_varying_kwarg()
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` is typed as varying over (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def out_struct(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
+  """A ``jax.ShapeDtypeStruct`` typed as varying over ``axes``."""
+  axes = frozenset(axes)
+  if _SDS_KWARG == "manual_axis_type":
+    typed = jax.sharding.ManualAxisType(varying=axes)
+  else:
+    typed = axes
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, **{_SDS_KWARG: typed})
+
+
+def match_varying(args, axes: frozenset) -> list:
+  """Casts each of ``args`` to vary over ``axes`` (a type-only cast)."""
+  out = []
+  for a in args:
+    missing = tuple(sorted(axes - varying_axes(a), key=str))
+    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+  return out
+
+
+def _is_struct(s) -> bool:
+  return hasattr(s, "shape") and hasattr(s, "dtype")
+
+
+def _varying_interpreter():
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.InterpretParams()
+
+
+def pallas_call(kernel, *, out_shape, interpret: bool = False, **kwargs):
+  """``pl.pallas_call`` whose outputs vary like its inputs (see module doc).
+
+  Same arguments as ``pl.pallas_call``; ``out_shape`` entries need only
+  ``.shape`` and ``.dtype``. Returns a function of the kernel's inputs.
+  """
+  def call(*args):
+    args = [jnp.asarray(a) for a in args]
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    args = match_varying(args, axes)
+    shapes = jax.tree.map(lambda s: out_struct(s.shape, s.dtype, axes),
+                          out_shape, is_leaf=_is_struct)
+    interp = interpret
+    if interpret and axes:
+      interp = _varying_interpreter()
+    return pl.pallas_call(kernel, out_shape=shapes, interpret=interp,
+                          **kwargs)(*args)
+  return call
