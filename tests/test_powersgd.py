@@ -34,6 +34,12 @@ def _codec_state(opt_state):
   raise AssertionError("no CompressState")
 
 
+def _per_leaf(tx, buffers, params):
+  """A state's per-bucket residual buffers as one array per compressed
+  leaf (tree order)."""
+  return jaxcomm._compressor.spec_of(tx).leaves_of(buffers, params)
+
+
 # ------------------------------------------------------------ the example --
 
 RNG = np.random.RandomState(0)
@@ -59,13 +65,15 @@ def _mlp_batch(t, size=64):
 
 
 def test_user_example_data_parallel_8_devices(mesh):
-  tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+  ps = jaxcomm.powersgd(rank=4)
+  tx = optax.chain(ps, optax.sgd(0.1))
   dp = parallel.DataParallel(_mlp_loss, tx, mesh)
   params, state = dp.init(_mlp_params())
   st = _codec_state(dp.layout)
   # Q is replicated, the residuals and the local error statistic per device.
-  assert not any(jax.tree.leaves(st.codec.q))
-  assert all(st.residual) and st.codec.approx_error
+  assert len(st.codec) == 1                   # one bucket
+  assert not any(jax.tree.leaves(st.codec[0].q))
+  assert all(st.residual) and st.codec[0].approx_error
   losses = []
   for t in range(12):
     params, state, m = dp.step(params, state, _mlp_batch(t))
@@ -74,11 +82,12 @@ def test_user_example_data_parallel_8_devices(mesh):
   cs = _codec_state(state)
   # w1 (32x24): (32+24)*4*2 < 768: compressed; w2 (24x16): 320 < 384: too;
   # b1 is 1-D: dense.
-  assert len(cs.residual) == 2
+  res = _per_leaf(ps, cs.residual, _mlp_params())
+  assert [r.shape for r in res] == [(N, 32, 24), (N, 24, 16)]
   want = (32 * 24 + 24 * 16) / ((32 + 24 + 24 + 16) * 4)
-  np.testing.assert_allclose(np.asarray(cs.codec.compression_ratio), want,
-                             rtol=1e-6)
-  err = np.asarray(cs.codec.approx_error)
+  np.testing.assert_allclose(np.asarray(cs.codec[0].compression_ratio),
+                             want, rtol=1e-6)
+  err = np.asarray(cs.codec[0].approx_error)
   assert err.shape == (N,) and np.all((err >= 0) & (err <= 1))
 
 
@@ -98,7 +107,7 @@ def test_user_example_pmap(mesh):
   assert losses[-1] < losses[0]
   for leaf in jax.tree.leaves(params):     # params stay identical
     np.testing.assert_array_equal(leaf[0], leaf[-1])
-  q = _codec_state(state).codec.q
+  q = _codec_state(state).codec[0].q
   for leaf in q:                           # and so does Q
     np.testing.assert_array_equal(leaf[0], leaf[-1])
 
@@ -140,7 +149,7 @@ def test_warm_start_converges_to_eckart_young_error(rank):
     out = []
     for _ in range(25):
       upd, state = update(g, state)
-      out.append(float(_codec_state(state).codec.approx_error))
+      out.append(float(_codec_state(state).codec[0].approx_error))
     # The update is the projection P P^T M with its error as reported.
     approx = np.asarray(upd["w"], np.float64)
     np.testing.assert_allclose(np.linalg.norm(mat - approx)
@@ -210,26 +219,48 @@ def _lower(tx, params, mesh, k):
   return fn.lower(params, state, grads)
 
 
-def test_batched_same_shapes_equal_unbatched(mesh):
-  """Same-shape matrices as one batched matmul: same updates, same bytes."""
-  params = {"a": jnp.zeros((64, 48)), "b": jnp.zeros((64, 48)),
+def test_same_shapes_are_batched_and_match_numpy_per_leaf(mesh):
+  """Same matrix shapes are one (G, n, m) batch of the flat bucket, even
+  apart in tree order or from different leaf shapes; every leaf still gets
+  its own Q (keyed by its tree index) and its own projection, as the numpy
+  reference computes leaf by leaf. ``batch_same_shape`` changes nothing."""
+  params = {"a": jnp.zeros((64, 48)), "bias": jnp.zeros((48,)),
             "c": jnp.zeros((3, 3, 8, 16)), "d": jnp.zeros((72, 16)),
-            "bias": jnp.zeros((48,))}
+            "e": jnp.zeros((64, 48))}
+  comp = ["a", "c", "d", "e"]                 # compressed, tree order
+  rank = 3
   grads = harness.make_grads(12, 3, params=params)
   out = {}
   for batch in (True, False):
-    tx = jaxcomm.powersgd(rank=3, batch_same_shape=batch)
+    tx = jaxcomm.powersgd(rank=rank, batch_same_shape=batch)
     upd, state, _ = harness.device_run(tx, mesh, grads, params=params)
-    out[batch] = (upd, _codec_state(state).residual)
-    q = _codec_state(state).codec.q
-    # Groups: (64,48) x2 and (72,16) x2 (a conv kernel and a matrix).
-    assert [x.shape for x in q] == ([(2, 48, 3), (2, 16, 3)] if batch else
-                                    [(1, 48, 3), (1, 48, 3), (1, 16, 3),
-                                     (1, 16, 3)])
+    cs = _codec_state(state)
+    out[batch] = (upd, _per_leaf(tx, cs.residual, params))
+    # Batches: (64,48) from a and e; (72,16) from c (3,3,8,16) and d.
+    assert [x.shape for x in cs.codec[0].q] == [(2, 48, rank),
+                                                (2, 16, rank)]
     claim = jaxcomm.wire.claimed(tx, params, N)
-    assert sum(b for _, b in claim) == 4 * (3 * (2 * 64 + 2 * 48 + 2 * 72
-                                                 + 2 * 16) + 48 + 1)
-  chex.assert_trees_all_close(out[True], out[False], rtol=1e-4, atol=1e-5)
+    assert sum(b for _, b in claim) == 4 * (rank * (2 * 64 + 2 * 48 + 2 * 72
+                                                    + 2 * 16) + 48 + 1)
+  chex.assert_trees_all_equal(out[True], out[False])
+  ref_init, ref_step = entries_powersgd._ref(rank)  # pylint: disable=protected-access
+  shapes = [tuple(params[k].shape) for k in comp]
+  ref_state = ref_init(shapes)
+  res = [[np.zeros(sh) for sh in shapes] for _ in range(N)]
+  key = jax.random.PRNGKey(0)
+  upd, res_dev = out[True]
+  for t, g in enumerate(grads):
+    key, sub = jax.random.split(key)
+    xs = [[r + np.asarray(g[k][i], np.float64) for r, k in zip(res[i], comp)]
+          for i in range(N)]
+    mean, sent, ref_state = ref_step(xs, ref_state, t, sub, N)
+    res = [[x - y for x, y in zip(xs[i], sent[i])] for i in range(N)]
+    for k, m in zip(comp, mean):
+      np.testing.assert_allclose(upd[t][k], m, rtol=1e-3, atol=1e-4,
+                                 err_msg=f"{k} step {t}")
+  for j in range(len(comp)):
+    np.testing.assert_allclose(res_dev[j], np.stack([r[j] for r in res]),
+                               rtol=1e-3, atol=1e-4, err_msg=comp[j])
 
 
 # ---------------------------------------------------------- the leaf rule --
@@ -264,7 +295,8 @@ def test_rank_above_min_dim_falls_back_to_dense_and_warns_once():
   msgs = [str(w.message) for w in caught if "powersgd" in str(w.message)]
   assert len(msgs) == 1 and "(4, 100)" in msgs[0], msgs
   np.testing.assert_array_equal(upd["thin"], params["thin"])  # dense mean
-  assert len(_codec_state(state).residual) == 1                # only w
+  res = _per_leaf(tx, _codec_state(state).residual, params)
+  assert [r.shape for r in res] == [(64, 48)]                  # only w
 
 
 # ------------------------------------------------------------- bad input --
@@ -274,19 +306,19 @@ def test_zero_gradients_give_no_nan_and_keep_q(method):
   tx = jaxcomm.powersgd(rank=2, axis_name=None, orthogonalization=method)
   params = {"w": jnp.zeros((64, 48))}
   state = tx.init(params)
-  q0 = _codec_state(state).codec.q
+  q0 = _codec_state(state).codec[0].q
   update = jax.jit(tx.update)
   upd, state = update(params, state)
   cs = _codec_state(state)
   assert np.all(np.asarray(upd["w"]) == 0)
   assert np.all(np.asarray(cs.residual[0]) == 0)
-  chex.assert_trees_all_equal(cs.codec.q, q0)
-  assert float(cs.codec.approx_error) == 0.0
+  chex.assert_trees_all_equal(cs.codec[0].q, q0)
+  assert float(cs.codec[0].approx_error) == 0.0
   # And a real gradient afterwards is compressed normally.
   mat, _ = _spectrum_matrix(64, 48)
   upd, state = update({"w": jnp.asarray(mat, jnp.float32)}, state)
   assert np.all(np.isfinite(np.asarray(upd["w"])))
-  assert 0 < float(_codec_state(state).codec.approx_error) < 1
+  assert 0 < float(_codec_state(state).codec[0].approx_error) < 1
 
 
 def test_nonfinite_gradient_leaves_residual_and_q_unchanged():
@@ -305,10 +337,77 @@ def test_nonfinite_gradient_leaves_residual_and_q_unchanged():
     assert int(c2.stats.nonfinite_steps) == 1
 
 
+@pytest.mark.parametrize("scale", [1e20, 1e-25])
+def test_huge_and_tiny_gradients_scale_the_steps_exactly(mesh, scale):
+  """Finite gradients far from 1 (1e20 on every device, whose warm-started
+  Q times M would overflow float32, or 1e-25, whose squares flush to zero):
+  PowerSGD is positively homogeneous, so every update, residual and
+  approximation error is the unit-scale one times ``scale`` (errors: the
+  same), finite, and no step is skipped."""
+  params = {k: v for k, v in harness.battery_params().items() if k != "step"}
+  grads = harness.make_grads(13, 3, params=params)
+  big = [jax.tree.map(lambda x: (x * np.float32(scale)).astype(np.float32),
+                      g) for g in grads]
+  out = {}
+  for name, seq in (("unit", grads), ("scaled", big)):
+    tx = jaxcomm.powersgd(rank=4)
+    upd, state, _ = harness.device_run(tx, mesh, seq, params=params)
+    cs = _codec_state(state)
+    assert int(np.asarray(cs.stats.nonfinite_steps).max()) == 0, name
+    out[name] = (upd, _per_leaf(tx, cs.residual, params),
+                 np.asarray(cs.codec[0].approx_error))
+  for t in range(len(grads)):
+    for k in ("w", "conv", "b"):
+      got = np.asarray(out["scaled"][0][t][k], np.float64)
+      assert np.all(np.isfinite(got)), (t, k)
+      np.testing.assert_allclose(got / scale, out["unit"][0][t][k],
+                                 rtol=1e-3, atol=1e-4, err_msg=f"{k} {t}")
+  for got, want in zip(out["scaled"][1], out["unit"][1]):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got / scale, want, rtol=1e-3, atol=1e-4)
+  err = out["scaled"][2]
+  assert np.all(np.isfinite(err)) and np.all(err > 0)
+  np.testing.assert_allclose(err, out["unit"][2], rtol=1e-3)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_eps_is_added_to_the_norms_of_the_unscaled_p(rank):
+  """Q's columns are scaled by powers of two before ``M Q``; the Gram-Schmidt
+  (and rank-1) ``eps`` is scaled alike, so it still adds to the column norms
+  of ``P = M Q`` itself, as in PyTorch. Numpy reference, 3 warm steps (Q
+  grows with M), no error feedback, eps large enough to matter."""
+  eps = 2.0
+  r = np.random.RandomState(6)
+  mats = [r.randn(64, 48) * 4 for _ in range(3)]
+  tx = jaxcomm.powersgd(rank=rank, axis_name=None, error_feedback=False,
+                        orthogonalization="gram_schmidt",
+                        orthogonalization_epsilon=eps)
+  state = tx.init({"w": jnp.zeros((64, 48))})
+  update = jax.jit(tx.update)
+  q = entries_powersgd._draw(jax.random.PRNGKey(0), 0, 48, rank)  # pylint: disable=protected-access
+  for t, mat in enumerate(mats):
+    upd, state = update({"w": jnp.asarray(mat, jnp.float32)}, state)
+    p = mat @ q
+    cols = []
+    for k in range(rank):          # modified Gram-Schmidt, eps on the norm
+      v = p[:, k]
+      for c in cols:
+        v = v - (c @ v) * c
+      cols.append(v / (np.linalg.norm(v) + eps))
+    p = np.stack(cols, axis=1)
+    q = mat.T @ p
+    np.testing.assert_allclose(upd["w"], p @ q.T, rtol=1e-4, atol=1e-4,
+                               err_msg=f"step {t}")
+  np.testing.assert_allclose(_codec_state(state).codec[0].q[0][0], q,
+                             rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------- dense phase --
 
 def test_start_step_is_dense_then_compressed(mesh):
-  tx = optax.chain(jaxcomm.powersgd(rank=2, start_step=2), optax.sgd(1.0))
+  ps = jaxcomm.powersgd(rank=2, start_step=2)
+  tx = optax.chain(ps, optax.sgd(1.0))
   params = {k: v for k, v in harness.battery_params().items() if k != "step"}
   grads = harness.make_grads(7, 3, params=params)
   upd, state, _ = harness.device_run(tx, mesh, grads[:2], params=params)
@@ -319,13 +418,14 @@ def test_start_step_is_dense_then_compressed(mesh):
   cs = _codec_state(state)
   assert all(np.all(r == 0) for r in cs.residual)
   chex.assert_trees_all_equal(
-    cs.codec.q, jax.device_get(_codec_state(tx.init(params)).codec.q))
-  assert float(cs.codec.compression_ratio) == 1.0
+    cs.codec[0].q, jax.device_get(_codec_state(tx.init(params)).codec[0].q))
+  assert float(cs.codec[0].compression_ratio) == 1.0
   upd, state, _ = harness.device_run(tx, mesh, grads[2:], params=params,
                                      state=state)
   cs = _codec_state(state)
-  assert float(cs.codec.compression_ratio) > 1.0
-  assert all(np.abs(r).max() > 0 for r in cs.residual)
+  assert float(cs.codec[0].compression_ratio) > 1.0
+  res = _per_leaf(ps, cs.residual, params)
+  assert len(res) == 2 and all(np.abs(r).max() > 0 for r in res)
 
 
 # ------------------------------------------------------ orthogonalization --
@@ -352,8 +452,8 @@ def test_orthogonalizations_agree_with_numpy_reference(method):
     mean, sent, ref_state = ref_step([[x]], ref_state, t, sub, 1)
     res = x - sent[0][0]
     np.testing.assert_allclose(upd["c"], mean[0], rtol=1e-3, atol=1e-4)
-  np.testing.assert_allclose(_codec_state(state).residual[0], res,
-                             rtol=1e-3, atol=1e-4)
+  got = _per_leaf(tx, _codec_state(state).residual, {"c": jnp.zeros(shape)})
+  np.testing.assert_allclose(got[0], res, rtol=1e-3, atol=1e-4)
 
 
 def test_orthogonalizations_on_hard_blocks():

@@ -10,9 +10,17 @@ matrix) of a step at once::
   mean   = P Q^T / n         the decoded average (replicated)
   sent_i = P Q_i^T           device i's own share: sum_i sent_i = n * mean
 
-Matrices of equal shape may be grouped: a group's products are one batched
-matmul. Whatever the number of matrices or groups, a round issues exactly
-two all-reduces.
+The matrices come in batches of equal shape, ``[G, n, m]`` (PowerSGD's
+codec takes them as free views of its flat bucket): a batch's products are
+one batched matmul. Whatever the number of matrices or batches, a round
+issues exactly two all-reduces.
+
+Finite inputs far from 1 stay finite wherever their sums over devices do:
+``Q``'s columns are divided by a power of two near their largest magnitude
+before ``M Q`` (a warm-started ``Q`` carries the scale of the gradients,
+so ``M Q`` would carry it squared), which changes no orthogonalization's
+result (``eps`` is rescaled to match), and Householder QR scales ``P``'s
+columns the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +35,20 @@ import jax.numpy as jnp
 from jaxcomm.collectives import _core
 
 ORTHOGONALIZATIONS = ("gram_schmidt", "householder", "cholesky")
+
+
+def pow2_scale(x: jax.Array, axis=None) -> jax.Array:
+  """A power of two ``s`` with ``s <= max |x| < 2 s`` along ``axis`` (kept
+  as size-1 axes), 1 where that maximum is zero or not finite.
+
+  Dividing by it is exact (no rounding) and brings the largest magnitude
+  into ``[1, 2)``, so that squares and products of the scaled values
+  cannot overflow float32.
+  """
+  mx = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None)
+  _, e = jnp.frexp(mx)
+  s = jnp.ldexp(jnp.ones_like(mx), e - 1)
+  return jnp.where((mx > 0) & jnp.isfinite(mx), s, jnp.ones_like(mx))
 
 
 def _normalize(col, eps):
@@ -58,16 +80,18 @@ def gram_schmidt(p: jax.Array, eps=0.0) -> jax.Array:
 
   Args:
     p: ``(..., n, r)``.
-    eps: added to each column's norm before dividing (may be traced).
+    eps: added to each column's norm before dividing (may be traced): a
+      scalar, or one value per column broadcastable to ``(..., 1, r)``.
 
   Returns:
     ``(..., n, r)`` with orthonormal (or zero) columns.
   """
   r = p.shape[-1]
+  eps = jnp.asarray(eps)
   cols = []
   rest = p
   for k in range(r):
-    q = _normalize(rest[..., :, :1], eps)
+    q = _normalize(rest[..., :, :1], eps[..., k:k + 1] if eps.ndim else eps)
     cols.append(q)
     rest = rest[..., :, 1:]
     if k + 1 < r:
@@ -81,8 +105,11 @@ def householder(p: jax.Array, eps=0.0) -> jax.Array:
 
   Stable for any input, including rank-deficient and zero blocks (their
   missing directions are completed to an orthonormal set, so the result is
-  always finite). ``eps`` is ignored: Householder reflections never divide
-  by a column norm.
+  always finite). Each column is first divided by a power of two near its
+  largest magnitude (exact, and the Q factor of ``P D`` is that of ``P``
+  for a positive diagonal ``D``), so finite columns of any magnitude
+  cannot overflow. ``eps`` is ignored: Householder reflections never
+  divide by a column norm.
 
   Args:
     p: ``(..., n, r)``.
@@ -92,7 +119,7 @@ def householder(p: jax.Array, eps=0.0) -> jax.Array:
     ``(..., n, r)`` with orthonormal columns.
   """
   del eps
-  q, _ = jnp.linalg.qr(p, mode="reduced")
+  q, _ = jnp.linalg.qr(p / pow2_scale(p, axis=-2), mode="reduced")
   return q
 
 
@@ -164,19 +191,19 @@ class LowRankResult(NamedTuple):
   """What :func:`lowrank_allreduce` returns.
 
   Attributes:
-    mean: per matrix, the decoded average ``sum_k P_k Q_k^T / n``
-      (replicated).
-    sent: per matrix, this device's own share ``sum_k P_k Q_{k,i}^T``
-      (varying).
-    q: per group, the aggregated ``Q`` ``(b, m, r)`` of the first round,
+    mean: per batch, the decoded average ``sum_k P_k Q_k^T / n``
+      ``(G, n, m)`` (replicated).
+    sent: per batch, this device's own share ``sum_k P_k Q_{k,i}^T``
+      ``(G, n, m)`` (varying).
+    q: per batch, the aggregated ``Q`` ``(G, m, r)`` of the first round,
       for the next step's warm start; a column that came out exactly zero
       keeps its previous value (so a zero gradient cannot stall the power
       iteration forever).
-    sent_sq: ``sum_j sum_k |Q_{k,i}|^2`` over this device's matrices and
-      the rounds: for orthonormal ``P_k`` each round removes exactly
-      ``|Q_{k,i}|^2`` from ``|M_i|^2`` (Pythagoras), so
-      ``|M - sent|^2 = |M|^2 - sent_sq`` without another pass over the
-      matrices.
+    sent_sq: ``sum_j sum_k |Q_{k,i} / norm_scale|^2`` over this device's
+      matrices and the rounds: for orthonormal ``P_k`` each round removes
+      exactly ``|Q_{k,i}|^2`` from ``|M_i|^2`` (Pythagoras), so
+      ``|M - sent|^2 = |M|^2 - sent_sq`` (both over ``norm_scale^2``)
+      without another pass over the matrices.
   """
 
   mean: list
@@ -191,41 +218,47 @@ class LowRankResult(NamedTuple):
 # materialize the product first.
 _ELEMENTWISE_MAX_RANK = 8
 
+# Orthogonalizations whose eps is added to a column norm: when Q's columns
+# are scaled by d before M Q, P's columns come out scaled by 1/d and eps
+# must be too. Householder ignores eps; Cholesky-QR scales each column to
+# unit max-magnitude itself, so its input's column scale never matters.
+_EPS_PER_COLUMN = (gram_schmidt, _normalize)
+
 
 def _outer(p, qt, scale=None):
-  """``p @ qt`` for ``p (n, r)``, ``qt (r, m)``; optionally times scale."""
+  """``p @ qt`` for ``p (G, n, r)``, ``qt (G, r, m)``; optionally scaled."""
   r = p.shape[-1]
   if r > _ELEMENTWISE_MAX_RANK:
     out = p @ qt
   else:
-    out = p[:, 0:1] * qt[0:1, :]
+    out = p[..., :, 0:1] * qt[..., 0:1, :]
     for k in range(1, r):
-      out = out + p[:, k:k + 1] * qt[k:k + 1, :]
+      out = out + p[..., :, k:k + 1] * qt[..., k:k + 1, :]
   return out if scale is None else out * scale
 
 
-def _left(ms, q, idx):
-  """``M Q`` for the matrices ``idx`` of a group: ``(b, n, r)``."""
-  if len(idx) == 1:
-    return (ms[idx[0]] @ q[0])[None]
-  return jnp.einsum("bnm,bmr->bnr", jnp.stack([ms[j] for j in idx]), q)
+def _left(m, q):
+  """``M Q`` for a batch: ``(G, n, m) x (G, m, r) -> (G, n, r)``."""
+  if m.shape[0] == 1:
+    return (m[0] @ q[0])[None]
+  return jnp.einsum("bnm,bmr->bnr", m, q)
 
 
-def _right(ms, p, idx):
-  """``P^T M`` for the matrices ``idx`` of a group: ``(b, r, m)``.
+def _right(m, p):
+  """``P^T M`` for a batch: ``(G, n, r), (G, n, m) -> (G, r, m)``.
 
   Written as ``P^T M`` (not ``M^T P``): XLA's CPU dot is ~20x slower when
   it contracts the major axis of the big operand into a transposed output.
   """
-  if len(idx) == 1:
-    return jnp.einsum("nr,nm->rm", p[0], ms[idx[0]])[None]
-  return jnp.einsum("bnr,bnm->brm", p, jnp.stack([ms[j] for j in idx]))
+  if m.shape[0] == 1:
+    return jnp.einsum("nr,nm->rm", p[0], m[0])[None]
+  return jnp.einsum("bnr,bnm->brm", p, m)
 
 
 def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
-                      groups: Sequence[Sequence[int]], axis_name, *,
-                      num_devices: int, orthogonalize: Callable, eps=0.0,
-                      num_iters: int = 1) -> LowRankResult:
+                      axis_name, *, num_devices: int,
+                      orthogonalize: Callable, eps=0.0, num_iters: int = 1,
+                      norm_scale=1.0) -> LowRankResult:
   """PowerSGD's rank-``r`` allreduce of many matrices with two psums a round.
 
   .. math::
@@ -238,19 +271,28 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   aggregated ``Q``, and the approximations are accumulated (the authors'
   alternating left/right multiplications, each followed by one psum). Each
   round is two fused all-reduces of ``sum_j n_j r`` and ``sum_j m_j r``
-  float32 values, whatever the number of matrices. Matrices grouped
-  together (same shape) are multiplied as one batched matmul.
+  float32 values, whatever the number of matrices. Each batch of
+  same-shape matrices is one batched matmul.
+
+  Before ``M Q``, ``Q``'s columns are divided by a power of two near their
+  largest magnitude (:func:`pow2_scale`; exact), so that a warm-started
+  ``Q``, which carries the gradients' scale, does not square it: ``P``'s
+  columns come out scaled, which changes no orthogonalization's result
+  (the ``eps`` of Gram-Schmidt and of rank 1 is scaled alike). Finite
+  gradients whose sum over devices is finite give finite results.
 
   Args:
-    ms: local matrices ``(n_j, m_j)``, float32.
-    qs: starting ``Q`` per group, ``(b, m, r)``, identical on every device.
-    groups: per group, the indices into ``ms`` of its ``b`` matrices (all
-      of one shape).
+    ms: local matrices per batch, ``(G, n, m)`` float32.
+    qs: starting ``Q`` per batch, ``(G, m, r)``, identical on every device.
     axis_name: the data axis, or None (one device, no collective).
     num_devices: static size of the axis.
-    orthogonalize: ``f(p, eps)`` from :func:`orthogonalizer`.
+    orthogonalize: ``f(p, eps)`` from :func:`orthogonalizer`, or any
+      function whose result does not change when ``p``'s columns are
+      scaled by positive powers of two.
     eps: the orthogonalization epsilon.
     num_iters: rounds per step.
+    norm_scale: ``sent_sq`` is of the factors divided by this (pass a
+      power of two near ``max |M|`` so that it cannot overflow).
 
   Returns:
     A :class:`LowRankResult`.
@@ -258,23 +300,24 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   ms = list(ms)
   rest = ms
   q_in = list(qs)
-  mean = [None] * len(ms)
-  sent = [None] * len(ms)
+  mean = sent = None
   first_q = None
   inv_n = 1.0 / num_devices
+  per_column = orthogonalize in _EPS_PER_COLUMN
   sent_sq = jnp.zeros([], jnp.float32)
   for k in range(num_iters):
-    p_local = [_left(rest, q, idx) for q, idx in zip(q_in, groups)]
-    ps = [orthogonalize(p, eps) for p in _core.fused_psum(p_local, axis_name)]
-    qt_local = [_right(rest, p, idx) for p, idx in zip(ps, groups)]
+    scales = [pow2_scale(q, axis=-2) for q in q_in]          # (G, 1, r)
+    p_local = [_left(m, q / d) for m, q, d in zip(rest, q_in, scales)]
+    ps = [orthogonalize(p, eps / d if per_column else eps)
+          for p, d in zip(_core.fused_psum(p_local, axis_name), scales)]
+    qt_local = [_right(m, p) for m, p in zip(rest, ps)]
     qt_sum = _core.fused_psum(qt_local, axis_name)
-    sent_sq = sent_sq + sum(jnp.sum(jnp.square(q)) for q in qt_local)
-    for p, qt_i, qt, idx in zip(ps, qt_local, qt_sum, groups):
-      for b, j in enumerate(idx):
-        mine = _outer(p[b], qt_i[b])
-        avg = _outer(p[b], qt[b], inv_n)
-        sent[j] = mine if k == 0 else sent[j] + mine
-        mean[j] = avg if k == 0 else mean[j] + avg
+    sent_sq = sent_sq + sum(jnp.sum(jnp.square(q / norm_scale))
+                            for q in qt_local)
+    mine = [_outer(p, qt) for p, qt in zip(ps, qt_local)]
+    avg = [_outer(p, qt, inv_n) for p, qt in zip(ps, qt_sum)]
+    sent = mine if k == 0 else [a + b for a, b in zip(sent, mine)]
+    mean = avg if k == 0 else [a + b for a, b in zip(mean, avg)]
     q_sum = [jnp.swapaxes(qt, -1, -2) for qt in qt_sum]
     if k == 0:
       first_q = q_sum

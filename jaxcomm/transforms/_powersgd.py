@@ -7,6 +7,12 @@ the *average* matrix over devices. Each device sends ``(n + m) r`` floats per
 matrix instead of ``n m``; all matrices of a step travel in two fused
 all-reduces (:func:`jaxcomm.collectives.lowrank_allreduce`).
 
+The codec is flat (``Codec(flat=True)``): it works on the bucket that
+:func:`jaxcomm.compressed` lays out, where leaves of equal shape sit side
+by side, so each run of equal matrix shapes is a free ``(G, n, m)`` view
+and one batched matmul (:func:`batches`); the program grows with the
+number of distinct shapes, not of leaves.
+
 Reshape rule: a leaf of shape ``(d_1, ..., d_k, c)`` is the matrix
 ``(d_1 ... d_k, c)``; its last axis (a Flax kernel's output features /
 channels) gives the columns. For a Flax conv kernel ``(kh, kw, in, out)``
@@ -30,15 +36,16 @@ from jaxcomm.collectives import _lowrank
 
 
 class PowerSGDState(NamedTuple):
-  """The PowerSGD codec's state (inside ``CompressState.codec``).
+  """The PowerSGD codec's state (one per bucket in ``CompressState.codec``).
 
   Attributes:
-    q: the warm-start ``Q`` per group of same-shape matrices, ``(b, m, r)``
-      float32, identical on every device (replicated).
+    q: the warm-start ``Q`` per batch of same-shape matrices in the bucket
+      (see :func:`batches`), ``(G, m, r)`` float32, identical on every
+      device (replicated).
     approx_error: this device's relative approximation error of the last
-      compressed step, ``|x_i - sent_i| / |x_i|`` over all compressed leaves
+      compressed step, ``|x_i - sent_i| / |x_i|`` over the bucket's leaves
       (per device; 0 before the first compressed step).
-    compression_ratio: float32 values a dense psum of the compressed leaves
+    compression_ratio: float32 values a dense psum of the bucket's leaves
       would carry over the values PowerSGD carried at the last step (1.0
       until the first compressed step, e.g. during ``start_step``).
   """
@@ -56,11 +63,53 @@ def matrix_shape(shape) -> tuple[int, int]:
   return (int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
 
 
-def _groups(shapes, batch: bool):
-  """Groups of leaf indices compressed together (one per matrix shape).
+class Batch(NamedTuple):
+  """Same-shape matrices side by side in a bucket: one ``(G, n, m)`` view.
 
-  Returns ``[(matrix_shape, [leaf indices])]`` in order of first appearance.
+  Attributes:
+    offset: element offset in the bucket.
+    count: ``G``.
+    n: rows.
+    m: columns.
+    leaves: per matrix, its leaf's index among the compressed leaves (in
+      ``jax.tree.leaves`` order), which keys its initial ``Q``.
   """
+
+  offset: int
+  count: int
+  n: int
+  m: int
+  leaves: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return self.count * self.n * self.m
+
+
+def batches(layout) -> list[Batch]:
+  """The bucket's groups as batches of matrices (static).
+
+  Each group of equal leaf shapes is contiguous, so it is a free
+  ``(G, n, m)`` view; adjacent groups whose leaves differ in shape but
+  not in matrix shape (a ``(3, 3, 8, 16)`` kernel next to a ``(72, 16)``
+  matrix) are contiguous too and are merged into one batch.
+  """
+  out: list[Batch] = []
+  for g in layout.groups:
+    n, m = matrix_shape(g.shape)
+    if out and (out[-1].n, out[-1].m) == (n, m):
+      last = out[-1]
+      out[-1] = last._replace(count=last.count + g.count,
+                              leaves=last.leaves + g.leaves)
+    else:
+      out.append(Batch(g.offset, g.count, n, m, g.leaves))
+  return out
+
+
+def _groups(shapes, batch: bool):
+  """Leaf indices per matrix shape (or one per leaf without ``batch``),
+  ``[(matrix_shape, [indices])]`` in order of first appearance. Static;
+  the benchmark's P blocks use it."""
   groups: dict = {}
   out = []
   for j, s in enumerate(shapes):
@@ -73,20 +122,28 @@ def _groups(shapes, batch: bool):
   return out
 
 
-def initial_q(seed_key, shapes, rank: int) -> list:
-  """The initial ``Q`` of each leaf: ``normal(fold_in(key, j), (m_j, r))``.
+def initial_q(key, batch: Batch, rank: int) -> jax.Array:
+  """The initial ``Q`` of a batch, ``(G, m, r)``: for the matrix of
+  compressed leaf ``j``, ``normal(fold_in(key, j), (m, r))``.
 
   ``j`` is the leaf's index among the compressed leaves (in
-  ``jax.tree.leaves`` order); drawn from the same key on every device, so
-  ``Q`` starts (and stays) replicated. Batching does not change the draw.
+  ``jax.tree.leaves`` order), whatever batch or bucket it lies in; drawn
+  from the same key on every device, so ``Q`` starts (and stays)
+  replicated. One vmapped draw per batch.
   """
-  return [jax.random.normal(jax.random.fold_in(seed_key, j),
-                            (matrix_shape(s)[1], rank), jnp.float32)
-          for j, s in enumerate(shapes)]
+  draw = lambda j: jax.random.normal(jax.random.fold_in(key, j),
+                                     (batch.m, rank), jnp.float32)
+  return jax.vmap(draw)(jnp.asarray(batch.leaves, jnp.int32))
+
+
+# Below this |x|^2 (or where it overflows) the approximation error is
+# computed on x scaled by a power of two near max |x| (an extra pass over
+# the bucket, taken only then): squares of tiny values flush to zero.
+_TINY_SQ = 2.0 ** -100
 
 
 def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
-                    eps, num_iters: int, seed: int, batch: bool,
+                    eps, num_iters: int, seed: int,
                     orthogonalization: str) -> _compressor.Codec:
   orth = _lowrank.orthogonalizer(orthogonalization, rank)
   warned: set = set()
@@ -105,56 +162,63 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
       return False
     return (n + m) * rank * min_compression_rate < n * m
 
-  def init(shapes):
-    qs = initial_q(jax.random.PRNGKey(seed), shapes, rank)
+  def init(layout):
+    key = jax.random.PRNGKey(seed)
     return PowerSGDState(
-      q=tuple(jnp.stack([qs[j] for j in idx])
-              for _, idx in _groups(shapes, batch)),
+      q=tuple(initial_q(key, b, rank) for b in batches(layout)),
       approx_error=jnp.zeros([], jnp.float32),
       compression_ratio=jnp.ones([], jnp.float32))
 
-  def ratio(shapes):
-    dense = sum(n * m for n, m in map(matrix_shape, shapes))
-    sent = sum((n + m) * rank * num_iters
-               for n, m in map(matrix_shape, shapes))
-    return dense / max(sent, 1)
+  def ratio(layout):
+    sent = sum((b.n + b.m) * rank * num_iters * b.count
+               for b in batches(layout))
+    return layout.size / max(sent, 1)
 
-  def apply(xs, state, ctx):
-    shapes = [tuple(x.shape) for x in xs]
-    groups = [idx for _, idx in _groups(shapes, batch)]
-    ms = [x.reshape(matrix_shape(x.shape)) for x in xs]
+  def apply(x, state, ctx):
+    layout = ctx.layout
+    bs = batches(layout)
+    ms = [x[b.offset:b.offset + b.size].reshape(b.count, b.n, b.m)
+          for b in bs]
     if warm_start:
       qs = list(state.q)
     else:
-      fresh = initial_q(ctx.key, shapes, rank)
-      qs = [jnp.stack([fresh[j] for j in idx]) for idx in groups]
+      qs = [initial_q(ctx.key, b, rank) for b in bs]
+    # |x|^2 for the approximation error, scale-safe: plain where it is a
+    # normal float32, else over x / s with s a power of two near max |x|.
+    tot2 = jnp.sum(jnp.square(x))
+
+    def rescaled():
+      s = _lowrank.pow2_scale(x)
+      return s, jnp.sum(jnp.square(x / s))
+
+    one = _compressor._match_varying(jnp.ones([], jnp.float32),
+                                     jax.typeof(tot2))
+    scale, tot2 = jax.lax.cond(jnp.isfinite(tot2) & (tot2 >= _TINY_SQ),
+                               lambda: (one, tot2), rescaled)
     res = _lowrank.lowrank_allreduce(
-      ms, qs, groups, ctx.axis_name, num_devices=ctx.num_devices,
-      orthogonalize=orth, eps=eps, num_iters=num_iters)
-    mean = [m.reshape(s) for m, s in zip(res.mean, shapes)]
-    sent = [m.reshape(s) for m, s in zip(res.sent, shapes)]
+      ms, qs, ctx.axis_name, num_devices=ctx.num_devices,
+      orthogonalize=orth, eps=eps, num_iters=num_iters, norm_scale=scale)
     # |x - sent|^2 = |x|^2 - |sent|^2: sent is x's orthogonal projection
     # onto span(P) (exact for orthonormal P; rounding can only make it a
     # hair negative, hence the clamp). One pass over x instead of two.
-    tot2 = sum(jnp.sum(jnp.square(x)) for x in xs)
     err2 = jnp.maximum(tot2 - res.sent_sq, 0.0)
     rel = jnp.sqrt(err2 / jnp.where(tot2 > 0, tot2, 1.0))
     new_q = tuple(res.q) if warm_start else tuple(qs)
     return _compressor.CodecResult(
-      mean=mean, sent=sent,
+      mean=layout.join_any(res.mean), sent=layout.join_any(res.sent),
       state=PowerSGDState(
         q=new_q, approx_error=rel.astype(jnp.float32),
-        compression_ratio=jnp.float32(ratio(shapes))))
+        compression_ratio=jnp.float32(ratio(layout))))
 
-  def wire(shapes, n):
+  def wire(layout, n):
     del n
-    groups = _groups(shapes, batch)
-    p_bytes = sum(4 * len(idx) * ms[0] * rank for ms, idx in groups)
-    q_bytes = sum(4 * len(idx) * ms[1] * rank for ms, idx in groups)
+    bs = batches(layout)
+    p_bytes = sum(4 * b.count * b.n * rank for b in bs)
+    q_bytes = sum(4 * b.count * b.m * rank for b in bs)
     return [("all-reduce", p_bytes), ("all-reduce", q_bytes)] * num_iters
 
   return _compressor.Codec(name="powersgd", init=init, apply=apply,
-                           wire=wire, accepts=accepts)
+                           wire=wire, accepts=accepts, flat=True)
 
 
 def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
@@ -198,7 +262,14 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
     ``ctx.key`` the same way; both are identical on every device;
   * an orthogonalized column that is exactly zero (zero gradients) stays
     zero instead of turning into NaN, and a ``Q`` column that comes out
-    zero keeps its previous value for the next warm start.
+    zero keeps its previous value for the next warm start;
+  * finite gradients of any magnitude (say ``1e20`` on every device) give
+    finite updates: ``Q``'s columns are divided by a power of two near
+    their largest magnitude before ``M Q`` (a warm-started ``Q`` carries
+    the gradients' scale, which ``M Q`` would square), Householder QR
+    scales ``P``'s columns the same way, and the approximation error is
+    computed on scaled values; none of it changes a result (powers of two
+    divide exactly, and ``eps`` is scaled alike).
 
   Args:
     rank: the rank ``r`` of the approximation (>= 1).
@@ -215,11 +286,10 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
     num_iters_per_step: rounds of the low-rank allreduce per step.
     seed: seed of the initial ``Q`` (and of the transform's step keys).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    batch_same_shape: multiply same-shape matrices as one batched matmul
-      (PyTorch's ``batch_tensors_with_same_shape``). Off by default, as in
-      PyTorch: on CPU stacking the matrices costs a copy that the fewer
-      matmul calls do not win back (see ARCHITECTURE.md); on accelerators,
-      where each matmul is a kernel launch, turning it on may pay.
+    batch_same_shape: accepted for compatibility with PyTorch's
+      ``batch_tensors_with_same_shape`` and ignored: same-shape matrices
+      are always one batched matmul, since in the flat bucket they are
+      already side by side (a free view, no stacking copy).
     orthogonalization: ``"householder"`` (default: ``jnp.linalg.qr``, the
       fastest and the only one that stays orthonormal for ill-conditioned
       ``P`` in the measurement recorded in ARCHITECTURE.md),
@@ -269,7 +339,7 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
     raise ValueError(f"seed must be an int, got {seed!r}")
   codec = _powersgd_codec(rank, rate, warm_start, orthogonalization_epsilon,
                           int(num_iters_per_step), int(seed),
-                          batch_same_shape, orthogonalization)
+                          orthogonalization)
   return _compressor.compressed(
     codec, axis_name=axis_name, error_feedback=error_feedback,
     start_step=start_step, policy=policy, seed=int(seed))
