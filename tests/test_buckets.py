@@ -1,0 +1,101 @@
+"""Bucket layout (jaxcomm._buckets) and the bucketed engine around it."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm import _buckets
+from tests import harness
+
+
+def test_plan_groups_equal_shapes_in_first_occurrence_order():
+  shapes = [(4, 3), (5,), (4, 3), (2, 2), (5,), (4, 3)]
+  (lay,) = _buckets.plan(shapes)
+  assert lay.leaves == (0, 2, 5, 1, 4, 3)
+  assert [(g.shape, g.count, g.first, g.offset) for g in lay.groups] == [
+    ((4, 3), 3, 0, 0), ((5,), 2, 3, 36), ((2, 2), 1, 5, 46)]
+  assert lay.size == 50
+  assert lay.offsets == (0, 12, 24, 36, 41, 46)
+
+
+def test_plan_caps_buckets_without_splitting_leaves():
+  shapes = [(10,), (10,), (100,), (10,)]
+  lays = _buckets.plan(shapes, bucket_bytes=4 * 25)
+  # Groups: (10,) x3 (120 bytes: split after two), then (100,) alone.
+  assert [lay.leaves for lay in lays] == [(0, 1), (3,), (2,)]
+  assert [lay.size for lay in lays] == [20, 10, 100]
+  assert _buckets.plan([]) == ()
+  with pytest.raises(ValueError, match="bucket_bytes"):
+    jaxcomm.LeafPolicy(bucket_bytes=0)
+
+
+def test_layout_helpers_against_numpy():
+  shapes = [(3, 2), (4,), (3, 2)]
+  (lay,) = _buckets.plan(shapes)
+  rng = np.random.RandomState(0)
+  leaves = [rng.randn(*s).astype(np.float32) for s in shapes]
+  flat = _buckets.flatten([leaves[j] for j in lay.leaves])
+  np.testing.assert_array_equal(
+    flat, np.concatenate([leaves[j].ravel() for j in (0, 2, 1)]))
+  # Per-segment reduction and broadcast, segment order = bucket order.
+  sums = lay.reduce(lambda v: v.sum(axis=1), flat)
+  np.testing.assert_allclose(sums, [leaves[j].sum() for j in (0, 2, 1)],
+                             rtol=1e-6)
+  np.testing.assert_array_equal(
+    lay.broadcast(jnp.arange(3.0)), np.repeat([0.0, 1.0, 2.0], [6, 6, 4]))
+  for j, part in zip(lay.leaves, lay.split(flat)):
+    np.testing.assert_array_equal(part, leaves[j])
+  np.testing.assert_array_equal(lay.join(lay.views(flat)), flat)
+  # Leading axes are kept by split (a stored per-device state).
+  two = jnp.stack([flat, 2 * flat])
+  assert lay.split(two)[0].shape == (2, 3, 2)
+
+
+def _params():
+  return {"a": jnp.zeros((16, 20), jnp.float32),
+          "b": jnp.zeros((300,), jnp.float32),
+          "c": jnp.zeros((16, 20), jnp.float32),
+          "d": jnp.zeros((8,), jnp.float32)}
+
+
+@pytest.mark.parametrize("make", [
+  lambda p: jaxcomm.topk(0.05, policy=p),
+  lambda p: jaxcomm.int8(policy=p),
+  lambda p: jaxcomm.powersgd(2, policy=p),
+], ids=["topk", "int8", "powersgd"])
+def test_several_buckets_equal_one_bucket_on_8_devices(make, mesh):
+  """Per-leaf compressors give the same steps, residuals and bytes whether
+  the leaves share one bucket or are spread over several."""
+  params = _params()
+  grads = harness.make_grads(7, 3, params=params)
+  one = make(jaxcomm.LeafPolicy())
+  many = make(jaxcomm.LeafPolicy(bucket_bytes=4 * 320))
+  assert len(jaxcomm.spec_of(many).layouts(params)) > 1
+  u1, s1, _ = harness.device_run(one, mesh, grads, params=params)
+  u2, s2, _ = harness.device_run(many, mesh, grads, params=params)
+  for a, b in zip(u1, u2):
+    for k in params:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+  r1 = jaxcomm.spec_of(one).leaves_of(s1.residual, params)
+  r2 = jaxcomm.spec_of(many).leaves_of(s2.residual, params)
+  for a, b in zip(r1, r2):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The claim equals the compiled HLO with several buckets too.
+  hlo = jaxcomm.wire.report(harness.lower_update(many, mesh, params),
+                            params=params)
+  claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(many, params, 8), n=8,
+                                 params=params)
+  assert hlo.payload == claim.payload
+
+
+def test_state_mismatch_is_named():
+  tx = jaxcomm.topk(0.1, axis_name=None)
+  params = _params()
+  state = tx.init(params)
+  bad = dict(params, a=jnp.zeros((4, 16, 20)))
+  with pytest.raises(ValueError, match="do not match the state's residual"):
+    tx.update(bad, state, params)
+  with pytest.raises(ValueError, match="CompressState"):
+    tx.update(params, optax.EmptyState(), params)
