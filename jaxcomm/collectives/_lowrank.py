@@ -39,16 +39,19 @@ ORTHOGONALIZATIONS = ("gram_schmidt", "householder", "cholesky")
 
 def pow2_scale(x: jax.Array, axis=None) -> jax.Array:
   """A power of two ``s`` with ``s <= max |x| < 2 s`` along ``axis`` (kept
-  as size-1 axes), 1 where that maximum is zero or not finite.
+  as size-1 axes), 1 where that maximum is zero, subnormal or not finite.
 
   Dividing by it is exact (no rounding) and brings the largest magnitude
   into ``[1, 2)``, so that squares and products of the scaled values
   cannot overflow float32.
   """
   mx = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None)
-  _, e = jnp.frexp(mx)
-  s = jnp.ldexp(jnp.ones_like(mx), e - 1)
-  return jnp.where((mx > 0) & jnp.isfinite(mx), s, jnp.ones_like(mx))
+  # Keep the exponent bits only (3 ops; frexp and ldexp expand to ~60):
+  # 2^floor(log2 mx) for a normal mx, 0 for zero or subnormal, inf for
+  # inf or NaN.
+  bits = jax.lax.bitcast_convert_type(mx.astype(jnp.float32), jnp.int32)
+  s = jax.lax.bitcast_convert_type(bits & 0x7F800000, jnp.float32)
+  return jnp.where((s > 0) & jnp.isfinite(s), s, jnp.ones_like(s))
 
 
 def _normalize(col, eps):
