@@ -23,6 +23,7 @@ values as in PyTorch. The reshape is free (row-major, no transpose).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import NamedTuple
@@ -122,18 +123,31 @@ def _groups(shapes, batch: bool):
   return out
 
 
-def initial_q(key, batch: Batch, rank: int) -> jax.Array:
-  """The initial ``Q`` of a batch, ``(G, m, r)``: for the matrix of
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def initial_q(key, bs: tuple[Batch, ...], rank: int) -> tuple:
+  """The initial ``Q`` of each batch, ``(G, m, r)``: for the matrix of
   compressed leaf ``j``, ``normal(fold_in(key, j), (m, r))``.
 
   ``j`` is the leaf's index among the compressed leaves (in
   ``jax.tree.leaves`` order), whatever batch or bucket it lies in; drawn
   from the same key on every device, so ``Q`` starts (and stays)
-  replicated. One vmapped draw per batch.
+  replicated. One vmapped draw per distinct ``m`` (batches of equal ``m``
+  share it), all in one jitted program, so that an eager ``init`` compiles
+  once instead of once per shape and inner function.
   """
-  draw = lambda j: jax.random.normal(jax.random.fold_in(key, j),
-                                     (batch.m, rank), jnp.float32)
-  return jax.vmap(draw)(jnp.asarray(batch.leaves, jnp.int32))
+  by_m: dict = {}
+  for i, b in enumerate(bs):
+    by_m.setdefault(b.m, []).append(i)
+  out: list = [None] * len(bs)
+  for m, idx in by_m.items():
+    leaves = jnp.asarray([j for i in idx for j in bs[i].leaves], jnp.int32)
+    drawn = jax.vmap(lambda j, m=m: jax.random.normal(
+      jax.random.fold_in(key, j), (m, rank), jnp.float32))(leaves)
+    start = 0
+    for i in idx:
+      out[i] = drawn[start:start + bs[i].count]
+      start += bs[i].count
+  return tuple(out)
 
 
 # Below this |x|^2 (or where it overflows) the approximation error is
@@ -165,7 +179,7 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
   def init(layout):
     key = jax.random.PRNGKey(seed)
     return PowerSGDState(
-      q=tuple(initial_q(key, b, rank) for b in batches(layout)),
+      q=initial_q(key, tuple(batches(layout)), rank),
       approx_error=jnp.zeros([], jnp.float32),
       compression_ratio=jnp.ones([], jnp.float32))
 
@@ -182,7 +196,7 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
     if warm_start:
       qs = list(state.q)
     else:
-      qs = [initial_q(ctx.key, b, rank) for b in bs]
+      qs = list(initial_q(ctx.key, tuple(bs), rank))
     # |x|^2 for the approximation error, scale-safe: plain where it is a
     # normal float32, else over x / s with s a power of two near max |x|.
     tot2 = jnp.sum(jnp.square(x))
