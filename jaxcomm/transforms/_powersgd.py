@@ -131,9 +131,10 @@ def initial_q(key, bs: tuple[Batch, ...], rank: int) -> tuple:
   ``j`` is the leaf's index among the compressed leaves (in
   ``jax.tree.leaves`` order), whatever batch or bucket it lies in; drawn
   from the same key on every device, so ``Q`` starts (and stays)
-  replicated. One vmapped draw per distinct ``m`` (batches of equal ``m``
-  share it), all in one jitted program, so that an eager ``init`` compiles
-  once instead of once per shape and inner function.
+  replicated. One ``lax.map`` over the leaves per distinct ``m`` (batches
+  of equal ``m`` share it; the loop body is the unbatched draw, which
+  compiles in half the time of its ``vmap``), all in one jitted program,
+  so that an eager ``init`` compiles once.
   """
   by_m: dict = {}
   for i, b in enumerate(bs):
@@ -141,8 +142,8 @@ def initial_q(key, bs: tuple[Batch, ...], rank: int) -> tuple:
   out: list = [None] * len(bs)
   for m, idx in by_m.items():
     leaves = jnp.asarray([j for i in idx for j in bs[i].leaves], jnp.int32)
-    drawn = jax.vmap(lambda j, m=m: jax.random.normal(
-      jax.random.fold_in(key, j), (m, rank), jnp.float32))(leaves)
+    drawn = jax.lax.map(lambda j, m=m: jax.random.normal(
+      jax.random.fold_in(key, j), (m, rank), jnp.float32), leaves)
     start = 0
     for i in idx:
       out[i] = drawn[start:start + bs[i].count]
