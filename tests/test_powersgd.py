@@ -371,6 +371,23 @@ def test_huge_and_tiny_gradients_scale_the_steps_exactly(mesh, scale):
   np.testing.assert_allclose(err, out["unit"][2], rtol=1e-3)
 
 
+@pytest.mark.parametrize("scale", [0.0, 1e-44, 1e-30, 1e-12, 1.0, 1e18,
+                                   1e30, 3e38])
+def test_sum_of_squares_is_scale_safe(scale):
+  """The approximation error's ``|x|^2`` as ``(s, |x / s|^2)``: finite and
+  exact to float32 rounding for finite ``x`` of any magnitude."""
+  r = np.random.RandomState(7)
+  x = (r.uniform(-1, 1, 100_000) * scale).astype(np.float32)
+  s, tot = jax.jit(_powersgd._sum_sq)(jnp.asarray(x))  # pylint: disable=protected-access
+  s, tot = float(s), float(tot)
+  assert np.isfinite(tot) and s > 0 and np.log2(s) == int(np.log2(s))
+  want = np.sum(np.square(x.astype(np.float64) / s))
+  if scale < 1e-38:        # subnormal inputs may flush to zero on CPU
+    assert 0.0 <= tot <= want * (1 + 1e-5) + 1e-30
+  else:
+    np.testing.assert_allclose(tot, want, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rank", [1, 2])
 def test_eps_is_added_to_the_norms_of_the_unscaled_p(rank):
   """Q's columns are scaled by powers of two before ``M Q``; the Gram-Schmidt
