@@ -147,6 +147,25 @@ class Layout:
             for o, s, shape in zip(self.offsets, self.sizes, self.shapes)]
 
 
+def runs(sizes: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+  """Runs of consecutive equal sizes in a flat concatenation.
+
+  Returns ``(offset, count, size)`` per run: elements ``[offset, offset +
+  count * size)`` reshape for free to ``[count, size]``, so a per-segment
+  operation is one batched op per run (a bucket's equal shapes sit side by
+  side, so a bucket has at most one run per group).
+  """
+  out, offset = [], 0
+  for s in (int(s) for s in sizes):
+    if out and out[-1][2] == s:
+      o, c, _ = out[-1]
+      out[-1] = (o, c + 1, s)
+    else:
+      out.append((offset, 1, s))
+    offset += s
+  return tuple(out)
+
+
 def flatten(leaves: Sequence[jax.Array], dtype=jnp.float32) -> jax.Array:
   """Leaves (in bucket order) into one flat buffer of ``dtype``."""
   flats = [jnp.ravel(x).astype(dtype) for x in leaves]

@@ -105,7 +105,7 @@ def test_gtopk_result_has_k_entries_and_is_the_same_everywhere(mesh):
   assert np.count_nonzero(u) == 10
   np.testing.assert_array_equal(np.nonzero(u)[0], np.nonzero(strong)[0])
   # What each device holds back plus what reached the sum is its gradient.
-  res = harness.residuals_of(state)[0]
+  res = harness.split_buckets(_compress_state(state).residual, [(1024,)])[0]
   np.testing.assert_allclose(8 * u + res.sum(0), grads[0]["w"].sum(0),
                              rtol=1e-5, atol=1e-4)
 
@@ -140,7 +140,7 @@ def test_randomk_coordinates_are_uniform():
 
 # ----------------------------------------------------------------- DGC ----
 
-def _dgc_state(state):
+def _compress_state(state):
   return [s for s in harness._walk(state)
           if isinstance(s, jaxcomm.CompressState)][0]
 
@@ -150,8 +150,12 @@ def test_dgc_momentum_factor_masking(mesh):
   tx = jaxcomm.dgc(0.05, momentum=0.9, exact=True)
   grads = harness.make_grads(seed=4, steps=2)
   _, state, _ = harness.device_run(tx, mesh, grads)
-  st = _dgc_state(state)
-  for u, v in zip(st.momentum, st.residual):
+  st = _compress_state(state)
+  shapes = [tuple(harness.battery_params()[k].shape)
+            for k in harness.COMPRESSED]
+  # The state holds flat buckets: per leaf (k is per leaf).
+  for u, v in zip(harness.split_buckets(st.momentum, shapes),
+                  harness.split_buckets(st.residual, shapes)):
     u, v = np.asarray(u), np.asarray(v)
     sent = v == 0
     k = sp.num_selected(0.05, v[0].size)
@@ -170,7 +174,7 @@ def test_dgc_clipping_threshold_scales_with_sqrt_n(k):
   # Constant gradient 10 per element: norm 10 sqrt(L) >> clip.
   grads = [{"w": np.full((8, size), 10.0, np.float32)}]
   _, state, _ = harness.device_run(tx, mesh, grads, params=params)
-  v = np.asarray(_dgc_state(state).residual[0])      # unsent: clipped g
+  v = np.asarray(_compress_state(state).residual[0])      # unsent: clipped g
   unsent = v[v != 0]
   limit = unsent[0] * math.sqrt(size)                  # norm of clipped g
   np.testing.assert_allclose(unsent, unsent[0])

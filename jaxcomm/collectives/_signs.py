@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _buckets
 from jaxcomm.collectives import _core
 from jaxcomm.kernels import bitpack
 
@@ -114,26 +115,30 @@ def _leaf_index(positions, sizes: Sequence[int]):
 
 
 def _per_leaf(values, scales, sizes: Sequence[int]):
-  """``values[..., leaf l] * scales[..., l]``, leaf by leaf.
+  """``values[..., leaf l] * scales[..., l]``: one broadcast per run of
+  equal sizes (:func:`jaxcomm._buckets.runs`), not one per leaf.
 
   Slices and broadcasts rather than ``jnp.repeat`` with per-leaf counts,
   whose index computation XLA constant-folds (minutes for 10M elements).
   """
-  out, off = [], 0
-  for l, d in enumerate(sizes):
-    out.append(values[..., off:off + d] * scales[..., l:l + 1])
-    off += d
-  return jnp.concatenate(out, axis=-1)
+  lead = values.shape[:-1]
+  out, first = [], 0
+  for off, count, d in _buckets.runs(sizes):
+    v = values[..., off:off + count * d].reshape(lead + (count, d))
+    s = scales[..., first:first + count, None]
+    out.append((v * s).reshape(lead + (count * d,)))
+    first += count
+  return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
 
 
 def worker_scales(x: jax.Array, sizes: Sequence[int]) -> jax.Array:
-  """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation."""
-  out, off = [], 0
-  for d in sizes:
-    seg = x[off:off + d]
-    out.append(jnp.sqrt(jnp.sum(seg * seg) / d))
-    off += d
-  return jnp.stack(out)
+  """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation (one
+  batched reduction per run of equal sizes)."""
+  out = []
+  for off, count, d in _buckets.runs(sizes):
+    seg = x[off:off + count * d].reshape(count, d)
+    out.append(jnp.sqrt(jnp.sum(seg * seg, axis=1) / d))
+  return out[0] if len(out) == 1 else jnp.concatenate(out)
 
 
 def compressed_allreduce(x: jax.Array, sizes: Sequence[int],

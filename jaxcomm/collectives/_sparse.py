@@ -6,6 +6,8 @@
 * :func:`gtopk_psum` -- global top-k (Shi et al. 2019): a recursive-doubling
   exchange of ``k`` pairs in ``log2 n`` rounds, re-sparsified to ``k`` after
   every merge, so each device sends ``O(k log n)`` instead of ``O(k n)``.
+  Segments of equal size come batched (``[G, k]``, one row per segment):
+  one op per group, whatever the number of segments.
 * :func:`chunk_psum` -- coarse-grained sparsification (CSC, GradientFlow):
   psum of per-chunk L1 norms, the same top chunks chosen on every device,
   psum of only those chunks; the traffic does not depend on ``n``.
@@ -157,16 +159,25 @@ def _member(query: jax.Array, sorted_idx: jax.Array) -> jax.Array:
   return sorted_idx[pos] == query
 
 
+def _rows(a: jax.Array) -> jax.Array:
+  """A per-row index column ``[G, 1]`` for ``a`` of shape ``[G, k]``."""
+  return jnp.arange(a.shape[0], dtype=jnp.int32)[:, None]
+
+
 def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
                sizes: Sequence[int], axis_name
                ) -> tuple[list, list, list]:
   """Global top-k sum by recursive doubling (Shi et al. 2019).
 
   Each device starts from its local top-k list of every segment (a leaf, or
-  the whole model). In round ``r = 0 .. log2(n) - 1`` it swaps its current
-  lists with device ``i XOR 2^r`` (one collective-permute of ``k`` pairs per
-  segment, all segments in one message), adds the two lists and keeps the
-  ``k`` largest magnitudes. After the last round every device holds the same
+  the whole model). Segments come in groups: ``indices[j]`` of shape
+  ``[G_j, k_j]`` holds ``G_j`` segments of ``sizes[j]`` elements each, one
+  per row (a ``[k_j]`` array is one segment); every op below is one batched
+  op per group, so the program does not grow with the number of segments.
+  In round ``r = 0 .. log2(n) - 1`` a device swaps its current lists with
+  device ``i XOR 2^r`` (one collective-permute of all segments' ``k`` pairs
+  in one message), adds the two lists of each segment and keeps its ``k``
+  largest magnitudes. After the last round every device holds the same
   lists: the global top-k of the (tree-)summed sparse vectors. A final
   broadcast from device 0 (an all-reduce in which the other devices add
   zero words, exact) makes the result typed invariant; it costs one more
@@ -180,18 +191,21 @@ def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
   therefore tracks which of its own indices are still in its list after
   every round: those it has actually sent.
 
+  On the wire, segment rows are laid end to end (group by group, row by
+  row) in one global index space of ``sum_j G_j sizes[j]`` elements.
+
   Args:
-    indices: per segment, ``int32[k]`` local indices in ``[0, size)``
-      (distinct within a segment).
-    values: per segment, ``float32[k]``.
-    sizes: per segment, the dense length.
+    indices: per group, ``int32[G, k]`` (or ``[k]``) local indices in
+      ``[0, size)``, distinct within a row.
+    values: per group, ``float32`` of the same shape.
+    sizes: per group, the dense length of one segment.
     axis_name: the axis, or None.
 
   Returns:
-    ``(indices, values, delivered)``: per segment the global list (sorted by
-    index, ``k`` entries, identical and invariant on every device) and, per
-    segment, a bool[k] mask over this device's input pairs: True where its
-    value is part of the global sum.
+    ``(indices, values, delivered)``: per group, the global lists (each row
+    sorted by index, ``k`` entries, identical and invariant on every device)
+    and a bool mask over this device's input pairs: True where its value is
+    part of the global sum. Each of the shape of the input.
 
   Raises:
     ValueError: if the number of devices is not a power of two.
@@ -200,29 +214,41 @@ def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
   if n & (n - 1):
     raise ValueError(
       f"gtopk needs a power-of-two number of devices, got {n}")
-  ks = [int(v.shape[0]) for v in values]
-  cur_idx = [jnp.sort(i) for i in indices]
-  orders = [jnp.argsort(i) for i in indices]
-  cur_val = [v[o] for v, o in zip(values, orders)]
+  flat_in = [jnp.ndim(i) == 1 for i in indices]
+  indices = [jnp.reshape(i, (-1, jnp.shape(i)[-1])).astype(jnp.int32)
+             for i in indices]
+  values = [jnp.reshape(v, i.shape) for v, i in zip(values, indices)]
+  sizes = [int(s) for s in sizes]
+  counts = [int(i.shape[0]) for i in indices]
+  ks = [int(i.shape[1]) for i in indices]
+  cur_idx = [jnp.sort(i, axis=-1) for i in indices]
+  orders = [jnp.argsort(i, axis=-1) for i in indices]
+  cur_val = [jnp.take_along_axis(v, o, axis=-1)
+             for v, o in zip(values, orders)]
   mine = list(cur_idx)                      # my indices, sorted
-  alive = [jnp.ones((k,), bool) for k in ks]
-  total = sum(sizes)
-  offsets = np.cumsum([0] + list(sizes))[:-1]
+  alive = [jnp.ones(i.shape, bool) for i in indices]
+  total = sum(g * s for g, s in zip(counts, sizes))
+  offsets = [int(o) for o in np.cumsum(
+    [0] + [g * s for g, s in zip(counts, sizes)])[:-1]]
+  merge = jax.vmap(_merge_topk, in_axes=(0, 0, None, None))
+  member = jax.vmap(_member)
 
   def pack(idx_list, val_list):
     # Global index space over all segments: one message per round.
-    gi = jnp.concatenate([jnp.where(i < s, i + o, total) for i, s, o in
-                          zip(idx_list, sizes, offsets)])
-    return pack_pairs(gi, jnp.concatenate(val_list), total)
+    gi = [jnp.where(i < s, o + _rows(i) * s + i, total).reshape(-1)
+          for i, s, o in zip(idx_list, sizes, offsets)]
+    gv = [v.reshape(-1) for v in val_list]
+    return pack_pairs(jnp.concatenate(gi), jnp.concatenate(gv), total)
 
   def unpack(words):
-    gi, gv = unpack_pairs(words, sum(ks), total)
+    gi, gv = unpack_pairs(words, sum(g * k for g, k in zip(counts, ks)),
+                          total)
     out_i, out_v, start = [], [], 0
-    for k, s, o in zip(ks, sizes, offsets):
-      i = gi[start:start + k]
-      out_i.append(jnp.where(i < total, i - o, s))
-      out_v.append(gv[start:start + k])
-      start += k
+    for g, k, s, o in zip(counts, ks, sizes, offsets):
+      i = gi[start:start + g * k].reshape(g, k)
+      out_i.append(jnp.where(i < total, i - o - _rows(i) * s, s))
+      out_v.append(gv[start:start + g * k].reshape(g, k))
+      start += g * k
     return out_i, out_v
 
   for r in range(int(math.log2(n))):
@@ -231,12 +257,12 @@ def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
     other_idx, other_val = unpack(got)
     new_idx, new_val = [], []
     for j, k in enumerate(ks):
-      i, v = _merge_topk(jnp.concatenate([cur_idx[j], other_idx[j]]),
-                         jnp.concatenate([cur_val[j], other_val[j]]),
-                         k, sizes[j])
+      i, v = merge(jnp.concatenate([cur_idx[j], other_idx[j]], axis=-1),
+                   jnp.concatenate([cur_val[j], other_val[j]], axis=-1),
+                   k, sizes[j])
       new_idx.append(i)
       new_val.append(v)
-      alive[j] = alive[j] & _member(mine[j], i)
+      alive[j] = alive[j] & member(mine[j], i)
     cur_idx, cur_val = new_idx, new_val
 
   if axis_name is not None:
@@ -249,13 +275,19 @@ def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
                        axis_name)
     cur_idx, cur_val = unpack(words)
   # Back from sorted order to the caller's order of its own pairs.
-  delivered = [jnp.zeros((k,), bool).at[o].set(a)
-               for k, o, a in zip(ks, orders, alive)]
-  return cur_idx, cur_val, delivered
+  delivered = [jnp.zeros(a.shape, bool).at[_rows(o), o].set(a)
+               for o, a in zip(orders, alive)]
+  unbatch = lambda arrays: [a[0] if f else a
+                            for a, f in zip(arrays, flat_in)]
+  return unbatch(cur_idx), unbatch(cur_val), unbatch(delivered)
 
 
 def gtopk_psum_wire(ks: Sequence[int], sizes: Sequence[int], n: int) -> list:
-  """Collectives of :func:`gtopk_psum`: log2(n) permutes and a broadcast."""
+  """Collectives of :func:`gtopk_psum`: log2(n) permutes and a broadcast.
+
+  ``ks`` and ``sizes``: per segment (or any split with the same sums), the
+  pairs sent and the dense length.
+  """
   words = message_words(sum(ks), sum(sizes))
   rounds = int(math.log2(n))
   return [("collective-permute", 4 * words)] * rounds + [

@@ -45,18 +45,6 @@ def _sizes(shapes) -> list[int]:
   return [int(np.prod(s)) for s in shapes]
 
 
-def _flatten(xs) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in xs])
-
-
-def _split(flat, like) -> list:
-  out, off = [], 0
-  for x in like:
-    out.append(flat[off:off + x.size].reshape(x.shape))
-    off += x.size
-  return out
-
-
 def _sign(x):
   return jnp.where(x >= 0, 1.0, -1.0).astype(jnp.float32)
 
@@ -97,21 +85,19 @@ class OneBitState(NamedTuple):
 
 
 def _onebit_codec() -> _compressor.Codec:
-  def init(shapes):
-    return OneBitState(jnp.zeros([sum(_sizes(shapes))], jnp.float32))
+  def init(layout):
+    return OneBitState(jnp.zeros([layout.size], jnp.float32))
 
-  def apply(xs, state, ctx):
-    sizes = [x.size for x in xs]
+  def apply(x, state, ctx):
     mean, sent, err = _signs.compressed_allreduce(
-      _flatten(xs), sizes, state.server_error, ctx.axis_name)
-    return _compressor.CodecResult(mean=_split(mean, xs),
-                                   sent=_split(sent, xs),
+      x, ctx.layout.sizes, state.server_error, ctx.axis_name)
+    return _compressor.CodecResult(mean=mean, sent=sent,
                                    state=OneBitState(err))
 
   return _compressor.Codec(
-    name="onebit", init=init, apply=apply,
-    wire=lambda shapes, n: _signs.compressed_allreduce_collectives(
-      _sizes(shapes), n))
+    name="onebit", init=init, apply=apply, flat=True,
+    wire=lambda layout, n: _signs.compressed_allreduce_collectives(
+      layout.sizes, n))
 
 
 def onebit(*, axis_name="data", error_feedback: bool = True, policy=None):
@@ -166,33 +152,32 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None):
 
 
 class SignumState(NamedTuple):
-  """Codec state of :func:`signum`: the local momentum, per device."""
+  """Codec state of :func:`signum`: the local momentum, per device (one
+  flat float32 buffer per bucket, laid out as the bucket)."""
 
-  momentum: tuple
+  momentum: jax.Array
 
 
 def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
-  def init(shapes):
+  def init(layout):
     if beta is None:
       return ()
-    return SignumState(tuple(jnp.zeros(s, jnp.float32) for s in shapes))
+    return SignumState(jnp.zeros([layout.size], jnp.float32))
 
-  def apply(xs, state, ctx):
+  def apply(x, state, ctx):
     if beta is None:
-      votes_on, new_state = xs, state
+      votes_on, new_state = x, state
     else:
-      votes_on = [beta * m + (1.0 - beta) * x
-                  for m, x in zip(state.momentum, xs)]
-      new_state = SignumState(tuple(votes_on))
-    v = _signs.majority_vote(_flatten(votes_on), ctx.axis_name)
-    mean = [m * scale for m in _split(v, xs)]
-    sent = [_sign(m) * scale for m in votes_on]
-    return _compressor.CodecResult(mean=mean, sent=sent, state=new_state)
+      votes_on = beta * state.momentum + (1.0 - beta) * x
+      new_state = SignumState(votes_on)
+    v = _signs.majority_vote(votes_on, ctx.axis_name)
+    return _compressor.CodecResult(mean=v * scale,
+                                   sent=_sign(votes_on) * scale,
+                                   state=new_state)
 
   return _compressor.Codec(
-    name=name, init=init, apply=apply,
-    wire=lambda shapes, n: _signs.majority_vote_collectives(
-      sum(_sizes(shapes)), n))
+    name=name, init=init, apply=apply, flat=True,
+    wire=lambda layout, n: _signs.majority_vote_collectives(layout.size, n))
 
 
 def signsgd(scale: float = 1.0, *, axis_name="data",
@@ -287,17 +272,16 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
 
 
 def _ef_sign_codec() -> _compressor.Codec:
-  def apply(xs, state, ctx):
-    scales = jnp.stack([jnp.mean(jnp.abs(x)) for x in xs])
-    sent = [s * _sign(x) for s, x in zip(scales, xs)]
-    mean = _signs.gather_signs(_flatten(xs), scales, [x.size for x in xs],
-                               ctx.axis_name)
-    return _compressor.CodecResult(mean=_split(mean, xs), sent=sent,
-                                   state=state)
+  def apply(x, state, ctx):
+    lay = ctx.layout
+    scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
+    sent = lay.broadcast(scales) * _sign(x)
+    mean = _signs.gather_signs(x, scales, lay.sizes, ctx.axis_name)
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   return _compressor.Codec(
-    name="ef_signsgd", init=lambda shapes: (), apply=apply,
-    wire=lambda shapes, n: _signs.gather_signs_collectives(_sizes(shapes), n))
+    name="ef_signsgd", init=lambda layout: (), apply=apply, flat=True,
+    wire=lambda layout, n: _signs.gather_signs_collectives(layout.sizes, n))
 
 
 def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
@@ -380,7 +364,8 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
   the shared scale is its maximum over devices (one small ``pmax``);
   ``quantize(xb, S, u) -> int32`` codes in ``[-bound, bound]`` (``[low,
   bound]`` if ``low`` is set); ``unit(S)`` the value of one code step.
-  ``prepare(x)`` (per leaf) runs before bucketing (TernGrad's clipping).
+  ``prepare(v)`` runs before bucketing on ``[G, d]`` rows, one leaf per
+  row (TernGrad's per-leaf clipping).
   Codes are summed exactly by :func:`jaxcomm.collectives.integer_allreduce`.
 
   Asymmetric codes: ``zero(S)`` is the value of code 0, a code ``q`` decodes
@@ -389,54 +374,67 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
   so that padding cannot move the bucket's minimum or maximum.
   """
 
-  def apply(xs, state, ctx):
-    lay = bucket_layout([x.shape for x in xs], bucket_size)
-    xbs = []
-    for x, b, c in zip(xs, lay.buckets, lay.counts):
-      v = jnp.ravel(x if prepare is None else prepare(x))
-      mode = "constant" if zero is None else "edge"
-      xbs.append(jnp.pad(v, (0, b * c - v.size), mode=mode).reshape(c, b))
+  def apply(x, state, ctx):
+    layout = ctx.layout
+    lay = bucket_layout(layout.shapes, bucket_size)
+    # Per group of equal shapes, [G, d] -> each leaf cut into c buckets of
+    # b elements (the last one padded) -> [G c, b]: one op per group.
+    mode = "constant" if zero is None else "edge"
+    dims, xbs = [], []
+    for g, v in zip(layout.groups, layout.views(x)):
+      d = g.leaf_size
+      b = d if bucket_size is None else max(1, min(bucket_size, d))
+      c = -(-d // b)
+      if prepare is not None:
+        v = prepare(v)
+      v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
+      dims.append((g.count, d, b, c))
+      xbs.append(v.reshape(g.count * c, b))
     local = jnp.concatenate([stat(xb) for xb in xbs])
     shared = _core.pmax(local, ctx.axis_name)
     if stochastic:
       noise = jax.random.uniform(device_key(ctx), (lay.padded,), jnp.float32)
     codes, units, zeros, off, boff = [], [], [], 0, 0
-    for xb, c in zip(xbs, lay.counts):
-      s = shared[boff:boff + c]
+    for xb in xbs:
+      rows = xb.shape[0]
+      s = shared[boff:boff + rows]
       u = (noise[off:off + xb.size].reshape(xb.shape) if stochastic
            else None)
       codes.append(quantize(xb, s[:, None], u))
       units.append(unit(s)[:, None])
       zeros.append(None if zero is None else zero(s)[:, None])
       off += xb.size
-      boff += c
+      boff += rows
     total = _quantized.integer_allreduce(
       jnp.concatenate([q.ravel() for q in codes]), bound, ctx.axis_name,
       low=low)
     n = ctx.num_devices
     mean, sent, off = [], [], 0
-    for x, q, un, z in zip(xs, codes, units, zeros):
-      t = total[off:off + q.size].reshape(q.shape)
+    for q, un, z, (count, d, b, c) in zip(codes, units, zeros, dims):
+      t = total[off:off + q.size].reshape(q.shape).astype(jnp.float32)
       if z is None:
-        m = (t.astype(jnp.float32) * un).ravel()[:x.size].reshape(x.shape) / n
-        d = q.astype(jnp.float32) * un
+        m = t * un / n
+        e = q.astype(jnp.float32) * un
       else:
-        m = (z + un * (t.astype(jnp.float32) / n)).ravel()[:x.size] \
-          .reshape(x.shape)
-        d = z + un * q.astype(jnp.float32)
-      mean.append(m)
-      sent.append(d.ravel()[:x.size].reshape(x.shape))
+        m = z + un * (t / n)
+        e = z + un * q.astype(jnp.float32)
+      # [G c, b] -> [G, c b] -> the leaves' own d elements.
+      mean.append(m.reshape(count, c * b)[:, :d].reshape(-1))
+      sent.append(e.reshape(count, c * b)[:, :d].reshape(-1))
       off += q.size
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(
+      parts)
+    return _compressor.CodecResult(mean=join(mean), sent=join(sent),
+                                   state=state)
 
-  def wire(shapes, n):
-    lay = bucket_layout(shapes, bucket_size)
+  def wire(layout, n):
+    lay = bucket_layout(layout.shapes, bucket_size)
     stats = 1 if zero is None else 2
     return ([("all-reduce", 4 * stats * lay.num_buckets)]
             + _quantized.plan(lay.padded, bound, n, low).collectives)
 
-  return _compressor.Codec(name=name, init=lambda shapes: (), apply=apply,
-                           wire=wire)
+  return _compressor.Codec(name=name, init=lambda layout: (), apply=apply,
+                           wire=wire, flat=True)
 
 
 def _safe_ratio(x, s):
@@ -551,9 +549,9 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
 
   prepare = None
   if clip_sigma is not None:
-    def prepare(x):
-      bound = clip_sigma * jnp.std(x)
-      return jnp.clip(x, -bound, bound)
+    def prepare(v):                         # [G, d]: one leaf per row
+      bound = clip_sigma * jnp.std(v, axis=1, keepdims=True)
+      return jnp.clip(v, -bound, bound)
 
   def quantize(xb, s, u):
     keep = (u < _safe_ratio(xb, s)).astype(jnp.float32)
@@ -717,19 +715,18 @@ def natural_round(x: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def _natural_codec() -> _compressor.Codec:
-  def apply(xs, state, ctx):
-    flat = natural_round(_flatten(xs), device_key(ctx))
+  def apply(x, state, ctx):
+    flat = natural_round(x, device_key(ctx))
     owner_key = jax.random.fold_in(ctx.key,
                                    ctx.num_devices + ctx.device_index)
     mean = _quantized.natural_allreduce(
       flat, ctx.axis_name, lambda c: natural_round(c, owner_key))
-    return _compressor.CodecResult(mean=_split(mean, xs),
-                                   sent=_split(flat, xs), state=state)
+    return _compressor.CodecResult(mean=mean, sent=flat, state=state)
 
   return _compressor.Codec(
-    name="natural", init=lambda shapes: (), apply=apply,
-    wire=lambda shapes, n: _quantized.natural_plan(
-      sum(_sizes(shapes)), n).collectives)
+    name="natural", init=lambda layout: (), apply=apply, flat=True,
+    wire=lambda layout, n: _quantized.natural_plan(layout.size,
+                                                   n).collectives)
 
 
 def natural(*, axis_name="data", error_feedback: bool = False, policy=None,

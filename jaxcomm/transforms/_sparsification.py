@@ -32,6 +32,7 @@ together (``granularity="model"``); ``k`` never exceeds ``L``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 from typing import Sequence
 
 import jax
@@ -88,76 +89,96 @@ def num_selected(ratio: float, size: int) -> int:
   return max(1, min(size, math.ceil(ratio * size * (1 - 1e-9))))
 
 
-def _sizes(shapes) -> list[int]:
-  return [int(np.prod(s)) for s in shapes]
+class _Segs(NamedTuple):
+  """Equal-length segments side by side in a bucket, one per row of a
+  ``[count, size]`` view: one batched selection for all of them.
+
+  Attributes:
+    offset: element offset of the first segment in the bucket.
+    count: how many segments (rows).
+    size: elements per segment.
+    ids: per row, the id its PRNG key is folded with (the leaf's index
+      among the compressed leaves, in ``jax.tree.leaves`` order).
+  """
+
+  offset: int
+  count: int
+  size: int
+  ids: tuple[int, ...]
 
 
-def _segment_sizes(shapes, granularity) -> list[int]:
-  sizes = _sizes(shapes)
-  return sizes if granularity == "leaf" else [sum(sizes)]
+def _segments(layout, granularity: str = "leaf") -> list[_Segs]:
+  """The bucket's segments: one group of rows per shape (``"leaf"``), or
+  the whole bucket as one segment (``"model"``)."""
+  if granularity == "model":
+    return [_Segs(0, 1, layout.size, (min(layout.leaves),))]
+  return [_Segs(g.offset, g.count, g.leaf_size, tuple(g.leaves))
+          for g in layout.groups]
 
 
-def _flat_segments(xs, granularity) -> list[jax.Array]:
-  flats = [jnp.ravel(x) for x in xs]
-  return flats if granularity == "leaf" else [jnp.concatenate(flats)]
+def _views(x: jax.Array, segs) -> list[jax.Array]:
+  """Per group of segments, the ``[count, size]`` view of the bucket."""
+  return [x[s.offset:s.offset + s.count * s.size].reshape(s.count, s.size)
+          for s in segs]
 
 
-def _split(flat: jax.Array, xs) -> list[jax.Array]:
-  out, offset = [], 0
-  for x in xs:
-    out.append(flat[offset:offset + x.size].reshape(x.shape))
-    offset += x.size
-  return out
+def _num_pairs(segs, ratio) -> int:
+  return sum(s.count * num_selected(ratio, s.size) for s in segs)
 
 
-def _offsets(sizes) -> list[int]:
-  return [int(o) for o in np.cumsum([0] + list(sizes))[:-1]]
+def _to_global(idx: jax.Array, seg: _Segs, total: int) -> jax.Array:
+  """``[count, c]`` row-local indices (``seg.size``: unused slot) -> flat
+  indices into the bucket (``total``: unused slot)."""
+  rows = jnp.arange(seg.count, dtype=jnp.int32)[:, None]
+  return jnp.where(idx < seg.size, seg.offset + rows * seg.size + idx,
+                   total).reshape(-1)
 
 
-def _to_global(indices, sizes):
-  """Per-segment int32 indices (``L_j`` = unused) -> one global space."""
-  total = sum(sizes)
-  return jnp.concatenate([jnp.where(i < s, i + o, total) for i, s, o in
-                          zip(indices, sizes, _offsets(sizes))])
+def _row_keys(key, ids) -> jax.Array:
+  """Per row, ``fold_in(key, id)``."""
+  return jax.vmap(lambda j: jax.random.fold_in(key, j))(
+    jnp.asarray(ids, jnp.int32))
 
 
-def _sparse_exchange(indices, values, sizes, xs, ctx):
-  """sparse psum of per-segment pairs; returns (mean, sent) per leaf."""
-  total = sum(sizes)
-  gi = _to_global(indices, sizes)
-  gv = jnp.concatenate(values)
+def _topk_rows(v: jax.Array, k: int):
+  """Each row's ``k`` largest ``|x|`` (the dispatched
+  :func:`jaxcomm.kernels.topk_abs`, batched): ``[count, k]`` pairs."""
+  return jax.vmap(lambda r: _topk.topk_abs(r, k))(v)
+
+
+def _sparse_exchange(idx, val, segs, ctx):
+  """sparse psum of the per-group pairs; returns flat (mean, sent)."""
+  total = ctx.layout.size
+  gi = jnp.concatenate([_to_global(i, s, total) for i, s in zip(idx, segs)])
+  gv = jnp.concatenate([v.reshape(-1) for v in val])
   summed = _sparse.sparse_psum(gi, gv, total, ctx.axis_name)
   sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
-  return _split(summed / ctx.num_devices, xs), _split(sent, xs)
+  return summed / ctx.num_devices, sent
 
 
 # -------------------------------------------------------------- top-k ----
 
-def _local_topk(xs, ratio, granularity):
-  """Each segment's k largest |x|: (indices, values, segment sizes)."""
-  segs = _flat_segments(xs, granularity)
-  idx, val = [], []
-  for seg in segs:
-    v, i = _topk.topk_abs(seg, num_selected(ratio, seg.shape[0]))
-    idx.append(i)
-    val.append(v)
-  return idx, val, [s.shape[0] for s in segs]
+def _local_topk(x, segs, ratio):
+  """Each segment's k largest ``|x|``: per group ``[count, k]`` pairs."""
+  sel = [_topk_rows(v, num_selected(ratio, s.size))
+         for v, s in zip(_views(x, segs), segs)]
+  return [i for _, i in sel], [v for v, _ in sel]
 
 
 def _topk_codec(ratio, granularity) -> _compressor.Codec:
 
-  def apply(xs, state, ctx):
-    idx, val, sizes = _local_topk(xs, ratio, granularity)
-    mean, sent = _sparse_exchange(idx, val, sizes, xs, ctx)
+  def apply(x, state, ctx):
+    segs = _segments(ctx.layout, granularity)
+    idx, val = _local_topk(x, segs, ratio)
+    mean, sent = _sparse_exchange(idx, val, segs, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(shapes, n):
-    sizes = _segment_sizes(shapes, granularity)
-    k = sum(num_selected(ratio, s) for s in sizes)
-    return _sparse.sparse_psum_wire(k, sum(sizes), n)
+  def wire(layout, n):
+    k = _num_pairs(_segments(layout, granularity), ratio)
+    return _sparse.sparse_psum_wire(k, layout.size, n)
 
-  return _compressor.Codec(name=f"topk({ratio})", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name=f"topk({ratio})", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
@@ -209,43 +230,54 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
 
 # ------------------------------------------------------------ random-k ----
 
-def randomk_indices(key, ratio: float, sizes: Sequence[int]) -> list:
+def _randomk_rows(key, ratio: float, size: int, ids) -> jax.Array:
+  """``[len(ids), k]``: row ``r`` draws ``k`` distinct indices of ``size``
+  from ``fold_in(key, ids[r])``."""
+  k = num_selected(ratio, size)
+  draw = lambda kk: jax.random.choice(kk, size, (k,), replace=False)
+  return jax.vmap(draw)(_row_keys(key, ids)).astype(jnp.int32)
+
+
+def randomk_indices(key, ratio: float, sizes: Sequence[int],
+                    ids: Sequence[int] | None = None) -> list:
   """The coordinates random-k sends for a step key (same on every device).
 
   Segment ``j`` draws ``k_j`` distinct indices with
-  ``jax.random.choice(jax.random.fold_in(key, j), L_j, (k_j,),
-  replace=False)``.
+  ``jax.random.choice(jax.random.fold_in(key, ids[j]), L_j, (k_j,),
+  replace=False)``; ``ids`` defaults to ``0, 1, ...``. The compressor uses
+  as ids the leaves' indices among the compressed leaves in
+  ``jax.tree.leaves`` order (with ``granularity="model"``, a bucket's
+  first leaf), drawing for all leaves of one shape in one batched op.
   """
-  return [jax.random.choice(jax.random.fold_in(key, j), size,
-                            (num_selected(ratio, size),), replace=False
-                            ).astype(jnp.int32)
-          for j, size in enumerate(sizes)]
+  ids = range(len(sizes)) if ids is None else ids
+  return [_randomk_rows(key, ratio, int(size), (j,))[0]
+          for size, j in zip(sizes, ids)]
 
 
 def _randomk_codec(ratio, granularity) -> _compressor.Codec:
 
-  def apply(xs, state, ctx):
-    segs = _flat_segments(xs, granularity)
-    sizes = [s.shape[0] for s in segs]
-    idx = randomk_indices(ctx.key, ratio, sizes)
-    vals = [s[i] for s, i in zip(segs, idx)]
-    summed = _core.fused_psum(vals, ctx.axis_name)
-    mean = [jnp.zeros((s,), jnp.float32).at[i].set(v / ctx.num_devices)
-            for s, i, v in zip(sizes, idx, summed)]
-    sent = [jnp.zeros((s,), jnp.float32).at[i].set(v)
-            for s, i, v in zip(sizes, idx, vals)]
-    mean, sent = jnp.concatenate(mean), jnp.concatenate(sent)
-    return _compressor.CodecResult(mean=_split(mean, xs),
-                                   sent=_split(sent, xs), state=state)
+  def apply(x, state, ctx):
+    segs = _segments(ctx.layout, granularity)
+    total = ctx.layout.size
+    gi, vals = [], []
+    for v, s in zip(_views(x, segs), segs):
+      idx = _randomk_rows(ctx.key, ratio, s.size, s.ids)
+      vals.append(jnp.take_along_axis(v, idx, axis=1).reshape(-1))
+      gi.append(_to_global(idx, s, total))
+    gi, vals = jnp.concatenate(gi), jnp.concatenate(vals)
+    summed = _core.psum(vals, ctx.axis_name)
+    zeros = jnp.zeros((total,), jnp.float32)
+    mean = zeros.at[gi].set(summed / ctx.num_devices)
+    sent = zeros.at[gi].set(vals)
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(shapes, n):
+  def wire(layout, n):
     del n
-    k = sum(num_selected(ratio, s)
-            for s in _segment_sizes(shapes, granularity))
-    return [("all-reduce", 4 * k)]
+    return [("all-reduce", 4 * _num_pairs(_segments(layout, granularity),
+                                          ratio))]
 
-  return _compressor.Codec(name=f"randomk({ratio})", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name=f"randomk({ratio})", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
@@ -293,25 +325,24 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
 
 def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
 
-  def apply(xs, state, ctx):
-    segs = _flat_segments(xs, "leaf")
-    sizes = [s.shape[0] for s in segs]
+  def apply(x, state, ctx):
+    segs = _segments(ctx.layout)
     idx, val = [], []
-    for seg in segs:
-      v, i, _ = _topk.threshold_select(
-        seg, value, num_selected(capacity_ratio, seg.shape[0]))
+    for v, s in zip(_views(x, segs), segs):
+      cap = num_selected(capacity_ratio, s.size)
+      vals, i, _ = jax.vmap(
+        lambda r, cap=cap: _topk.threshold_select(r, value, cap))(v)
       idx.append(i)
-      val.append(v)
-    mean, sent = _sparse_exchange(idx, val, sizes, xs, ctx)
+      val.append(vals)
+    mean, sent = _sparse_exchange(idx, val, segs, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(shapes, n):
-    sizes = _sizes(shapes)
-    cap = sum(num_selected(capacity_ratio, s) for s in sizes)
-    return _sparse.sparse_psum_wire(cap, sum(sizes), n)
+  def wire(layout, n):
+    cap = _num_pairs(_segments(layout), capacity_ratio)
+    return _sparse.sparse_psum_wire(cap, layout.size, n)
 
-  return _compressor.Codec(name="threshold", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name="threshold", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def threshold(value: float, *, capacity_ratio: float = 0.01,
@@ -424,33 +455,30 @@ def sampled_select(x: jax.Array, k: int, key, sample_size: int,
   t0 = _topk.sampled_threshold(x, k, key, sample_size)
   hi_bound, lo_bound = 1.3 * k, 0.8 * k
 
-  def select(t):
-    # One pass over x: the predicate packed into uint32 words; the count is
-    # their popcount, and the last round's words feed the compaction.
-    words = _topk.threshold_mask_reference(x, t)
-    return words, jnp.sum(jax.lax.population_count(words), dtype=jnp.int32)
+  def count(t):
+    # One fused pass over x (the predicate of threshold_select).
+    above = jnp.abs(x).astype(jnp.float32) >= t
+    return jnp.sum(above, dtype=jnp.int32)
 
   def cond(c):
-    _, _, _, _, n_sel, r = c
+    _, _, _, n_sel, r = c
     return ((n_sel > hi_bound) | (n_sel < lo_bound)) & (r < max_rounds)
 
   def body(c):
-    t, lo, hi, _, n_sel, r = c
+    t, lo, hi, n_sel, r = c
     many = n_sel > hi_bound
     lo = jnp.where(many, t, lo)           # t too low: too many selected
     hi = jnp.where(many, hi, t)           # t too high: too few
     bracketed = (lo > 0) & jnp.isfinite(hi)
     t = jnp.where(bracketed, jnp.sqrt(lo * hi),
                   jnp.where(many, t * 1.3, t * 0.8))
-    words, n_sel = select(t)
-    return t, lo, hi, words, n_sel, r + 1
+    return t, lo, hi, count(t), r + 1
 
   zero = t0 * 0.0                           # (typed as t0 under shard_map)
-  words, n_sel = select(t0)
-  init = (t0, zero, zero + jnp.inf, words, n_sel, zero.astype(jnp.int32))
-  t, _, _, words, n_sel, _ = jax.lax.while_loop(cond, body, init)
+  init = (t0, zero, zero + jnp.inf, count(t0), zero.astype(jnp.int32))
+  t, _, _, _, _ = jax.lax.while_loop(cond, body, init)
   cap = dgc_capacity(k, length)
-  vals, idx, _ = _topk.compact_from_mask(x, words, cap)
+  vals, idx, n_sel = _topk.threshold_select(x, t, cap)
   if cap > k:
     # Unused slots hold value 0 and index L: they rank last.
     _, pos = jax.lax.top_k(jnp.where(idx < length, jnp.abs(vals), -1.0), k)
@@ -462,47 +490,47 @@ def sampled_select(x: jax.Array, k: int, key, sample_size: int,
 def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
                max_rounds) -> _compressor.Codec:
 
-  def select(seg, density, key):
-    size = seg.shape[0]
-    k = num_selected(density, size)
+  def select(v, seg, density, key):
+    k = num_selected(density, seg.size)
     if exact:
-      return _topk.topk_abs(seg, k)
-    vals, idx, _, _ = sampled_select(
-      seg, k, key, dgc_sample_size(density, size, sample_ratio), max_rounds)
-    return vals, idx
+      return _topk_rows(v, k)
+    sample = dgc_sample_size(density, seg.size, sample_ratio)
+
+    def one(row, row_key):
+      vals, idx, _, _ = sampled_select(row, k, row_key, sample, max_rounds)
+      return vals, idx
+
+    return jax.vmap(one)(v, _row_keys(key, seg.ids))
 
   def stage_fn(density):
-    def run(xs, ctx):
-      segs = _flat_segments(xs, "leaf")
-      sizes = [s.shape[0] for s in segs]
+    def run(x, ctx):
+      segs = _segments(ctx.layout)
       idx, val = [], []
-      for j, seg in enumerate(segs):
-        v, i = select(seg, density, jax.random.fold_in(ctx.key, j))
+      for v, seg in zip(_views(x, segs), segs):
+        vals, i = select(v, seg, density, ctx.key)
         idx.append(i)
-        val.append(v)
-      return _sparse_exchange(idx, val, sizes, xs, ctx)
+        val.append(vals)
+      return _sparse_exchange(idx, val, segs, ctx)
     return run
 
-  def apply(xs, state, ctx):
+  def apply(x, state, ctx):
     if len(densities) == 1:
-      mean, sent = stage_fn(densities[0])(xs, ctx)
+      mean, sent = stage_fn(densities[0])(x, ctx)
     else:
       stage = jnp.minimum(ctx.step // steps_per_stage, len(densities) - 1)
-      branches = [lambda xs, f=stage_fn(d): f(xs, ctx) for d in densities]
-      mean, sent = jax.lax.switch(stage, branches, list(xs))
-    return _compressor.CodecResult(mean=list(mean), sent=list(sent),
-                                   state=state)
+      branches = [lambda x, f=stage_fn(d): f(x, ctx) for d in densities]
+      mean, sent = jax.lax.switch(stage, branches, x)
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(shapes, n):
-    sizes = _sizes(shapes)
+  def wire(layout, n):
+    segs = _segments(layout)
     out = []
     for d in densities:
-      k = sum(num_selected(d, s) for s in sizes)
-      out += _sparse.sparse_psum_wire(k, sum(sizes), n)
+      out += _sparse.sparse_psum_wire(_num_pairs(segs, d), layout.size, n)
     return out
 
-  return _compressor.Codec(name=f"dgc({ratio})", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name=f"dgc({ratio})", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
@@ -597,27 +625,30 @@ def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
 
 def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
 
-  def apply(xs, state, ctx):
-    idx, val, sizes = _local_topk(xs, ratio, granularity)
-    g_idx, g_val, delivered = _sparse.gtopk_psum(idx, val, sizes,
-                                                 ctx.axis_name)
-    total = sum(sizes)
-    summed = jnp.zeros((total,), jnp.float32).at[
-      _to_global(g_idx, sizes)].set(jnp.concatenate(g_val), mode="drop")
+  def apply(x, state, ctx):
+    segs = _segments(ctx.layout, granularity)
+    idx, val = _local_topk(x, segs, ratio)
+    g_idx, g_val, delivered = _sparse.gtopk_psum(
+      idx, val, [s.size for s in segs], ctx.axis_name)
+    total = ctx.layout.size
+    zeros = jnp.zeros((total,), jnp.float32)
+    glob = lambda ids: jnp.concatenate(
+      [_to_global(i, s, total) for i, s in zip(ids, segs)])
+    flat = lambda vs: jnp.concatenate([v.reshape(-1) for v in vs])
+    summed = zeros.at[glob(g_idx)].set(flat(g_val), mode="drop")
     mine = [jnp.where(d, v, 0.0) for d, v in zip(delivered, val)]
-    sent = jnp.zeros((total,), jnp.float32).at[
-      _to_global(idx, sizes)].set(jnp.concatenate(mine), mode="drop")
-    return _compressor.CodecResult(
-      mean=_split(summed / ctx.num_devices, xs), sent=_split(sent, xs),
-      state=state)
+    sent = zeros.at[glob(idx)].set(flat(mine), mode="drop")
+    return _compressor.CodecResult(mean=summed / ctx.num_devices, sent=sent,
+                                   state=state)
 
-  def wire(shapes, n):
-    sizes = _segment_sizes(shapes, granularity)
-    return _sparse.gtopk_psum_wire([num_selected(ratio, s) for s in sizes],
-                                   sizes, n)
+  def wire(layout, n):
+    segs = _segments(layout, granularity)
+    return _sparse.gtopk_psum_wire(
+      [s.count * num_selected(ratio, s.size) for s in segs],
+      [s.count * s.size for s in segs], n)
 
-  return _compressor.Codec(name=f"gtopk({ratio})", init=lambda shapes: (),
-                           apply=apply, wire=wire)
+  return _compressor.Codec(name=f"gtopk({ratio})", init=lambda layout: (),
+                           apply=apply, wire=wire, flat=True)
 
 
 def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
@@ -678,23 +709,21 @@ def csc_num_chunks(ratio: float, size: int, chunk_size: int) -> int:
 
 def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
 
-  def apply(xs, state, ctx):
-    flat = _flat_segments(xs, "model")[0]
-    m = csc_num_chunks(ratio, flat.shape[0], chunk_size)
-    total, chosen = _sparse.chunk_psum(flat, chunk_size, m, ctx.axis_name)
-    sent = jnp.where(chosen, flat, 0.0)
-    return _compressor.CodecResult(
-      mean=_split(total / ctx.num_devices, xs), sent=_split(sent, xs),
-      state=state)
+  def apply(x, state, ctx):
+    m = csc_num_chunks(ratio, x.shape[0], chunk_size)
+    total, chosen = _sparse.chunk_psum(x, chunk_size, m, ctx.axis_name)
+    sent = jnp.where(chosen, x, 0.0)
+    return _compressor.CodecResult(mean=total / ctx.num_devices, sent=sent,
+                                   state=state)
 
-  def wire(shapes, n):
+  def wire(layout, n):
     del n
-    size = sum(_sizes(shapes))
-    return _sparse.chunk_psum_wire(size, chunk_size,
-                                   csc_num_chunks(ratio, size, chunk_size))
+    return _sparse.chunk_psum_wire(
+      layout.size, chunk_size, csc_num_chunks(ratio, layout.size, chunk_size))
 
   return _compressor.Codec(name=f"csc({chunk_size}, {ratio})",
-                           init=lambda shapes: (), apply=apply, wire=wire)
+                           init=lambda layout: (), apply=apply, wire=wire,
+                           flat=True)
 
 
 def csc(chunk_size: int, ratio: float, *, axis_name="data",
