@@ -48,17 +48,23 @@ def _unpack_via_unpackbits(words, length):
 
 
 def _torch_topk(x_np: np.ndarray, k: int, reps: int):
+  """Median ms of ``torch.topk(|x|, k)`` on the GPU when torch sees one
+  (synchronized), else on the CPU; None without torch."""
   try:
     import torch
   except ImportError:
     return None
-  xt = torch.from_numpy(np.array(x_np))   # a writable copy
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  xt = torch.from_numpy(np.array(x_np)).to(dev)   # a writable copy
+  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
   fn = lambda: torch.topk(xt.abs(), k, sorted=False)
   fn()
+  sync()
   times = []
   for _ in range(reps):
     start = time.perf_counter()
     fn()
+    sync()
     times.append(time.perf_counter() - start)
   return 1e3 * statistics.median(times)
 
@@ -129,6 +135,14 @@ def main(argv=None) -> None:
            lambda v, use_kernel, k=k: topk.topk_abs(v, k,
                                                     use_kernel=use_kernel),
            x)
+      rows.append((f"topk_abs k={k}: `lax.top_k`",
+                   time_ms(jax.jit(functools.partial(
+                     topk.topk_abs_reference, k=k)), x, reps=reps), None,
+                   ""))
+      rows.append((f"topk_abs k={k}: bracketed (exact)",
+                   time_ms(jax.jit(functools.partial(
+                     topk.topk_abs_bracketed, k=k)), x, reps=reps), None,
+                   ""))
 
   x_np = np.asarray(x)
   x_abs = np.abs(x_np)
@@ -140,6 +154,15 @@ def main(argv=None) -> None:
     rows.append((f"top-k {tag}: `lax.top_k(abs)`",
                  time_ms(exact_fn, x, reps=max(1, reps // 2)), None, "exact"))
     exact = np.asarray(exact_fn(x)[1])
+
+    bracketed_fn = jax.jit(functools.partial(topk.topk_abs_bracketed, k=k))
+    same = bool(np.array_equal(np.asarray(bracketed_fn(x)[1]), exact))
+    rows.append((f"top-k {tag}: `topk_abs_bracketed` (exact)",
+                 time_ms(bracketed_fn, x, reps=reps), None,
+                 f"same indices as lax.top_k: {same}"))
+    rows.append((f"top-k {tag}: `topk_abs` (default path)",
+                 time_ms(jax.jit(functools.partial(topk.topk_abs, k=k)), x,
+                         reps=reps), None, ""))
 
     approx_fn = jax.jit(lambda v, k=k: lax.approx_max_k(jnp.abs(v), k))
     approx_idx = np.asarray(approx_fn(x)[1])
@@ -175,7 +198,7 @@ def main(argv=None) -> None:
   print("| op | ms | x copy | recall of top-k mass | note |")
   print("|---|---:|---:|---:|---|")
   for name, ms, recall, note in rows:
-    ms_s = "n/a" if ms is None else f"{ms:.1f}"
+    ms_s = "n/a" if ms is None else f"{ms:.3f}"
     ratio = "n/a" if ms is None else f"{ms / copy_ms:.2f}"
     rec = "" if recall is None else f"{recall:.3f}"
     print(f"| {name} | {ms_s} | {ratio} | {rec} | {note} |")

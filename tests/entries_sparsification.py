@@ -10,6 +10,7 @@ of DGC's threshold sample (``jax.random.randint`` from ``fold_in(key, j)``).
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
@@ -89,15 +90,49 @@ registry.register(registry.Entry(
 
 # ------------------------------------------------------------ random-k ----
 
+def _fmix32_ref(h):
+  h = np.asarray(h, np.uint64) & 0xFFFFFFFF
+  h ^= h >> 16
+  h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+  h ^= h >> 13
+  h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+  return h ^ (h >> 16)
+
+
+def randomk_permutation_ref(key, size, k, rounds=4):
+  """Random-k's coordinates from their definition (``randomk_indices``):
+  ``0..k-1`` through a ``rounds``-round Feistel network on ``[0, 4^h)``
+  (round function MurmurHash3's finalizer, round keys drawn as
+  ``jax.random.bits(key, (rounds,), uint32)``), cycle-walked into
+  ``[0, size)``; plain integer arithmetic in numpy."""
+  half = 1
+  while 4 ** half < size:
+    half += 1
+  mask = (1 << half) - 1
+  rk = [int(r) for r in np.asarray(jax.random.bits(key, (rounds,),
+                                                   jnp.uint32))]
+  out = []
+  for v in range(k):
+    while True:
+      left, right = v >> half, v & mask
+      for r in range(rounds):
+        left, right = right, left ^ (int(_fmix32_ref(right ^ rk[r])) & mask)
+      v = (left << half) | right
+      if v < size:
+        break
+    out.append(v)
+  assert len(set(out)) == k
+  return np.asarray(out, np.int64)
+
+
 def _randomk_ref(ratio):
   def step(xs, state, t, key, n):
     out = []
     for dev in xs:
       segs = []
       for j, x in enumerate(_segments(dev, "leaf")):
-        idx = np.asarray(jax.random.choice(
-          jax.random.fold_in(key, j), x.size, (_k(ratio, x.size),),
-          replace=False))
+        idx = randomk_permutation_ref(jax.random.fold_in(key, j), x.size,
+                                      _k(ratio, x.size))
         s = np.zeros_like(x)
         s[idx] = x[idx]
         segs.append(s)

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
+from jaxcomm.kernels import _dispatch
 from tests import harness
 from tests import registry
 
@@ -304,13 +305,23 @@ def test_kernel_paths_agree_inside_shard_map(name, mesh, monkeypatch):
   entry = ENTRIES[name]
   grads = harness.make_grads(seed=3, steps=2)
   out = {}
-  for mode in ("always", "never"):
-    monkeypatch.setenv("JAXCOMM_KERNELS", mode)
-    tx = entry.make(axis_name="data")   # a fresh transform: a fresh trace
-    updates, state, _ = harness.device_run(tx, mesh, grads)
+  modes = ["always", "never"]
+  if "topk" in name or "dgc" in name:
+    # The GPU's jnp top-k (bracketed threshold search), forced on CPU.
+    modes.append("bracketed")
+  for mode in modes:
+    with monkeypatch.context() as m:
+      if mode == "bracketed":
+        m.setenv("JAXCOMM_KERNELS", "never")
+        m.setattr(_dispatch, "auto_bracketed_topk", lambda backend: True)
+      else:
+        m.setenv("JAXCOMM_KERNELS", mode)
+      tx = entry.make(axis_name="data")   # a fresh transform: a fresh trace
+      updates, state, _ = harness.device_run(tx, mesh, grads)
     out[mode] = (updates, harness.residuals_of(state))
-  chex.assert_trees_all_close(out["always"], out["never"], rtol=1e-6,
-                              atol=1e-6)
+  for mode in modes[1:]:
+    chex.assert_trees_all_close(out["always"], out[mode], rtol=1e-6,
+                                atol=1e-6)
 
 
 def _stacked_params(layers: int) -> dict:

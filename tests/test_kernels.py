@@ -271,6 +271,73 @@ def test_topk_abs_approximate_candidates():
   assert len(np.unique(np.asarray(indices))) == 50
 
 
+BRACKET_CASES = (
+  ("normal", 20_000, 10), ("normal", 20_000, 300), ("normal", 100_000, 7),
+  ("sparse", 20_000, 200),      # fewer nonzeros than k: ties at zero
+  ("integers", 20_000, 150),    # few distinct magnitudes: ties at the k-th
+  ("huge", 20_000, 50),         # 1e30 scale and an infinity
+  ("zeros", 10_000, 100), ("constant", 10_000, 100),
+  ("subnormal", 20_000, 40),
+  ("small", 300, 40),           # no selection to gain: lax.top_k
+)
+
+
+def _bracket_input(kind, length, k, seed=0):
+  rng = np.random.default_rng(seed + length + k)
+  if kind == "normal":
+    return rng.standard_normal(length).astype(np.float32)
+  if kind == "sparse":
+    x = np.zeros(length, np.float32)
+    x[rng.choice(length, k // 2, replace=False)] = rng.standard_normal(k // 2)
+    return x
+  if kind == "integers":
+    return rng.integers(-3, 4, length).astype(np.float32)
+  if kind == "huge":
+    x = (rng.standard_normal(length) * 1e30).astype(np.float32)
+    x[length // 3] = -np.inf
+    return x
+  if kind == "zeros":
+    return np.zeros(length, np.float32)
+  if kind == "constant":
+    return np.full(length, -3.0, np.float32)
+  if kind == "subnormal":
+    return (rng.standard_normal(length) * 1e-40).astype(np.float32)
+  return rng.standard_normal(length).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind,length,k", BRACKET_CASES)
+def test_topk_abs_bracketed_is_exact(kind, length, k):
+  # Independent reference: a stable numpy sort by decreasing |x| (lower
+  # index first among ties), whatever the ties and magnitudes.
+  x = _bracket_input(kind, length, k)
+  expected = _np_topk(x, k)
+  values, indices = topk.topk_abs_bracketed(x, k)
+  np.testing.assert_array_equal(np.asarray(indices), expected)
+  np.testing.assert_array_equal(np.asarray(values), x[expected])
+
+
+def test_topk_abs_bracketed_batched_rows():
+  # Rows of a bucket (one vmap): each row's own search, ties included.
+  rows = np.stack([_bracket_input(kind, 20_000, 100)
+                   for kind in ("normal", "sparse", "zeros", "integers")])
+  values, indices = jax.jit(jax.vmap(
+    lambda r: topk.topk_abs_bracketed(r, 100)))(rows)
+  for r in range(rows.shape[0]):
+    expected = _np_topk(rows[r], 100)
+    np.testing.assert_array_equal(np.asarray(indices[r]), expected)
+    np.testing.assert_array_equal(np.asarray(values[r]), rows[r][expected])
+
+
+def test_topk_abs_bracketed_on_gpu_dispatch():
+  # The jnp path of topk_abs is the bracketed one on GPU only, and only
+  # where it selects from at least 4x its candidates.
+  assert _dispatch.auto_bracketed_topk("gpu")
+  assert not _dispatch.auto_bracketed_topk("cpu")
+  assert not _dispatch.auto_bracketed_topk("tpu")
+  assert topk.bracket_pays(100, 4 * (2 * 100 + 64) + 1)
+  assert not topk.bracket_pays(100, 4 * (2 * 100 + 64))
+
+
 def test_topk_abs_bad_k():
   with pytest.raises(ValueError, match="k must be"):
     kernels.topk_abs(np.ones(5, np.float32), 6)

@@ -63,6 +63,15 @@ def auto_uses_kernel(op: str, backend: str, *, k: int | None = None) -> bool:
   return False
 
 
+def auto_bracketed_topk(backend: str) -> bool:
+  """Whether the jnp top-k path is :func:`~jaxcomm.kernels.topk.
+  topk_abs_bracketed` (where it pays) rather than ``lax.top_k``: on GPU
+  (measured faster there, see :mod:`jaxcomm.kernels`); not on CPU, where
+  ``lax.top_k`` measured faster at ResNet-18 leaf sizes; not on TPU
+  (unmeasured)."""
+  return backend == "gpu"
+
+
 def resolve(op: str, use_kernel: bool | None, interpret: bool, *,
             k: int | None = None) -> tuple[bool, bool]:
   """Returns ``(run_kernel, interpret)`` for ``op`` on the default backend.

@@ -209,6 +209,132 @@ def topk_abs_pallas(x: jax.Array, k: int, *, block_size: int = 4096,
   return x[idx], idx
 
 
+# Candidates kept by the bracketed top-k: 2k + 64 (the bracket's width).
+_BRACKET_SLACK = 64
+# |x| bit patterns are at most this (sign cleared; NaN patterns included).
+_ABS_BITS_END = 0x80000000
+
+
+def bracket_capacity(k: int) -> int:
+  """Candidates :func:`topk_abs_bracketed` compacts: ``2 k + 64``."""
+  return 2 * int(k) + _BRACKET_SLACK
+
+
+def bracket_pays(k: int, length: int) -> bool:
+  """Whether :func:`topk_abs_bracketed` selects rather than falls back to
+  ``lax.top_k``: its ``2 k + 64`` candidates are under a quarter of ``x``."""
+  return 4 * bracket_capacity(k) < int(length)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_size",
+                                             "max_rounds"))
+def topk_abs_bracketed(x: jax.Array, k: int, *,
+                       sample_size: int | None = None,
+                       max_rounds: int = 80) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of ``|x|`` through a threshold: bracket, compact, top-k.
+
+  The order of ``|x|`` is the order of its float32 bit patterns (sign
+  cleared), so the search runs on integers:
+
+  1. From a sample of ``s`` entries (``~128 L / (1.5 k)``, drawn with a
+     fixed key) the threshold ``t`` expected to keep ``1.5 k`` entries.
+  2. While the count ``c = #{|x| >= t}`` is outside ``[k, 2k + 64]``: an
+     exponential search (steps of ``2^20`` ulps, doubling) until ``t`` is
+     bracketed, then bisection of the bit patterns. With ~128 expected
+     sample hits (a standard deviation of ~9% of the count) the first
+     ``t`` is almost always inside: one pass.
+  3. The entries ``>= t`` compacted in index order
+     (:func:`compact_from_mask`, capacity ``2k + 64``) and ``lax.top_k`` of
+     those few candidates.
+
+  Ties that no threshold can split (say, more than ``k + 64`` zeros when
+  fewer than ``k`` entries are nonzero) end the bisection at two adjacent
+  patterns ``lo < hi``: every entry ``>= hi`` (fewer than ``k``) and the
+  first entries equal to ``lo`` by index are the candidates. Either way
+  the result is :func:`topk_abs_reference`'s, index for index: decreasing
+  ``|x|``, lower index first among ties. Without selection to gain
+  (:func:`bracket_pays` false) it is ``lax.top_k``.
+
+  Works under ``vmap`` (rows of a bucket): the loop runs until every row
+  is done. NaN inputs give unspecified results (as the reference).
+
+  Args:
+    x: a floating array of any shape, read flattened (length ``L``).
+    k: how many entries (static, ``1 <= k <= L``).
+    sample_size: the sample's size (static; default as in step 1).
+    max_rounds: bound on the search's passes (static; 80 covers the
+      exponential search and a full 32-bit bisection).
+
+  Returns:
+    As :func:`topk_abs_reference`.
+  """
+  x = _flat(x)
+  length = x.shape[0]
+  k = _check_k(k, length)
+  if not bracket_pays(k, length):
+    return topk_abs_reference(x, k)
+  cap = bracket_capacity(k)
+  target = (k + cap) // 2
+  bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32),
+                                  jnp.uint32)
+  s = sample_size or min(length, max(4096, math.ceil(128 * length / target)))
+  s = max(1, min(int(s), length))
+  kp = min(s, max(1, round(target * s / length)))
+  pos = jax.random.randint(jax.random.PRNGKey(0), (s,), 0, length)
+  t0 = jnp.sort(bits[pos])[s - kp]
+
+  u32 = lambda v: jnp.asarray(v, jnp.uint32)
+  end = u32(_ABS_BITS_END)
+
+  def count(t):
+    return jnp.sum(bits >= t, dtype=jnp.int32)
+
+  def cond(c):
+    t, lo, hi, n_sel, step, r = c
+    del t, step
+    return (((n_sel < k) | (n_sel > cap)) & (hi - lo > 1)
+            & (r < max_rounds))
+
+  def body(c):
+    t, lo, hi, n_sel, step, r = c
+    many = n_sel > cap                       # t too low
+    lo = jnp.where(many, t, lo)
+    hi = jnp.where(many, hi, t)
+    bracketed = (lo > 0) & (hi < end)
+    up = jnp.minimum(t + step, (t + hi) // 2 + (hi - t) % 2)
+    down = jnp.where(t > step, t - step, lo + (t - lo) // 2)
+    t = jnp.where(bracketed, lo + (hi - lo) // 2,
+                  jnp.where(many, up, down))
+    t = jnp.clip(t, lo + 1, hi - 1)
+    return t, lo, hi, count(t), jnp.minimum(step * 2, u32(1 << 30)), r + 1
+
+  t0 = jnp.clip(t0, u32(1), end - 1)
+  zero = t0 * u32(0)             # typed like t0 (varying inside shard_map)
+  init = (t0, zero, zero + end, count(t0), zero + u32(1 << 20),
+          zero.astype(jnp.int32))
+  t, lo, hi, n_sel, _, _ = lax.while_loop(cond, body, init)
+  ok = (n_sel >= k) & (n_sel <= cap)
+  # Untied: one set (>= t). Tied: all >= hi, then the first == lo by index.
+  t_above = jnp.where(ok, t, hi)
+  t_equal = jnp.where(ok, u32(0xFFFFFFFF), lo)     # never equal when ok
+
+  def pack(mask):
+    m = jnp.pad(mask.astype(jnp.uint32), (0, (-length) % 32))
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
+                      lax.bitwise_or, (1,))
+
+  va, ia, _ = compact_from_mask(x, pack(bits >= t_above), cap)
+  ve, ie, _ = compact_from_mask(x, pack(bits == t_equal), k)
+  vals = jnp.concatenate([va, ve])
+  idx = jnp.concatenate([ia, ie])
+  key = lax.bitcast_convert_type(jnp.abs(vals).astype(jnp.float32),
+                                 jnp.int32)
+  key = jnp.where(idx < length, key, -1)
+  _, p = lax.top_k(key, k)
+  return vals[p], idx[p]
+
+
 def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
              use_kernel: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """The ``k`` entries of ``x`` of largest magnitude (exact).
@@ -235,6 +361,9 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
                                             k=k)
   if run_kernel:
     return topk_abs_pallas(x, k, interpret=interpret)
+  if _dispatch.auto_bracketed_topk(jax.default_backend()) and bracket_pays(
+      k, math.prod(jnp.shape(x))):
+    return topk_abs_bracketed(x, k)
   return topk_abs_reference(x, k)
 
 
