@@ -33,13 +33,26 @@ def _grads(shapes, seed=0):
           for k, s in shapes.items()}
 
 
+# PowerSGD's options that trade kernel launches for arithmetic: timed beside
+# the defaults (the defaults were chosen on CPU).
+VARIANTS = [
+  ("powersgd r4, batched", lambda: jaxcomm.powersgd(4, batch_same_shape=True)),
+  ("powersgd r4, cholesky", lambda: jaxcomm.powersgd(
+    4, orthogonalization="cholesky")),
+  ("powersgd r4, batched + cholesky", lambda: jaxcomm.powersgd(
+    4, batch_same_shape=True, orthogonalization="cholesky")),
+  ("powersgd r4, gram_schmidt", lambda: jaxcomm.powersgd(
+    4, orthogonalization="gram_schmidt")),
+]
+
+
 def measure(rounds: int = 7, only=None) -> dict:
   """Median ms of one update per compressor name."""
   shapes = resnet18_shapes()
   params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
   grads = _grads(shapes)
   fns = {}
-  for name, make in CONFIGS:
+  for name, make in CONFIGS + VARIANTS:
     if only and name not in only and name != "dense mean":
       continue
     tx = _local(make)

@@ -90,8 +90,8 @@ registry.register(registry.Entry(
 
 # ------------------------------------------------------------ random-k ----
 
-def _fmix32_ref(h):
-  h = np.asarray(h, np.uint64) & 0xFFFFFFFF
+def _fmix32_ref(h: int) -> int:
+  h &= 0xFFFFFFFF
   h ^= h >> 16
   h = (h * 0x85EBCA6B) & 0xFFFFFFFF
   h ^= h >> 13
@@ -99,27 +99,22 @@ def _fmix32_ref(h):
   return h ^ (h >> 16)
 
 
-def randomk_permutation_ref(key, size, k, rounds=4):
+def randomk_permutation_ref(key, size, k, rounds=24):
   """Random-k's coordinates from their definition (``randomk_indices``):
-  ``0..k-1`` through a ``rounds``-round Feistel network on ``[0, 4^h)``
-  (round function MurmurHash3's finalizer, round keys drawn as
-  ``jax.random.bits(key, (rounds,), uint32)``), cycle-walked into
-  ``[0, size)``; plain integer arithmetic in numpy."""
-  half = 1
-  while 4 ** half < size:
-    half += 1
-  mask = (1 << half) - 1
-  rk = [int(r) for r in np.asarray(jax.random.bits(key, (rounds,),
-                                                   jnp.uint32))]
+  ``0..k-1`` through ``rounds`` swap-or-not rounds on ``[0, size)``, the
+  round shifts and salts drawn from ``jax.random.split(key)`` as the
+  definition says; plain Python integers."""
+  ka, kb = jax.random.split(key)
+  shifts = [int(v) for v in np.asarray(
+    jax.random.randint(ka, (rounds,), 0, size, jnp.int32))]
+  salts = [int(v) for v in np.asarray(
+    jax.random.bits(kb, (rounds,), jnp.uint32))]
   out = []
   for v in range(k):
-    while True:
-      left, right = v >> half, v & mask
-      for r in range(rounds):
-        left, right = right, left ^ (int(_fmix32_ref(right ^ rk[r])) & mask)
-      v = (left << half) | right
-      if v < size:
-        break
+    for r in range(rounds):
+      partner = (shifts[r] - v) % size
+      if _fmix32_ref(max(v, partner) ^ salts[r]) & 1:
+        v = partner
     out.append(v)
   assert len(set(out)) == k
   return np.asarray(out, np.int64)

@@ -313,7 +313,8 @@ def test_kernel_paths_agree_inside_shard_map(name, mesh, monkeypatch):
     with monkeypatch.context() as m:
       if mode == "bracketed":
         m.setenv("JAXCOMM_KERNELS", "never")
-        m.setattr(_dispatch, "auto_bracketed_topk", lambda backend: True)
+        m.setattr(_dispatch, "auto_bracketed_topk",
+                  lambda backend, k=None: True)
       else:
         m.setenv("JAXCOMM_KERNELS", mode)
       tx = entry.make(axis_name="data")   # a fresh transform: a fresh trace

@@ -331,9 +331,10 @@ def test_topk_abs_bracketed_batched_rows():
 def test_topk_abs_bracketed_on_gpu_dispatch():
   # The jnp path of topk_abs is the bracketed one on GPU only, and only
   # where it selects from at least 4x its candidates.
-  assert _dispatch.auto_bracketed_topk("gpu")
-  assert not _dispatch.auto_bracketed_topk("cpu")
-  assert not _dispatch.auto_bracketed_topk("tpu")
+  assert _dispatch.auto_bracketed_topk("gpu", 512)
+  assert not _dispatch.auto_bracketed_topk("gpu", 511)
+  assert not _dispatch.auto_bracketed_topk("cpu", 10_000)
+  assert not _dispatch.auto_bracketed_topk("tpu", 10_000)
   assert topk.bracket_pays(100, 4 * (2 * 100 + 64) + 1)
   assert not topk.bracket_pays(100, 4 * (2 * 100 + 64))
 

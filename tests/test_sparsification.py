@@ -127,6 +127,25 @@ def test_randomk_same_coordinates_everywhere_and_no_indices_on_wire(mesh):
   assert kinds == {"all-reduce"}
 
 
+def test_randomk_pairs_are_uniform():
+  # Beyond single coordinates: every pair is chosen together with
+  # probability k (k - 1) / (L (L - 1)) over keys (no structure such as
+  # arithmetic progressions), and the k coordinates are distinct.
+  size, ratio, draws = 24, 0.25, 6000
+  k = sp.num_selected(ratio, size)
+  keys = jax.random.split(jax.random.PRNGKey(1), draws)
+  idx = np.asarray(jax.vmap(
+    lambda kk: sp.randomk_indices(kk, ratio, [size])[0])(keys))
+  assert all(len(set(row)) == k for row in idx)
+  hit = np.zeros((draws, size), bool)
+  hit[np.arange(draws)[:, None], idx] = True
+  both = hit.T.astype(np.int64) @ hit.astype(np.int64)
+  p = k * (k - 1) / (size * (size - 1))
+  sd = math.sqrt(draws * p * (1 - p))
+  off = ~np.eye(size, dtype=bool)
+  assert np.all(np.abs(both[off] - draws * p) < 6 * sd)
+
+
 def test_randomk_coordinates_are_uniform():
   # Each coordinate is chosen with probability k / L over keys.
   size, ratio, draws = 50, 0.1, 2000

@@ -63,13 +63,17 @@ def auto_uses_kernel(op: str, backend: str, *, k: int | None = None) -> bool:
   return False
 
 
-def auto_bracketed_topk(backend: str) -> bool:
+# auto on GPU: the bracketed top-k for k at least this (jaxcomm.kernels).
+BRACKETED_TOPK_MIN_K = 512
+
+
+def auto_bracketed_topk(backend: str, k: int | None = None) -> bool:
   """Whether the jnp top-k path is :func:`~jaxcomm.kernels.topk.
   topk_abs_bracketed` (where it pays) rather than ``lax.top_k``: on GPU
-  (measured faster there, see :mod:`jaxcomm.kernels`); not on CPU, where
-  ``lax.top_k`` measured faster at ResNet-18 leaf sizes; not on TPU
-  (unmeasured)."""
-  return backend == "gpu"
+  for ``k >= 512`` (measured faster there from k=1024 on, slower at
+  k=128; see :mod:`jaxcomm.kernels`); not on CPU, where ``lax.top_k``
+  measured faster at ResNet-18 leaf sizes; not on TPU (unmeasured)."""
+  return backend == "gpu" and (k is None or int(k) >= BRACKETED_TOPK_MIN_K)
 
 
 def resolve(op: str, use_kernel: bool | None, interpret: bool, *,

@@ -361,8 +361,8 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
                                             k=k)
   if run_kernel:
     return topk_abs_pallas(x, k, interpret=interpret)
-  if _dispatch.auto_bracketed_topk(jax.default_backend()) and bracket_pays(
-      k, math.prod(jnp.shape(x))):
+  if _dispatch.auto_bracketed_topk(jax.default_backend(), k) and \
+      bracket_pays(k, math.prod(jnp.shape(x))):
     return topk_abs_bracketed(x, k)
   return topk_abs_reference(x, k)
 

@@ -230,8 +230,8 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
 
 # ------------------------------------------------------------ random-k ----
 
-# Rounds of the keyed Feistel permutation behind random-k's coordinates.
-RANDOMK_ROUNDS = 4
+# Rounds of the keyed swap-or-not permutation behind random-k's coordinates.
+RANDOMK_ROUNDS = 24
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
@@ -243,35 +243,22 @@ def _fmix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def randomk_half_bits(size: int) -> int:
-  """Half the width of the Feistel domain ``[0, 4^h)``: the smallest
-  ``h >= 1`` with ``4^h >= size`` (so the domain is under ``4 size``)."""
-  h = 1
-  while 4 ** h < size:
-    h += 1
-  return h
-
-
-def _feistel(v: jax.Array, round_keys: jax.Array, half: int) -> jax.Array:
-  mask = jnp.uint32((1 << half) - 1)
-  left, right = v >> half, v & mask
-  for r in range(RANDOMK_ROUNDS):
-    left, right = right, left ^ (_fmix32(right ^ round_keys[r]) & mask)
-  return (left << half) | right
-
-
 def _randomk_row(row_key, k: int, size: int) -> jax.Array:
   """``k`` distinct indices of ``[0, size)``: the images of ``0 .. k-1``
-  under a keyed permutation (a 4-round Feistel network on ``[0, 4^h)``
-  restricted to ``[0, size)`` by cycle-walking). O(k) work, no sort."""
-  half = randomk_half_bits(size)
-  rk = jax.random.bits(row_key, (RANDOMK_ROUNDS,), jnp.uint32)
-  step = lambda v: _feistel(v, rk, half)
-  first = step(jnp.arange(k, dtype=jnp.uint32))
-  out = jax.lax.while_loop(
-    lambda v: jnp.any(v >= size),
-    lambda v: jnp.where(v >= size, step(v), v), first)
-  return out.astype(jnp.int32)
+  under a keyed permutation of ``[0, size)`` (swap-or-not rounds; see
+  :func:`randomk_indices`). ``O(k)`` elementwise work: no sort and no
+  data-dependent loop (which on a GPU would wait on the host each turn)."""
+  kk, kb = jax.random.split(row_key)
+  shifts = jax.random.randint(kk, (RANDOMK_ROUNDS,), 0, size, jnp.int32)
+  salts = jax.random.bits(kb, (RANDOMK_ROUNDS,), jnp.uint32)
+  v = jnp.arange(k, dtype=jnp.int32)
+  for r in range(RANDOMK_ROUNDS):
+    partner = shifts[r] - v
+    partner = jnp.where(partner < 0, partner + size, partner)
+    top = jnp.maximum(v, partner).astype(jnp.uint32)
+    swap = (_fmix32(top ^ salts[r]) & jnp.uint32(1)) == 1
+    v = jnp.where(swap, partner, v)
+  return v
 
 
 def _randomk_rows(key, ratio: float, size: int, ids) -> jax.Array:
@@ -288,18 +275,22 @@ def randomk_indices(key, ratio: float, sizes: Sequence[int],
 
   Segment ``j`` of ``L_j`` elements sends ``k_j`` distinct coordinates:
   the images of ``0, ..., k_j - 1`` under a pseudo-random permutation of
-  ``[0, L_j)`` keyed by ``jax.random.fold_in(key, ids[j])`` (a 4-round
-  Feistel network on ``[0, 4^h)``, ``4^h >= L_j``, with MurmurHash3's
-  finalizer as round function and round keys
-  ``jax.random.bits(fold_in(key, ids[j]), (4,), uint32)``, restricted to
-  ``[0, L_j)`` by cycle-walking). Every coordinate is equally likely over
-  keys; the work is ``O(k)`` per segment where ``jax.random.choice``
-  without replacement permutes all ``L_j`` (a sort: 10.7 ms of random-k's
-  update on ResNet-18 shapes on an H100, over half of it). ``ids``
-  defaults to ``0, 1, ...``; the compressor uses the leaves' indices among
-  the compressed leaves in ``jax.tree.leaves`` order (with
-  ``granularity="model"``, a bucket's first leaf), drawing for all leaves
-  of one shape in one batched op.
+  ``[0, L_j)`` keyed by ``c = jax.random.fold_in(key, ids[j])``. The
+  permutation is 24 rounds of swap-or-not (Hoang, Morris and Rogaway 2012),
+  which permutes a domain of any size: with ``(ka, kb) =
+  jax.random.split(c)``, round ``r`` has a shift ``K_r`` (``randint(ka,
+  (24,), 0, L_j)``) and a salt ``s_r`` (``bits(kb, (24,), uint32)``); it
+  maps ``v`` to its partner ``v' = (K_r - v) mod L_j`` when bit 0 of
+  MurmurHash3's finalizer of ``max(v, v') XOR s_r`` is 1 and leaves it
+  otherwise (an involution, so a bijection). Every coordinate is equally
+  likely over keys. The work is ``O(k)`` per segment, elementwise, with no
+  loop on data: ``jax.random.choice`` without replacement permutes all
+  ``L_j`` (a sort: over half of random-k's 10.7 ms update on ResNet-18
+  shapes on an H100), and cycle-walking a power-of-two permutation needs a
+  data-dependent loop. ``ids`` defaults to ``0, 1, ...``; the compressor
+  uses the leaves' indices among the compressed leaves in
+  ``jax.tree.leaves`` order (with ``granularity="model"``, a bucket's
+  first leaf), drawing for all leaves of one shape in one batched op.
   """
   ids = range(len(sizes)) if ids is None else ids
   return [_randomk_rows(key, ratio, int(size), (j,))[0]
