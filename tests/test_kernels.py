@@ -395,6 +395,35 @@ def test_threshold_select_traced_threshold_and_sentinel_drops():
                                 np.where(np.abs(x) >= 1.0, x, 0))
 
 
+@pytest.mark.parametrize("seed", (0, 1, 2))
+def test_compact_segments_matches_numpy(seed):
+  # Segments of odd sizes (boundaries inside words), capacities under and
+  # over each segment's count, an empty-of-selection segment; numpy's
+  # np.nonzero per segment is the reference.
+  rng = np.random.default_rng(seed)
+  sizes = [1, 31, 64, 100, 7, 333, 40, 1000]
+  bounds = tuple(int(b) for b in np.cumsum([0] + sizes))
+  x = rng.standard_normal(bounds[-1]).astype(np.float32)
+  x[bounds[4]:bounds[5]] = 0.0                     # nothing selected there
+  caps = tuple(int(c) for c in rng.integers(1, 60, len(sizes)))
+  t = 0.8
+  words = topk.threshold_mask(x, t)
+  vals, idx, counts = topk.compact_segments(x, words, bounds, caps)
+  vals, idx, counts = map(np.asarray, (vals, idx, counts))
+  start = 0
+  for j, cap in enumerate(caps):
+    lo, hi = bounds[j], bounds[j + 1]
+    sel = lo + np.nonzero(np.abs(x[lo:hi]) >= t)[0]
+    assert counts[j] == len(sel)
+    want = np.full(cap, len(x))
+    want[:min(cap, len(sel))] = sel[:cap]
+    np.testing.assert_array_equal(idx[start:start + cap], want)
+    np.testing.assert_array_equal(
+      vals[start:start + cap], np.where(want < len(x), x[np.minimum(
+        want, len(x) - 1)], 0.0))
+    start += cap
+
+
 def test_threshold_mask_kernel_matches_reference():
   x = _signal(32 * 64 + 3, seed=13)
   np.testing.assert_array_equal(

@@ -2,7 +2,9 @@
 
 The selection step of the sparsifying compressors (top-k, DGC, gTop-k):
 
-* :func:`topk_abs` -- the ``k`` entries of largest ``|x|``, exact.
+* :func:`topk_abs` -- the ``k`` entries of largest ``|x|``, exact
+  (:func:`topk_abs_bracketed`: the same result through a threshold search,
+  faster on a GPU for large ``k``).
 * :func:`threshold_select` -- every entry with ``|x| >= threshold``, in index
   order, compacted into a buffer of static ``capacity``.
 * :func:`sampled_threshold` -- a DGC-style estimate of the threshold that
@@ -50,12 +52,17 @@ Kernels (each beside its ``*_reference``, keyword-only ``interpret``):
 Dispatch (``use_kernel=None``) follows ``JAXCOMM_KERNELS``
 (:mod:`jaxcomm.kernels` has the table and the figures); ``True``
 forces the kernel (interpreted on CPU), ``False`` the jnp path. Under
-``auto``: on GPU the top-k kernel for ``k <= 64`` and ``lax.top_k`` above
-(one H100, 25M float32: the kernel 4.3x the time of ``x + 0`` at k=16
-against ``lax.top_k``'s 237x, but 11.6x against 7.7x at k=128); on TPU the
-same rule, unmeasured; ``threshold_select`` takes the jnp-packed mask on
-every backend. On CPU, ``lax.approx_max_k`` falls back to an exact sort and
-measured no faster than ``lax.top_k``, so the CPU top-k is ``lax.top_k``.
+``auto``: on GPU the top-k kernel for ``k <= 64``, and above it the jnp
+path, which on GPU is :func:`topk_abs_bracketed` from ``k = 512`` (where
+it pays) and ``lax.top_k`` below (one H100, 25M float32, time as a
+multiple of ``x + 0``: kernel 3.6x at k=16 against ``lax.top_k``'s 214x;
+at k=128 ``lax.top_k`` 7.3x, bracketed 8.4x; at k=1024 bracketed 4.2x,
+``lax.top_k`` 6.6x; at k=25,000 bracketed 3.4x, ``torch.topk`` 3.8x); on
+TPU the kernel rule, unmeasured, and ``lax.top_k`` above;
+``threshold_select`` takes the jnp-packed mask on every backend. On CPU,
+``lax.approx_max_k`` falls back to an exact sort and measured no faster
+than ``lax.top_k``, and ``lax.top_k`` beat the bracketed search at
+ResNet-18 leaf sizes, so the CPU top-k is ``lax.top_k``.
 GPU lowering uses the Triton backend, TPU lowering Mosaic (see
 :mod:`jaxcomm.kernels.bitpack`); both lowerings are checked on a CPU host.
 
@@ -74,6 +81,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -494,6 +502,71 @@ def compact_from_mask(x: jax.Array, mask_words: jax.Array, capacity: int
   values = jnp.where(valid, x[jnp.minimum(idx, length - 1)],
                      jnp.zeros((), x.dtype))
   return values, idx, count
+
+
+def compact_segments(x: jax.Array, mask_words: jax.Array,
+                     bounds: tuple[int, ...], capacities: tuple[int, ...]
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`compact_from_mask` per segment, for all segments at once.
+
+  ``x`` is cut into contiguous segments ``[bounds[j], bounds[j + 1])``;
+  segment ``j`` keeps its first ``capacities[j]`` set entries by index, in
+  output slots ``[C_j, C_j + capacities[j])`` (``C_j`` the capacities
+  before it). The work is that of one compaction, and the program does not
+  grow with the number of segments (their bounds are a static array).
+
+  Args:
+    x: the flat array (length ``L = bounds[-1]``).
+    mask_words: ``uint32[ceil(L / 32)]``, zero padding bits.
+    bounds: static segment boundaries, ``0 = b_0 < ... < b_R = L``.
+    capacities: static slots per segment.
+
+  Returns:
+    ``(values, indices, counts)``: ``values`` and ``indices`` (positions in
+    ``x``; ``L`` and 0 in unused slots) of length ``sum(capacities)``;
+    ``counts`` per segment (may exceed its capacity).
+  """
+  length = x.shape[0]
+  nw = mask_words.shape[0]
+  popc = lax.population_count(mask_words).astype(jnp.int32)
+  incl = lax.associative_scan(jnp.add, popc)
+  # Set bits before each boundary: whole words, then the low bits of one.
+  b = np.asarray(bounds, np.int64)
+  w = jnp.asarray(b // 32, jnp.int32)
+  low = jnp.asarray(((1 << (b % 32)) - 1).astype(np.uint32))
+  incl0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])
+  words0 = jnp.concatenate([mask_words, jnp.zeros((1,), jnp.uint32)])
+  before = incl0[w] + lax.population_count(words0[w] & low).astype(jnp.int32)
+  counts = before[1:] - before[:-1]
+  caps = np.asarray(capacities, np.int64)
+  cap_ends = np.cumsum(caps)
+  total = int(cap_ends[-1])
+  slots = jnp.arange(total, dtype=jnp.int32)
+  seg = jnp.searchsorted(jnp.asarray(cap_ends, jnp.int32), slots,
+                         side="right").astype(jnp.int32)
+  local = slots - jnp.asarray(cap_ends - caps, jnp.int32)[seg]
+  valid = local < counts[seg]
+  rank = before[:-1][seg] + local
+  word = jnp.searchsorted(incl, rank + 1, side="left",
+                          method="scan_unrolled").astype(jnp.int32)
+  word = jnp.minimum(word, nw - 1)
+  r_in = rank - (incl[word] - popc[word])
+  idx = 32 * word + _select_bit(mask_words[word], r_in)
+  idx = jnp.where(valid, idx, length)
+  values = jnp.where(valid, x[jnp.minimum(idx, length - 1)],
+                     jnp.zeros((), x.dtype))
+  return values, idx, counts
+
+
+def threshold_mask(x: jax.Array, threshold, *, interpret: bool = False,
+                   use_kernel: bool | None = None) -> jax.Array:
+  """``|x| >= threshold`` packed into ``uint32`` words: the mask kernel or
+  jnp, dispatched as :func:`threshold_select`."""
+  run_kernel, interpret = _dispatch.resolve("threshold_select", use_kernel,
+                                            interpret)
+  if run_kernel:
+    return threshold_mask_pallas(x, threshold, interpret=interpret)
+  return threshold_mask_reference(x, threshold)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))

@@ -243,30 +243,58 @@ def _fmix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def _randomk_row(row_key, k: int, size: int) -> jax.Array:
-  """``k`` distinct indices of ``[0, size)``: the images of ``0 .. k-1``
-  under a keyed permutation of ``[0, size)`` (swap-or-not rounds; see
-  :func:`randomk_indices`). ``O(k)`` elementwise work: no sort and no
-  data-dependent loop (which on a GPU would wait on the host each turn)."""
-  kk, kb = jax.random.split(row_key)
-  shifts = jax.random.randint(kk, (RANDOMK_ROUNDS,), 0, size, jnp.int32)
-  salts = jax.random.bits(kb, (RANDOMK_ROUNDS,), jnp.uint32)
-  v = jnp.arange(k, dtype=jnp.int32)
-  for r in range(RANDOMK_ROUNDS):
-    partner = shifts[r] - v
-    partner = jnp.where(partner < 0, partner + size, partner)
+def _swap_or_not(v, sizes, shifts, salts):
+  """``RANDOMK_ROUNDS`` swap-or-not rounds on ``v`` (int32, per element),
+  each element in its own domain ``[0, sizes)`` with its own round shifts
+  and salts (``[T, RANDOMK_ROUNDS]``): one loop for every segment."""
+  def round_(r, v):
+    shift = jax.lax.dynamic_index_in_dim(shifts, r, axis=1, keepdims=False)
+    salt = jax.lax.dynamic_index_in_dim(salts, r, axis=1, keepdims=False)
+    partner = shift - v
+    partner = jnp.where(partner < 0, partner + sizes, partner)
     top = jnp.maximum(v, partner).astype(jnp.uint32)
-    swap = (_fmix32(top ^ salts[r]) & jnp.uint32(1)) == 1
-    v = jnp.where(swap, partner, v)
-  return v
+    swap = (_fmix32(top ^ salt) & jnp.uint32(1)) == 1
+    return jnp.where(swap, partner, v)
+  return jax.lax.fori_loop(0, RANDOMK_ROUNDS, round_, v)
+
+
+def _randomk_flat(key, ratio: float, rows) -> jax.Array:
+  """The coordinates of every row at once, as positions in the bucket.
+
+  ``rows``: static ``(offset, size, id)`` per row (a leaf, or the whole
+  bucket); row ``r`` takes ``k_r = num_selected(ratio, size_r)``
+  coordinates, the images of ``0 .. k_r - 1`` under the permutation keyed
+  by ``fold_in(key, id_r)`` (see :func:`randomk_indices`). The program does
+  not grow with the number of rows: per-row keys, shifts and salts are one
+  batched draw, and every element runs the same rounds.
+  """
+  offsets = np.asarray([o for o, _, _ in rows], np.int32)
+  sizes = np.asarray([sz for _, sz, _ in rows], np.int32)
+  ks = np.asarray([num_selected(ratio, int(sz)) for sz in sizes], np.int32)
+  ends = np.cumsum(ks).astype(np.int32)
+  total = int(ends[-1])
+
+  def draws(row_key, size):
+    ka, kb = jax.random.split(row_key)
+    return (jax.random.randint(ka, (RANDOMK_ROUNDS,), 0, size, jnp.int32),
+            jax.random.bits(kb, (RANDOMK_ROUNDS,), jnp.uint32))
+
+  keys = _row_keys(key, [i for _, _, i in rows])
+  shifts, salts = jax.vmap(draws)(keys, jnp.asarray(sizes))
+  pos = jnp.arange(total, dtype=jnp.int32)
+  row = jnp.searchsorted(jnp.asarray(ends), pos, side="right").astype(
+    jnp.int32)
+  v = pos - (jnp.asarray(ends) - jnp.asarray(ks))[row]
+  v = _swap_or_not(v, jnp.asarray(sizes)[row], shifts[row], salts[row])
+  return jnp.asarray(offsets)[row] + v
 
 
 def _randomk_rows(key, ratio: float, size: int, ids) -> jax.Array:
   """``[len(ids), k]``: row ``r`` takes ``k`` distinct indices of ``size``
   with the permutation keyed by ``fold_in(key, ids[r])``."""
   k = num_selected(ratio, size)
-  draw = lambda kk: _randomk_row(kk, k, size)
-  return jax.vmap(draw)(_row_keys(key, ids))
+  rows = [(0, size, j) for j in ids]
+  return _randomk_flat(key, ratio, rows).reshape(len(ids), k)
 
 
 def randomk_indices(key, ratio: float, sizes: Sequence[int],
@@ -301,15 +329,12 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
-    total = ctx.layout.size
-    gi, vals = [], []
-    for v, s in zip(_views(x, segs), segs):
-      idx = _randomk_rows(ctx.key, ratio, s.size, s.ids)
-      vals.append(jnp.take_along_axis(v, idx, axis=1).reshape(-1))
-      gi.append(_to_global(idx, s, total))
-    gi, vals = jnp.concatenate(gi), jnp.concatenate(vals)
+    rows = [(s.offset + r * s.size, s.size, s.ids[r])
+            for s in segs for r in range(s.count)]
+    gi = _randomk_flat(ctx.key, ratio, rows)
+    vals = x[gi]
     summed = _core.psum(vals, ctx.axis_name)
-    zeros = jnp.zeros((total,), jnp.float32)
+    zeros = jnp.zeros((ctx.layout.size,), jnp.float32)
     mean = zeros.at[gi].set(summed / ctx.num_devices)
     sent = zeros.at[gi].set(vals)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
@@ -366,19 +391,26 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
 
 # ----------------------------------------------------------- threshold ----
 
+def _leaf_rows(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Static ``(bounds, sizes)`` of the bucket's leaves, in bucket order."""
+  sizes = tuple(int(s) for s in layout.sizes)
+  bounds = tuple(int(b) for b in np.cumsum((0,) + sizes))
+  return bounds, sizes
+
+
 def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
 
   def apply(x, state, ctx):
-    segs = _segments(ctx.layout)
-    idx, val = [], []
-    for v, s in zip(_views(x, segs), segs):
-      cap = num_selected(capacity_ratio, s.size)
-      vals, i, _ = jax.vmap(
-        lambda r, cap=cap: _topk.threshold_select(r, value, cap))(v)
-      idx.append(i)
-      val.append(vals)
-    mean, sent = _sparse_exchange(idx, val, segs, ctx)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    # One mask over the bucket, one compaction with a capacity per leaf.
+    bounds, sizes = _leaf_rows(ctx.layout)
+    caps = tuple(num_selected(capacity_ratio, s) for s in sizes)
+    words = _topk.threshold_mask(x, value)
+    vals, gi, _ = _topk.compact_segments(x, words, bounds, caps)
+    total = ctx.layout.size
+    summed = _sparse.sparse_psum(gi, vals, total, ctx.axis_name)
+    sent = jnp.zeros((total,), jnp.float32).at[gi].set(vals, mode="drop")
+    return _compressor.CodecResult(mean=summed / ctx.num_devices, sent=sent,
+                                   state=state)
 
   def wire(layout, n):
     cap = _num_pairs(_segments(layout), capacity_ratio)
