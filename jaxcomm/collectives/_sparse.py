@@ -6,8 +6,8 @@
 * :func:`gtopk_psum` -- global top-k (Shi et al. 2019): a recursive-doubling
   exchange of ``k`` pairs in ``log2 n`` rounds, re-sparsified to ``k`` after
   every merge, so each device sends ``O(k log n)`` instead of ``O(k n)``.
-  Segments of equal size come batched (``[G, k]``, one row per segment):
-  one op per group, whatever the number of segments.
+  All segments share one list and one sort per merge, whatever their
+  number.
 * :func:`chunk_psum` -- coarse-grained sparsification (CSC, GradientFlow):
   psum of per-chunk L1 norms, the same top chunks chosen on every device,
   psum of only those chunks; the traffic does not depend on ``n``.
@@ -124,17 +124,24 @@ def sparse_psum_wire(capacity: int, size: int, n: int) -> list:
 
 # ------------------------------------------------------------- gTop-k ----
 
-def _merge_topk(idx: jax.Array, val: jax.Array, k: int, size: int
-                ) -> tuple[jax.Array, jax.Array]:
-  """Adds two sparse lists (each without repeated indices) and keeps the k
-  entries of largest magnitude.
+def _merge_segments(idx: jax.Array, val: jax.Array, bounds, ks
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Adds two sparse lists (each without repeated indices) and keeps, in
+  every segment ``[bounds[j], bounds[j + 1])``, its ``ks[j]`` entries of
+  largest magnitude; ``sum(ks)`` slots, sorted by index (``bounds[-1]``:
+  unused slot, value 0).
 
   ``idx``/``val`` hold both lists concatenated. The result does not depend
   on the order of the two lists: entries are sorted by index first, a
   repeated index is the sum of its two values (``a + b == b + a`` in IEEE
   arithmetic), and among equal magnitudes the lower index wins; so both
-  partners of an exchange compute bitwise the same list.
+  partners of an exchange compute bitwise the same list. One sort by
+  (segment, magnitude, index) serves every segment: the program does not
+  grow with the number of segments.
   """
+  total = int(bounds[-1])
+  nseg = len(ks)
+  cap = int(sum(ks))
   order = jnp.argsort(idx, stable=True)
   idx, val = idx[order], val[order]
   dup = idx[1:] == idx[:-1]                        # pairs (p, p + 1)
@@ -142,14 +149,19 @@ def _merge_topk(idx: jax.Array, val: jax.Array, k: int, size: int
   head = jnp.concatenate([dup, jnp.zeros((1,), bool)])
   val = jnp.where(head, val + nxt, val)
   tail = jnp.concatenate([jnp.zeros((1,), bool), dup])
-  valid = (~tail) & (idx < size)
-  mag = jnp.where(valid, jnp.abs(val), -1.0)
-  _, pos = jax.lax.top_k(mag, k)
-  keep = valid[pos]
-  idx = jnp.where(keep, idx[pos], size)
-  val = jnp.where(keep, val[pos], 0.0)
-  order = jnp.argsort(idx, stable=True)             # back to index order
-  return idx[order], val[order]
+  valid = (~tail) & (idx < total)
+  ends = jnp.asarray(np.asarray(bounds[1:], np.int64), jnp.int32)
+  seg = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)
+  seg = jnp.where(valid, seg, nseg)                # invalid entries last
+  neg = jnp.where(valid, -jnp.abs(val), 0.0)
+  seg, _, idx, val = jax.lax.sort((seg, neg, idx, val), num_keys=3)
+  first = jnp.searchsorted(seg, seg, side="left").astype(jnp.int32)
+  rank = jnp.arange(seg.shape[0], dtype=jnp.int32) - first
+  quota = jnp.asarray(np.asarray(list(ks) + [0], np.int64), jnp.int32)
+  keep = (seg < nseg) & (rank < quota[seg])
+  key = jnp.where(keep, idx, total)
+  key, val = jax.lax.sort((key, jnp.where(keep, val, 0.0)), num_keys=1)
+  return key[:cap], val[:cap]
 
 
 def _member(query: jax.Array, sorted_idx: jax.Array) -> jax.Array:
@@ -159,53 +171,44 @@ def _member(query: jax.Array, sorted_idx: jax.Array) -> jax.Array:
   return sorted_idx[pos] == query
 
 
-def _rows(a: jax.Array) -> jax.Array:
-  """A per-row index column ``[G, 1]`` for ``a`` of shape ``[G, k]``."""
-  return jnp.arange(a.shape[0], dtype=jnp.int32)[:, None]
-
-
-def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
-               sizes: Sequence[int], axis_name
-               ) -> tuple[list, list, list]:
+def gtopk_psum(indices: jax.Array, values: jax.Array,
+               bounds: Sequence[int], ks: Sequence[int], axis_name
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Global top-k sum by recursive doubling (Shi et al. 2019).
 
-  Each device starts from its local top-k list of every segment (a leaf, or
-  the whole model). Segments come in groups: ``indices[j]`` of shape
-  ``[G_j, k_j]`` holds ``G_j`` segments of ``sizes[j]`` elements each, one
-  per row (a ``[k_j]`` array is one segment); every op below is one batched
-  op per group, so the program does not grow with the number of segments.
-  In round ``r = 0 .. log2(n) - 1`` a device swaps its current lists with
-  device ``i XOR 2^r`` (one collective-permute of all segments' ``k`` pairs
-  in one message), adds the two lists of each segment and keeps its ``k``
-  largest magnitudes. After the last round every device holds the same
-  lists: the global top-k of the (tree-)summed sparse vectors. A final
-  broadcast from device 0 (an all-reduce in which the other devices add
-  zero words, exact) makes the result typed invariant; it costs one more
-  message of ``k`` pairs, so each device sends ``k (4 + b) (log2 n + 2)``
-  bytes in all (``b`` index bytes; the all-reduce counts twice by the ring
-  formula) -- ``O(k log n)``.
+  Segments (a leaf each, or the whole model) are contiguous ranges
+  ``[bounds[j], bounds[j + 1])`` of one index space; each device starts
+  from its local top-``ks[j]`` pairs of every segment, all in one list. In
+  round ``r = 0 .. log2(n) - 1`` it swaps its current list with device
+  ``i XOR 2^r`` (one collective-permute of all ``sum(ks)`` pairs), adds
+  the two lists and keeps each segment's ``ks[j]`` largest magnitudes
+  (one sort for all segments). After the last round every device holds
+  the same list: the global top-k of the (tree-)summed sparse vectors. A
+  final broadcast from device 0 (an all-reduce in which the other devices
+  add zero words, exact) makes the result typed invariant; it costs one
+  more message of the same size.
 
-  A device's contribution at an index reaches the result only if that index
-  survived every merge on its way up the tree; once dropped it cannot come
-  back (the index may come back carrying other devices' values). Each device
+  The merge is commutative (see ``_merge_segments``), so the two partners
+  of a round compute bitwise identical lists. A device's own pair is part
+  of the global sum only if it survived every merge on the way: a value
+  dropped in round r is gone from every later list. Each device
   therefore tracks which of its own indices are still in its list after
   every round: those it has actually sent.
 
-  On the wire, segment rows are laid end to end (group by group, row by
-  row) in one global index space of ``sum_j G_j sizes[j]`` elements.
-
   Args:
-    indices: per group, ``int32[G, k]`` (or ``[k]``) local indices in
-      ``[0, size)``, distinct within a row.
-    values: per group, ``float32`` of the same shape.
-    sizes: per group, the dense length of one segment.
+    indices: ``int32[K]``, ``K = sum(ks)``: positions in ``[0, L)``
+      (``L = bounds[-1]``), distinct, at most ``ks[j]`` in segment ``j``;
+      ``L`` marks an unused slot.
+    values: ``float32[K]``.
+    bounds: static segment boundaries ``0 = b_0 < ... < b_R = L``.
+    ks: static pairs kept per segment.
     axis_name: the axis, or None.
 
   Returns:
-    ``(indices, values, delivered)``: per group, the global lists (each row
-    sorted by index, ``k`` entries, identical and invariant on every device)
-    and a bool mask over this device's input pairs: True where its value is
-    part of the global sum. Each of the shape of the input.
+    ``(indices, values, delivered)``: the global list (``K`` slots sorted
+    by index, ``L`` and 0 in unused slots; identical and invariant on
+    every device) and a bool[K] mask over this device's input pairs: True
+    where its value is part of the global sum.
 
   Raises:
     ValueError: if the number of devices is not a power of two.
@@ -214,72 +217,42 @@ def gtopk_psum(indices: Sequence[jax.Array], values: Sequence[jax.Array],
   if n & (n - 1):
     raise ValueError(
       f"gtopk needs a power-of-two number of devices, got {n}")
-  flat_in = [jnp.ndim(i) == 1 for i in indices]
-  indices = [jnp.reshape(i, (-1, jnp.shape(i)[-1])).astype(jnp.int32)
-             for i in indices]
-  values = [jnp.reshape(v, i.shape) for v, i in zip(values, indices)]
-  sizes = [int(s) for s in sizes]
-  counts = [int(i.shape[0]) for i in indices]
-  ks = [int(i.shape[1]) for i in indices]
-  cur_idx = [jnp.sort(i, axis=-1) for i in indices]
-  orders = [jnp.argsort(i, axis=-1) for i in indices]
-  cur_val = [jnp.take_along_axis(v, o, axis=-1)
-             for v, o in zip(values, orders)]
-  mine = list(cur_idx)                      # my indices, sorted
-  alive = [jnp.ones(i.shape, bool) for i in indices]
-  total = sum(g * s for g, s in zip(counts, sizes))
-  offsets = [int(o) for o in np.cumsum(
-    [0] + [g * s for g, s in zip(counts, sizes)])[:-1]]
-  merge = jax.vmap(_merge_topk, in_axes=(0, 0, None, None))
-  member = jax.vmap(_member)
-
-  def pack(idx_list, val_list):
-    # Global index space over all segments: one message per round.
-    gi = [jnp.where(i < s, o + _rows(i) * s + i, total).reshape(-1)
-          for i, s, o in zip(idx_list, sizes, offsets)]
-    gv = [v.reshape(-1) for v in val_list]
-    return pack_pairs(jnp.concatenate(gi), jnp.concatenate(gv), total)
-
-  def unpack(words):
-    gi, gv = unpack_pairs(words, sum(g * k for g, k in zip(counts, ks)),
-                          total)
-    out_i, out_v, start = [], [], 0
-    for g, k, s, o in zip(counts, ks, sizes, offsets):
-      i = gi[start:start + g * k].reshape(g, k)
-      out_i.append(jnp.where(i < total, i - o - _rows(i) * s, s))
-      out_v.append(gv[start:start + g * k].reshape(g, k))
-      start += g * k
-    return out_i, out_v
+  bounds = tuple(int(b) for b in bounds)
+  ks = tuple(int(k) for k in ks)
+  total, cap = bounds[-1], sum(ks)
+  indices = jnp.asarray(indices, jnp.int32).reshape(-1)
+  values = jnp.asarray(values, jnp.float32).reshape(-1)
+  if indices.shape[0] != cap or values.shape[0] != cap:
+    raise ValueError(
+      f"indices and values must hold sum(ks) = {cap} pairs, got "
+      f"{indices.shape[0]} and {values.shape[0]}")
+  order = jnp.argsort(indices, stable=True)
+  cur_idx, cur_val = indices[order], values[order]
+  mine = cur_idx                            # my indices, sorted
+  alive = jnp.ones((cap,), bool)
 
   for r in range(int(math.log2(n))):
     perm = [(i, i ^ (1 << r)) for i in range(n)]
-    got = _core.ppermute(pack(cur_idx, cur_val), axis_name, perm)
-    other_idx, other_val = unpack(got)
-    new_idx, new_val = [], []
-    for j, k in enumerate(ks):
-      i, v = merge(jnp.concatenate([cur_idx[j], other_idx[j]], axis=-1),
-                   jnp.concatenate([cur_val[j], other_val[j]], axis=-1),
-                   k, sizes[j])
-      new_idx.append(i)
-      new_val.append(v)
-      alive[j] = alive[j] & member(mine[j], i)
-    cur_idx, cur_val = new_idx, new_val
+    got = _core.ppermute(pack_pairs(cur_idx, cur_val, total), axis_name,
+                         perm)
+    other_idx, other_val = unpack_pairs(got, cap, total)
+    cur_idx, cur_val = _merge_segments(
+      jnp.concatenate([cur_idx, other_idx]),
+      jnp.concatenate([cur_val, other_val]), bounds, ks)
+    alive = alive & _member(mine, cur_idx)
 
   if axis_name is not None:
-    # Every device holds the same lists now; device 0's copy is broadcast
+    # Every device holds the same list now; device 0's copy is broadcast
     # through an exact all-reduce (the others add zero words) so that the
     # result is typed invariant.
-    words = pack(cur_idx, cur_val)
+    words = pack_pairs(cur_idx, cur_val, total)
     first = _core.axis_index(axis_name) == 0
     words = _core.psum(jnp.where(first, words, jnp.zeros_like(words)),
                        axis_name)
-    cur_idx, cur_val = unpack(words)
+    cur_idx, cur_val = unpack_pairs(words, cap, total)
   # Back from sorted order to the caller's order of its own pairs.
-  delivered = [jnp.zeros(a.shape, bool).at[_rows(o), o].set(a)
-               for o, a in zip(orders, alive)]
-  unbatch = lambda arrays: [a[0] if f else a
-                            for a, f in zip(arrays, flat_in)]
-  return unbatch(cur_idx), unbatch(cur_val), unbatch(delivered)
+  delivered = jnp.zeros((cap,), bool).at[order].set(alive)
+  return cur_idx, cur_val, delivered
 
 
 def gtopk_psum_wire(ks: Sequence[int], sizes: Sequence[int], n: int) -> list:

@@ -703,16 +703,17 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
     idx, val = _local_topk(x, segs, ratio)
-    g_idx, g_val, delivered = _sparse.gtopk_psum(
-      idx, val, [s.size for s in segs], ctx.axis_name)
     total = ctx.layout.size
+    gi = jnp.concatenate([_to_global(i, s, total) for i, s in zip(idx, segs)])
+    gv = jnp.concatenate([v.reshape(-1) for v in val])
+    bounds = [0] + [s.offset + (r + 1) * s.size
+                    for s in segs for r in range(s.count)]
+    ks = [num_selected(ratio, s.size) for s in segs for _ in range(s.count)]
+    g_idx, g_val, delivered = _sparse.gtopk_psum(gi, gv, bounds, ks,
+                                                 ctx.axis_name)
     zeros = jnp.zeros((total,), jnp.float32)
-    glob = lambda ids: jnp.concatenate(
-      [_to_global(i, s, total) for i, s in zip(ids, segs)])
-    flat = lambda vs: jnp.concatenate([v.reshape(-1) for v in vs])
-    summed = zeros.at[glob(g_idx)].set(flat(g_val), mode="drop")
-    mine = [jnp.where(d, v, 0.0) for d, v in zip(delivered, val)]
-    sent = zeros.at[glob(idx)].set(flat(mine), mode="drop")
+    summed = zeros.at[g_idx].set(g_val, mode="drop")
+    sent = zeros.at[gi].set(jnp.where(delivered, gv, 0.0), mode="drop")
     return _compressor.CodecResult(mean=summed / ctx.num_devices, sent=sent,
                                    state=state)
 
