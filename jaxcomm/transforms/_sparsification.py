@@ -562,30 +562,116 @@ def sampled_select(x: jax.Array, k: int, key, sample_size: int,
   return vals, idx, n_sel, t
 
 
+def _pack_mask(mask: jax.Array) -> jax.Array:
+  """A flat bool mask packed into uint32 words (bitpack's bit order)."""
+  m = jnp.pad(mask.astype(jnp.uint32), (0, (-mask.shape[0]) % 32))
+  shifts = jnp.arange(32, dtype=jnp.uint32)
+  return jax.lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
+                        jax.lax.bitwise_or, (1,))
+
+
+def _sampled_select_bucket(x, layout, density, key, sample_ratio,
+                           max_rounds):
+  """:func:`sampled_select` for every leaf of the bucket in one program.
+
+  Per leaf (row), as :func:`sampled_select`: a sampled threshold, the
+  adjustment rounds, the first ``ceil(1.3 k)`` entries above it by index,
+  cut to the ``k`` largest. All rows adjust in one loop (a row whose count
+  is within bounds stops changing, as under ``vmap``) and are compacted by
+  one :func:`jaxcomm.kernels.topk.compact_segments`; per group of equal
+  shapes remain only the sample's top-k, the count and the final cut.
+
+  Returns:
+    ``(indices, values)``: bucket positions (``layout.size``: unused) and
+    values, ``sum_j k_j`` pairs.
+  """
+  segs = _segments(layout)
+  views = _views(x, segs)
+  ks = [num_selected(density, s.size) for s in segs]
+  t0 = []
+  for v, s, k in zip(views, segs, ks):
+    ss = dgc_sample_size(density, s.size, sample_ratio)
+    t0.append(jax.vmap(lambda row, kk, k=k, ss=ss: _topk.sampled_threshold(
+      row, k, kk, ss))(v, _row_keys(key, s.ids)))
+  t0 = jnp.concatenate(t0)
+  rows_k = np.repeat(np.asarray(ks, np.float64),
+                     [s.count for s in segs])
+  hi_bound = jnp.asarray(1.3 * rows_k, jnp.float32)
+  lo_bound = jnp.asarray(0.8 * rows_k, jnp.float32)
+  firsts = np.cumsum([0] + [s.count for s in segs])
+
+  def per_group(t):
+    return [t[a:b] for a, b in zip(firsts[:-1], firsts[1:])]
+
+  def count(t):
+    parts = [jnp.sum(jnp.abs(v).astype(jnp.float32) >= tg[:, None],
+                     axis=1, dtype=jnp.int32)
+             for v, tg in zip(views, per_group(t))]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def active(c):
+    _, _, _, n_sel, r = c
+    return (((n_sel > hi_bound) | (n_sel < lo_bound))
+            & (r < max_rounds))
+
+  def body(c):
+    t, lo, hi, n_sel, r = c
+    on = active(c)
+    many = n_sel > hi_bound
+    lo2 = jnp.where(many, t, lo)
+    hi2 = jnp.where(many, hi, t)
+    bracketed = (lo2 > 0) & jnp.isfinite(hi2)
+    t2 = jnp.where(bracketed, jnp.sqrt(lo2 * hi2),
+                   jnp.where(many, t * 1.3, t * 0.8))
+    new = (t2, lo2, hi2, count(t2), r + 1)
+    return tuple(jnp.where(on, a, b) for a, b in zip(new, c))
+
+  zero = t0 * 0.0                           # (typed as t0 under shard_map)
+  init = (t0, zero, zero + jnp.inf, count(t0), zero.astype(jnp.int32))
+  t = jax.lax.while_loop(lambda c: jnp.any(active(c)), body, init)[0]
+  mask = [jnp.abs(v).astype(jnp.float32) >= tg[:, None]
+          for v, tg in zip(views, per_group(t))]
+  mask = jnp.concatenate([m.reshape(-1) for m in mask])
+  bounds, sizes = _leaf_rows(layout)
+  caps = [dgc_capacity(k, s.size) for k, s in zip(ks, segs)]
+  vals, gi, _ = _topk.compact_segments(
+    x, _pack_mask(mask), bounds,
+    tuple(c for c, s in zip(caps, segs) for _ in range(s.count)))
+  total = layout.size
+  out_i, out_v, start = [], [], 0
+  for s, k, cap in zip(segs, ks, caps):
+    gv = vals[start:start + s.count * cap].reshape(s.count, cap)
+    gg = gi[start:start + s.count * cap].reshape(s.count, cap)
+    start += s.count * cap
+    if cap > k:
+      # Unused slots hold value 0 and the sentinel: they rank last.
+      _, pos = jax.lax.top_k(jnp.where(gg < total, jnp.abs(gv), -1.0), k)
+      pos = jnp.sort(pos, axis=1)
+      gv = jnp.take_along_axis(gv, pos, axis=1)
+      gg = jnp.take_along_axis(gg, pos, axis=1)
+    out_i.append(gg.reshape(-1))
+    out_v.append(gv.reshape(-1))
+  return jnp.concatenate(out_i), jnp.concatenate(out_v)
+
+
 def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
                max_rounds) -> _compressor.Codec:
 
-  def select(v, seg, density, key):
-    k = num_selected(density, seg.size)
-    if exact:
-      return _topk_rows(v, k)
-    sample = dgc_sample_size(density, seg.size, sample_ratio)
-
-    def one(row, row_key):
-      vals, idx, _, _ = sampled_select(row, k, row_key, sample, max_rounds)
-      return vals, idx
-
-    return jax.vmap(one)(v, _row_keys(key, seg.ids))
-
   def stage_fn(density):
     def run(x, ctx):
-      segs = _segments(ctx.layout)
-      idx, val = [], []
-      for v, seg in zip(_views(x, segs), segs):
-        vals, i = select(v, seg, density, ctx.key)
-        idx.append(i)
-        val.append(vals)
-      return _sparse_exchange(idx, val, segs, ctx)
+      total = ctx.layout.size
+      if exact:
+        segs = _segments(ctx.layout)
+        idx, val = _local_topk(x, segs, density)
+        gi = jnp.concatenate([_to_global(i, s, total)
+                              for i, s in zip(idx, segs)])
+        gv = jnp.concatenate([v.reshape(-1) for v in val])
+      else:
+        gi, gv = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
+                                        sample_ratio, max_rounds)
+      summed = _sparse.sparse_psum(gi, gv, total, ctx.axis_name)
+      sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
+      return summed / ctx.num_devices, sent
     return run
 
   def apply(x, state, ctx):
