@@ -504,6 +504,28 @@ def compact_from_mask(x: jax.Array, mask_words: jax.Array, capacity: int
   return values, idx, count
 
 
+def _set_bits_before(mask_words, incl, bounds) -> jax.Array:
+  """Set bits of the mask before each static position of ``bounds``:
+  whole words from the inclusive popcount prefix ``incl``, then the low
+  bits of one word."""
+  b = np.asarray(bounds, np.int64)
+  w = jnp.asarray(b // 32, jnp.int32)
+  low = jnp.asarray(((1 << (b % 32)) - 1).astype(np.uint32))
+  incl0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])
+  words0 = jnp.concatenate([mask_words, jnp.zeros((1,), jnp.uint32)])
+  return incl0[w] + lax.population_count(words0[w] & low).astype(jnp.int32)
+
+
+def segment_counts(mask_words: jax.Array, bounds: tuple[int, ...]
+                   ) -> jax.Array:
+  """Set bits of a packed mask in each segment ``[bounds[j], bounds[j+1])``
+  (one popcount prefix sum, whatever the number of segments)."""
+  popc = lax.population_count(mask_words).astype(jnp.int32)
+  before = _set_bits_before(mask_words, lax.associative_scan(jnp.add, popc),
+                            bounds)
+  return before[1:] - before[:-1]
+
+
 def compact_segments(x: jax.Array, mask_words: jax.Array,
                      bounds: tuple[int, ...], capacities: tuple[int, ...]
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -530,13 +552,7 @@ def compact_segments(x: jax.Array, mask_words: jax.Array,
   nw = mask_words.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
   incl = lax.associative_scan(jnp.add, popc)
-  # Set bits before each boundary: whole words, then the low bits of one.
-  b = np.asarray(bounds, np.int64)
-  w = jnp.asarray(b // 32, jnp.int32)
-  low = jnp.asarray(((1 << (b % 32)) - 1).astype(np.uint32))
-  incl0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])
-  words0 = jnp.concatenate([mask_words, jnp.zeros((1,), jnp.uint32)])
-  before = incl0[w] + lax.population_count(words0[w] & low).astype(jnp.int32)
+  before = _set_bits_before(mask_words, incl, bounds)
   counts = before[1:] - before[:-1]
   caps = np.asarray(capacities, np.int64)
   cap_ends = np.cumsum(caps)

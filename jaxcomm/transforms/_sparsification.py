@@ -598,16 +598,23 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
                      [s.count for s in segs])
   hi_bound = jnp.asarray(1.3 * rows_k, jnp.float32)
   lo_bound = jnp.asarray(0.8 * rows_k, jnp.float32)
-  firsts = np.cumsum([0] + [s.count for s in segs])
+  bounds, _ = _leaf_rows(layout)
+  # Each element's row, once (a cumulative sum of row starts): every round
+  # is then one pass over the bucket whatever the number of rows.
+  # (Behind an optimization barrier: XLA would otherwise fold the whole
+  # constant row array at compile time, a minute for ResNet-18's 11M.)
+  zeros = jax.lax.optimization_barrier(
+    jnp.zeros((layout.size,), jnp.int32))
+  starts = zeros.at[
+    jnp.asarray(np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1)
+  row = jnp.cumsum(starts, dtype=jnp.int32)
+  mag = jnp.abs(x).astype(jnp.float32)
 
-  def per_group(t):
-    return [t[a:b] for a, b in zip(firsts[:-1], firsts[1:])]
+  def above(t):
+    return mag >= t[row]
 
   def count(t):
-    parts = [jnp.sum(jnp.abs(v).astype(jnp.float32) >= tg[:, None],
-                     axis=1, dtype=jnp.int32)
-             for v, tg in zip(views, per_group(t))]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return _topk.segment_counts(_pack_mask(above(t)), bounds)
 
   def active(c):
     _, _, _, n_sel, r = c
@@ -629,13 +636,9 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   zero = t0 * 0.0                           # (typed as t0 under shard_map)
   init = (t0, zero, zero + jnp.inf, count(t0), zero.astype(jnp.int32))
   t = jax.lax.while_loop(lambda c: jnp.any(active(c)), body, init)[0]
-  mask = [jnp.abs(v).astype(jnp.float32) >= tg[:, None]
-          for v, tg in zip(views, per_group(t))]
-  mask = jnp.concatenate([m.reshape(-1) for m in mask])
-  bounds, sizes = _leaf_rows(layout)
   caps = [dgc_capacity(k, s.size) for k, s in zip(ks, segs)]
   vals, gi, _ = _topk.compact_segments(
-    x, _pack_mask(mask), bounds,
+    x, _pack_mask(above(t)), bounds,
     tuple(c for c, s in zip(caps, segs) for _ in range(s.count)))
   total = layout.size
   out_i, out_v, start = [], [], 0
