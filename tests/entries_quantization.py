@@ -336,6 +336,33 @@ registry.register(registry.Entry(
 ))
 
 
+# Bucket widths that do not divide the leaves (1152 and 3072 elements):
+# each leaf's last bucket is partial (padded with zeros, or with its last
+# value for uint8), and the references cut the leaves themselves.
+registry.register(registry.Entry(
+  name="qsgd_partial_buckets",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(100, lambda b: np.sqrt(np.sum(b * b, axis=1)),
+                        _qsgd_quantize(7), lambda s: s / 7, True),
+  factory=jaxcomm.qsgd,
+  kwargs={"levels": 7, "bucket_size": 100, "error_feedback": True},
+  stochastic=True,
+  static_args=("levels", "bucket_size", "error_feedback", "policy", "seed"),
+))
+
+registry.register(registry.Entry(
+  name="uint8_partial_buckets",
+  ref_init=lambda shapes: None,
+  ref_step=_uint8_ref(100),
+  factory=jaxcomm.uint8,
+  # Without error feedback: x is the float32 gradient in both, so no
+  # float32/float64 residual drift can move a value across a rounding tie.
+  kwargs={"bucket_size": 100, "error_feedback": False},
+  error_feedback=False,
+  static_args=("bucket_size", "error_feedback", "policy"),
+))
+
+
 # ---------------------------------------------------------------- natural --
 
 

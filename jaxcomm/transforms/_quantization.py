@@ -387,10 +387,23 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
       c = -(-d // b)
       if prepare is not None:
         v = prepare(v)
-      v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
+      if b * c != d:
+        v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
       dims.append((g.count, d, b, c))
       xbs.append(v.reshape(g.count * c, b))
-    local = jnp.concatenate([stat(xb) for xb in xbs])
+    # Consecutive groups with the same bucket width (all of them with a
+    # bucket_size under the leaf sizes) are one [N, b] block: the
+    # statistics, the quantizer and the decoder run once per block.
+    blocks: list[list[int]] = []
+    for i, xb in enumerate(xbs):
+      if blocks and xbs[blocks[-1][0]].shape[1] == xb.shape[1]:
+        blocks[-1].append(i)
+      else:
+        blocks.append([i])
+    cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(
+      parts)
+    xbs = [cat([xbs[i] for i in blk]) for blk in blocks]
+    local = cat([stat(xb) for xb in xbs])
     shared = _core.pmax(local, ctx.axis_name)
     if stochastic:
       noise = jax.random.uniform(device_key(ctx), (lay.padded,), jnp.float32)
@@ -406,25 +419,30 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
       off += xb.size
       boff += rows
     total = _quantized.integer_allreduce(
-      jnp.concatenate([q.ravel() for q in codes]), bound, ctx.axis_name,
-      low=low)
+      cat([q.ravel() for q in codes]), bound, ctx.axis_name, low=low)
     n = ctx.num_devices
     mean, sent, off = [], [], 0
-    for q, un, z, (count, d, b, c) in zip(codes, units, zeros, dims):
+    for q, un, z, blk in zip(codes, units, zeros, blocks):
       t = total[off:off + q.size].reshape(q.shape).astype(jnp.float32)
+      off += q.size
       if z is None:
         m = t * un / n
         e = q.astype(jnp.float32) * un
       else:
         m = z + un * (t / n)
         e = z + un * q.astype(jnp.float32)
-      # [G c, b] -> [G, c b] -> the leaves' own d elements.
-      mean.append(m.reshape(count, c * b)[:, :d].reshape(-1))
-      sent.append(e.reshape(count, c * b)[:, :d].reshape(-1))
-      off += q.size
-    join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(
-      parts)
-    return _compressor.CodecResult(mean=join(mean), sent=join(sent),
+      row = 0
+      for i in blk:
+        count, d, b, c = dims[i]
+        # [G c, b] -> [G, c b] -> the leaves' own d elements (a free
+        # reshape when no padding was added).
+        for out, v in ((mean, m), (sent, e)):
+          v = v[row:row + count * c]
+          if b * c != d:
+            v = v.reshape(count, c * b)[:, :d]
+          out.append(v.reshape(-1))
+        row += count * c
+    return _compressor.CodecResult(mean=cat(mean), sent=cat(sent),
                                    state=state)
 
   def wire(layout, n):
