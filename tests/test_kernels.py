@@ -328,6 +328,32 @@ def test_topk_abs_bracketed_batched_rows():
     np.testing.assert_array_equal(np.asarray(values[r]), rows[r][expected])
 
 
+def test_topk_abs_segments_is_exact_per_segment():
+  # Groups of equal segments side by side, each with its own k and its
+  # own kind of input (ties, zeros, huge values); every segment's result
+  # against a stable numpy sort of that segment alone.
+  parts, groups, off = [], [], 0
+  for kind, count, size, k in (("normal", 3, 5000, 40),
+                               ("sparse", 2, 4000, 60),
+                               ("integers", 1, 6000, 700),
+                               ("zeros", 2, 3000, 10),
+                               ("huge", 1, 20_000, 5),
+                               ("normal", 2, 300, 100)):   # k near size
+    for r in range(count):
+      parts.append(_bracket_input(kind, size, k, seed=r))
+    groups.append((off, count, size, k))
+    off += count * size
+  x = np.concatenate(parts)
+  out = jax.jit(lambda v: topk.topk_abs_segments(v, groups))(x)
+  for (o, count, size, k), (values, indices) in zip(groups, out):
+    chex.assert_shape((values, indices), (count, k))
+    for r in range(count):
+      start = o + r * size
+      expected = start + _np_topk(x[start:start + size], k)
+      np.testing.assert_array_equal(np.asarray(indices[r]), expected)
+      np.testing.assert_array_equal(np.asarray(values[r]), x[expected])
+
+
 def test_topk_abs_bracketed_on_gpu_dispatch():
   # The jnp path of topk_abs is the bracketed one on GPU only, and only
   # where it selects from at least 4x its candidates.

@@ -343,6 +343,115 @@ def topk_abs_bracketed(x: jax.Array, k: int, *,
   return vals[p], idx[p]
 
 
+def topk_abs_segments(x: jax.Array, groups) -> list:
+  """:func:`topk_abs_bracketed` of every segment of a flat buffer at once.
+
+  ``groups``: static ``(offset, count, size, k)`` runs of ``count``
+  equal segments of ``size`` elements starting at ``offset`` (contiguous,
+  in order, covering ``x``), each keeping its ``k`` largest ``|x|``. One
+  threshold search for all segments (one loop; each round one pass over
+  ``x`` and a per-segment popcount), two compactions
+  (:func:`compact_segments`), and per group only the sample and the final
+  ``lax.top_k`` of the candidates: the program does not repeat the search
+  per group, and on a GPU the loop waits on the host once per round, not
+  once per round and group.
+
+  Returns:
+    Per group ``(values, indices)`` of shape ``[count, k]``: signed values
+    and positions in ``x``, each row in decreasing ``|x|``, lower index
+    first among ties (exactly :func:`topk_abs_reference` per segment).
+  """
+  x = _flat(x)
+  length = x.shape[0]
+  bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32),
+                                  jnp.uint32)
+  u32 = lambda v: jnp.asarray(v, jnp.uint32)
+  end = u32(_ABS_BITS_END)
+  bounds, caps, quota, t0 = [0], [], [], []
+  for off, count, size, k in groups:
+    k = _check_k(k, size)
+    cap = min(bracket_capacity(k), size)
+    target = max(k, min(cap, (k + cap) // 2))
+    s = min(size, max(4096, math.ceil(128 * size / target)))
+    kp = min(s, max(1, round(target * s / size)))
+    rows = bits[off:off + count * size].reshape(count, size)
+    keys = jax.random.split(jax.random.PRNGKey(0), count)
+    pos = jax.vmap(lambda kk, s=s, size=size: jax.random.randint(
+      kk, (s,), 0, size))(keys)
+    t0.append(jnp.sort(jnp.take_along_axis(rows, pos, axis=1), axis=1)[
+      :, s - kp])
+    bounds += [off + (r + 1) * size for r in range(count)]
+    caps += [cap] * count
+    quota += [k] * count
+  t0 = jnp.clip(jnp.concatenate(t0), u32(1), end - 1)
+  bounds = tuple(bounds)
+  k_row = jnp.asarray(np.asarray(quota, np.int64), jnp.int32)
+  cap_row = jnp.asarray(np.asarray(caps, np.int64), jnp.int32)
+  zeros = lax.optimization_barrier(jnp.zeros((length,), jnp.int32))
+  row = jnp.cumsum(zeros.at[jnp.asarray(
+    np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1), dtype=jnp.int32)
+
+  def pack(mask):
+    m = jnp.pad(mask.astype(jnp.uint32), (0, (-length) % 32))
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
+                      lax.bitwise_or, (1,))
+
+  def count(t):
+    return segment_counts(pack(bits >= t[row]), bounds)
+
+  def active(c):
+    _, lo, hi, n_sel, _, r = c
+    return ((n_sel < k_row) | (n_sel > cap_row)) & (hi - lo > 1) & (r < 80)
+
+  def body(c):
+    t, lo, hi, n_sel, step, r = c
+    on = active(c)
+    many = n_sel > cap_row
+    lo2 = jnp.where(many, t, lo)
+    hi2 = jnp.where(many, hi, t)
+    bracketed = (lo2 > 0) & (hi2 < end)
+    up = jnp.minimum(t + step, (t + hi2) // 2 + (hi2 - t) % 2)
+    down = jnp.where(t > step, t - step, lo2 + (t - lo2) // 2)
+    t2 = jnp.where(bracketed, lo2 + (hi2 - lo2) // 2,
+                   jnp.where(many, up, down))
+    t2 = jnp.clip(t2, lo2 + 1, hi2 - 1)
+    new = (t2, lo2, hi2, count(t2), jnp.minimum(step * 2, u32(1 << 30)),
+           r + 1)
+    return tuple(jnp.where(on, a, b) for a, b in zip(new, c))
+
+  zero = t0 * u32(0)             # typed like t0 (varying inside shard_map)
+  init = (t0, zero, zero + end, count(t0), zero + u32(1 << 20),
+          zero.astype(jnp.int32))
+  t, lo, hi, n_sel, _, _ = lax.while_loop(lambda c: jnp.any(active(c)),
+                                          body, init)
+  ok = (n_sel >= k_row) & (n_sel <= cap_row)
+  t_above = jnp.where(ok, t, hi)
+  t_equal = jnp.where(ok, u32(0xFFFFFFFF), lo)
+  va, ia, _ = compact_segments(x, pack(bits >= t_above[row]), bounds,
+                               tuple(caps))
+  ve, ie, _ = compact_segments(x, pack(bits == t_equal[row]), bounds,
+                               tuple(quota))
+  out, ra, re_ = [], 0, 0
+  for _, count, size, k in groups:
+    cap = min(bracket_capacity(k), size)
+    vals = jnp.concatenate(
+      [va[ra:ra + count * cap].reshape(count, cap),
+       ve[re_:re_ + count * k].reshape(count, k)], axis=1)
+    idx = jnp.concatenate(
+      [ia[ra:ra + count * cap].reshape(count, cap),
+       ie[re_:re_ + count * k].reshape(count, k)], axis=1)
+    ra += count * cap
+    re_ += count * k
+    key = lax.bitcast_convert_type(jnp.abs(vals).astype(jnp.float32),
+                                   jnp.int32)
+    key = jnp.where(idx < length, key, -1)
+    _, p = lax.top_k(key, k)
+    out.append((jnp.take_along_axis(vals, p, axis=1),
+                jnp.take_along_axis(idx, p, axis=1)))
+  return out
+
+
 def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
              use_kernel: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """The ``k`` entries of ``x`` of largest magnitude (exact).

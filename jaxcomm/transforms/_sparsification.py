@@ -42,6 +42,7 @@ import numpy as np
 from jaxcomm import _compressor
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
+from jaxcomm.kernels import _dispatch as _topk_dispatch
 from jaxcomm.kernels import topk as _topk
 
 _GRANULARITIES = ("leaf", "model")
@@ -159,9 +160,23 @@ def _sparse_exchange(idx, val, segs, ctx):
 # -------------------------------------------------------------- top-k ----
 
 def _local_topk(x, segs, ratio):
-  """Each segment's k largest ``|x|``: per group ``[count, k]`` pairs."""
-  sel = [_topk_rows(v, num_selected(ratio, s.size))
-         for v, s in zip(_views(x, segs), segs)]
+  """Each segment's k largest ``|x|``: per group ``[count, k]`` pairs.
+
+  Where the jnp top-k is the bracketed search (GPU) and some segment has
+  ``k`` in its range, all segments search together
+  (:func:`jaxcomm.kernels.topk.topk_abs_segments`); otherwise each group
+  takes the dispatched :func:`jaxcomm.kernels.topk_abs`, batched.
+  """
+  ks = [num_selected(ratio, s.size) for s in segs]
+  if _topk_dispatch.mode() != "always" and any(
+      _topk_dispatch.auto_bracketed_topk(jax.default_backend(), k)
+      and _topk.bracket_pays(k, s.size) for k, s in zip(ks, segs)):
+    sel = _topk.topk_abs_segments(
+      x, [(s.offset, s.count, s.size, k) for s, k in zip(segs, ks)])
+    return ([jnp.where(i < x.shape[0], i - (s.offset + jnp.arange(
+      s.count, dtype=jnp.int32)[:, None] * s.size), s.size)
+             for (_, i), s in zip(sel, segs)], [v for v, _ in sel])
+  sel = [_topk_rows(v, k) for v, k in zip(_views(x, segs), ks)]
   return [i for _, i in sel], [v for v, _ in sel]
 
 
