@@ -234,11 +234,8 @@ def bracket_pays(k: int, length: int) -> bool:
   return 4 * bracket_capacity(k) < int(length)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sample_size",
-                                             "max_rounds"))
-def topk_abs_bracketed(x: jax.Array, k: int, *,
-                       sample_size: int | None = None,
-                       max_rounds: int = 80) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("k",))
+def topk_abs_bracketed(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Exact top-k of ``|x|`` through a threshold: bracket, compact, top-k.
 
   The order of ``|x|`` is the order of its float32 bit patterns (sign
@@ -252,7 +249,7 @@ def topk_abs_bracketed(x: jax.Array, k: int, *,
      sample hits (a standard deviation of ~9% of the count) the first
      ``t`` is almost always inside: one pass.
   3. The entries ``>= t`` compacted in index order
-     (:func:`compact_from_mask`, capacity ``2k + 64``) and ``lax.top_k`` of
+     (:func:`compact_segments`, capacity ``2k + 64``) and ``lax.top_k`` of
      those few candidates.
 
   Ties that no threshold can split (say, more than ``k + 64`` zeros when
@@ -261,17 +258,15 @@ def topk_abs_bracketed(x: jax.Array, k: int, *,
   first entries equal to ``lo`` by index are the candidates. Either way
   the result is :func:`topk_abs_reference`'s, index for index: decreasing
   ``|x|``, lower index first among ties. Without selection to gain
-  (:func:`bracket_pays` false) it is ``lax.top_k``.
+  (:func:`bracket_pays` false) it is ``lax.top_k``. This is
+  :func:`topk_abs_segments` with one segment.
 
-  Works under ``vmap`` (rows of a bucket): the loop runs until every row
-  is done. NaN inputs give unspecified results (as the reference).
+  Works under ``vmap``. NaN inputs give unspecified results (as the
+  reference).
 
   Args:
     x: a floating array of any shape, read flattened (length ``L``).
     k: how many entries (static, ``1 <= k <= L``).
-    sample_size: the sample's size (static; default as in step 1).
-    max_rounds: bound on the search's passes (static; 80 covers the
-      exponential search and a full 32-bit bisection).
 
   Returns:
     As :func:`topk_abs_reference`.
@@ -281,66 +276,17 @@ def topk_abs_bracketed(x: jax.Array, k: int, *,
   k = _check_k(k, length)
   if not bracket_pays(k, length):
     return topk_abs_reference(x, k)
-  cap = bracket_capacity(k)
-  target = (k + cap) // 2
-  bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32),
-                                  jnp.uint32)
-  s = sample_size or min(length, max(4096, math.ceil(128 * length / target)))
-  s = max(1, min(int(s), length))
-  kp = min(s, max(1, round(target * s / length)))
-  pos = jax.random.randint(jax.random.PRNGKey(0), (s,), 0, length)
-  t0 = jnp.sort(bits[pos])[s - kp]
+  values, indices = topk_abs_segments(x, [(0, 1, length, k)])[0]
+  return values[0], indices[0]
 
-  u32 = lambda v: jnp.asarray(v, jnp.uint32)
-  end = u32(_ABS_BITS_END)
 
-  def count(t):
-    return jnp.sum(bits >= t, dtype=jnp.int32)
-
-  def cond(c):
-    t, lo, hi, n_sel, step, r = c
-    del t, step
-    return (((n_sel < k) | (n_sel > cap)) & (hi - lo > 1)
-            & (r < max_rounds))
-
-  def body(c):
-    t, lo, hi, n_sel, step, r = c
-    many = n_sel > cap                       # t too low
-    lo = jnp.where(many, t, lo)
-    hi = jnp.where(many, hi, t)
-    bracketed = (lo > 0) & (hi < end)
-    up = jnp.minimum(t + step, (t + hi) // 2 + (hi - t) % 2)
-    down = jnp.where(t > step, t - step, lo + (t - lo) // 2)
-    t = jnp.where(bracketed, lo + (hi - lo) // 2,
-                  jnp.where(many, up, down))
-    t = jnp.clip(t, lo + 1, hi - 1)
-    return t, lo, hi, count(t), jnp.minimum(step * 2, u32(1 << 30)), r + 1
-
-  t0 = jnp.clip(t0, u32(1), end - 1)
-  zero = t0 * u32(0)             # typed like t0 (varying inside shard_map)
-  init = (t0, zero, zero + end, count(t0), zero + u32(1 << 20),
-          zero.astype(jnp.int32))
-  t, lo, hi, n_sel, _, _ = lax.while_loop(cond, body, init)
-  ok = (n_sel >= k) & (n_sel <= cap)
-  # Untied: one set (>= t). Tied: all >= hi, then the first == lo by index.
-  t_above = jnp.where(ok, t, hi)
-  t_equal = jnp.where(ok, u32(0xFFFFFFFF), lo)     # never equal when ok
-
-  def pack(mask):
-    m = jnp.pad(mask.astype(jnp.uint32), (0, (-length) % 32))
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
-                      lax.bitwise_or, (1,))
-
-  va, ia, _ = compact_from_mask(x, pack(bits >= t_above), cap)
-  ve, ie, _ = compact_from_mask(x, pack(bits == t_equal), k)
-  vals = jnp.concatenate([va, ve])
-  idx = jnp.concatenate([ia, ie])
-  key = lax.bitcast_convert_type(jnp.abs(vals).astype(jnp.float32),
-                                 jnp.int32)
-  key = jnp.where(idx < length, key, -1)
-  _, p = lax.top_k(key, k)
-  return vals[p], idx[p]
+def pack_mask(mask: jax.Array) -> jax.Array:
+  """A flat bool mask packed into ``uint32`` words (bitpack's bit order,
+  zero padding bits)."""
+  m = jnp.pad(mask.astype(jnp.uint32), (0, (-mask.shape[0]) % 32))
+  shifts = jnp.arange(32, dtype=jnp.uint32)
+  return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
+                    lax.bitwise_or, (1,))
 
 
 def topk_abs_segments(x: jax.Array, groups) -> list:
@@ -391,14 +337,8 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   row = jnp.cumsum(zeros.at[jnp.asarray(
     np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1), dtype=jnp.int32)
 
-  def pack(mask):
-    m = jnp.pad(mask.astype(jnp.uint32), (0, (-length) % 32))
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
-                      lax.bitwise_or, (1,))
-
   def count(t):
-    return segment_counts(pack(bits >= t[row]), bounds)
+    return segment_counts(pack_mask(bits >= t[row]), bounds)
 
   def active(c):
     _, lo, hi, n_sel, _, r = c
@@ -428,9 +368,9 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   ok = (n_sel >= k_row) & (n_sel <= cap_row)
   t_above = jnp.where(ok, t, hi)
   t_equal = jnp.where(ok, u32(0xFFFFFFFF), lo)
-  va, ia, _ = compact_segments(x, pack(bits >= t_above[row]), bounds,
+  va, ia, _ = compact_segments(x, pack_mask(bits >= t_above[row]), bounds,
                                tuple(caps))
-  ve, ie, _ = compact_segments(x, pack(bits == t_equal[row]), bounds,
+  ve, ie, _ = compact_segments(x, pack_mask(bits == t_equal[row]), bounds,
                                tuple(quota))
   out, ra, re_ = [], 0, 0
   for _, count, size, k in groups:

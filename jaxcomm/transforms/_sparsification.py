@@ -577,14 +577,6 @@ def sampled_select(x: jax.Array, k: int, key, sample_size: int,
   return vals, idx, n_sel, t
 
 
-def _pack_mask(mask: jax.Array) -> jax.Array:
-  """A flat bool mask packed into uint32 words (bitpack's bit order)."""
-  m = jnp.pad(mask.astype(jnp.uint32), (0, (-mask.shape[0]) % 32))
-  shifts = jnp.arange(32, dtype=jnp.uint32)
-  return jax.lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
-                        jax.lax.bitwise_or, (1,))
-
-
 def _sampled_select_bucket(x, layout, density, key, sample_ratio,
                            max_rounds):
   """:func:`sampled_select` for every leaf of the bucket in one program.
@@ -629,7 +621,7 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
     return mag >= t[row]
 
   def count(t):
-    return _topk.segment_counts(_pack_mask(above(t)), bounds)
+    return _topk.segment_counts(_topk.pack_mask(above(t)), bounds)
 
   def active(c):
     _, _, _, n_sel, r = c
@@ -653,7 +645,7 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   t = jax.lax.while_loop(lambda c: jnp.any(active(c)), body, init)[0]
   caps = [dgc_capacity(k, s.size) for k, s in zip(ks, segs)]
   vals, gi, _ = _topk.compact_segments(
-    x, _pack_mask(above(t)), bounds,
+    x, _topk.pack_mask(above(t)), bounds,
     tuple(c for c, s in zip(caps, segs) for _ in range(s.count)))
   total = layout.size
   out_i, out_v, start = [], [], 0
