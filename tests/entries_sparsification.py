@@ -180,13 +180,40 @@ registry.register(registry.Entry(
 
 # ----------------------------------------------------------------- DGC ----
 
-def dgc_select_ref(x, k, key, sample_ratio, density, max_rounds=10):
-  """DGC's sampled threshold selection (numpy); returns (indices, count)."""
+def _dgc_sample_size(size, sample_ratio, density):
+  s = min(math.ceil(sample_ratio * size), math.ceil(100 / density))
+  return min(size, max(s, math.ceil(2 / density)))
+
+
+def dgc_bucket_sample_ref(key, sizes, sample_ratio, density):
+  """Per leaf, the positions DGC's bucket selection samples: one
+  ``randint(key, (S,), 0, m)`` for all leaves (``m`` = the leaf size of
+  each slot, leaves in order), a leaf taking ``s_j`` consecutive slots, or
+  all of its positions where ``s_j`` is the whole leaf."""
+  ss = [_dgc_sample_size(n, sample_ratio, density) for n in sizes]
+  maxval = np.repeat(np.asarray(sizes, np.int32), ss)
+  drawn = np.asarray(jax.random.randint(key, (int(sum(ss)),), 0,
+                                        jnp.asarray(maxval), jnp.int32))
+  out, start = [], 0
+  for s, n in zip(ss, sizes):
+    out.append(np.arange(n) if s == n else drawn[start:start + s])
+    start += s
+  return out
+
+
+def dgc_select_ref(x, k, key, sample_ratio, density, max_rounds=10,
+                   sample=None):
+  """DGC's sampled threshold selection (numpy); returns (indices, count).
+
+  ``sample``: the sampled positions (default: ``randint(key, (s,), 0,
+  L)``, or all of ``x`` when ``s = L``)."""
   size = x.size
   a = np.abs(x)
-  s = min(math.ceil(sample_ratio * size), math.ceil(100 / density))
-  s = min(size, max(s, math.ceil(2 / density)))
-  if s == size:
+  s = _dgc_sample_size(size, sample_ratio, density)
+  if sample is not None:
+    sample = a[np.asarray(sample)]
+    s = sample.size
+  elif s == size:
     sample = a
   else:
     sample = a[np.asarray(jax.random.randint(key, (s,), 0, size))]
@@ -232,14 +259,16 @@ def _dgc_ref(momentum, clip_norm, steps_per_stage, sample_ratio,
       u = [momentum * ui + y for ui, y in zip(state["u"][i], g)]
       v = [vi + ui for vi, ui in zip(state["v"][i], u)]
       s_dev = []
+      samples = dgc_bucket_sample_ref(key, [vj.size for vj in v],
+                                      sample_ratio, density)
       for j, vj in enumerate(v):
         flat = vj.ravel()
         k = _k(density, flat.size)
         if exact:
           idx = _largest(np.abs(flat), k)
         else:
-          idx, _ = dgc_select_ref(flat, k, jax.random.fold_in(key, j),
-                                  sample_ratio, density)
+          idx, _ = dgc_select_ref(flat, k, None, sample_ratio, density,
+                                  sample=samples[j])
         s = np.zeros_like(flat)
         s[idx] = flat[idx]
         s_dev.append(s.reshape(vj.shape))

@@ -577,45 +577,78 @@ def sampled_select(x: jax.Array, k: int, key, sample_size: int,
   return vals, idx, n_sel, t
 
 
+def dgc_bucket_sample(key, sizes, density: float, sample_ratio: float):
+  """Where DGC's bucket selection samples: per leaf, ``s_j =
+  dgc_sample_size(density, L_j, sample_ratio)`` positions, all leaves in
+  one draw.
+
+  Leaf ``j`` takes slots ``[S_j, S_j + s_j)`` of ``jax.random.randint(key,
+  (S,), 0, m)`` (``S = sum_j s_j``, ``m`` the slot's leaf size ``L_j``:
+  uniform positions with replacement), or, where ``s_j = L_j``, its own
+  positions ``0 .. L_j - 1`` (the whole leaf). Static ``sizes`` (bucket
+  order); returns ``(positions int32[S], sample sizes)``.
+  """
+  ss = [dgc_sample_size(density, int(n), sample_ratio) for n in sizes]
+  ends = np.cumsum(ss)
+  total = int(ends[-1])
+  slot = jnp.arange(total, dtype=jnp.int32)
+  row = jnp.searchsorted(jnp.asarray(ends, jnp.int32), slot,
+                         side="right").astype(jnp.int32)
+  size = jnp.asarray(np.asarray(sizes, np.int64), jnp.int32)[row]
+  local = slot - jnp.asarray(ends - np.asarray(ss), jnp.int32)[row]
+  full = jnp.asarray(np.asarray([s == n for s, n in zip(ss, sizes)]))[row]
+  drawn = jax.random.randint(key, (total,), 0, size, jnp.int32)
+  return jnp.where(full, local, drawn), ss
+
+
 def _sampled_select_bucket(x, layout, density, key, sample_ratio,
                            max_rounds):
-  """:func:`sampled_select` for every leaf of the bucket in one program.
+  """DGC's sampled selection (:func:`sampled_select`) of every leaf of the
+  bucket, in one program whatever the number of leaves.
 
-  Per leaf (row), as :func:`sampled_select`: a sampled threshold, the
-  adjustment rounds, the first ``ceil(1.3 k)`` entries above it by index,
-  cut to the ``k`` largest. All rows adjust in one loop (a row whose count
-  is within bounds stops changing, as under ``vmap``) and are compacted by
-  one :func:`jaxcomm.kernels.topk.compact_segments`; per group of equal
-  shapes remain only the sample's top-k, the count and the final cut.
+  Per leaf: the threshold ``t`` = the ``ceil(k s / L)``-th largest ``|x|``
+  of its sample (:func:`dgc_bucket_sample`: one draw for all leaves); the
+  adjustment rounds of :func:`sampled_select` (all leaves in one loop; a
+  leaf whose count is within bounds stops changing); its first
+  ``ceil(1.3 k)`` entries ``>= t`` by index (one
+  :func:`jaxcomm.kernels.topk.compact_segments`), cut to the ``k`` of
+  largest magnitude (lower index first among ties), in index order. The
+  sample's order statistics and the cut are one sort each over all
+  leaves.
 
   Returns:
     ``(indices, values)``: bucket positions (``layout.size``: unused) and
-    values, ``sum_j k_j`` pairs.
+    values, ``sum_j k_j`` pairs, leaf by leaf.
   """
-  segs = _segments(layout)
-  views = _views(x, segs)
-  ks = [num_selected(density, s.size) for s in segs]
-  t0 = []
-  for v, s, k in zip(views, segs, ks):
-    ss = dgc_sample_size(density, s.size, sample_ratio)
-    t0.append(jax.vmap(lambda row, kk, k=k, ss=ss: _topk.sampled_threshold(
-      row, k, kk, ss))(v, _row_keys(key, s.ids)))
-  t0 = jnp.concatenate(t0)
-  rows_k = np.repeat(np.asarray(ks, np.float64),
-                     [s.count for s in segs])
+  bounds, sizes = _leaf_rows(layout)
+  nrows = len(sizes)
+  ks = [num_selected(density, n) for n in sizes]
+  starts = np.asarray(bounds[:-1], np.int64)
+  mag = jnp.abs(x).astype(jnp.float32)
+  # Thresholds: each leaf's sample sorted by (leaf, -|x|) in one sort.
+  pos, ss = dgc_bucket_sample(key, sizes, density, sample_ratio)
+  send = np.cumsum(ss)
+  srow = jnp.searchsorted(jnp.asarray(send, jnp.int32),
+                          jnp.arange(int(send[-1]), dtype=jnp.int32),
+                          side="right").astype(jnp.int32)
+  svals = mag[jnp.asarray(starts, jnp.int32)[srow] + pos]
+  _, svals = jax.lax.sort((srow, -svals), num_keys=2)
+  kps = [min(s, max(1, math.ceil(k * s / n))) for s, k, n in
+         zip(ss, ks, sizes)]
+  t0 = -svals[jnp.asarray(send - np.asarray(ss) + np.asarray(kps) - 1,
+                          jnp.int32)]
+  rows_k = np.asarray(ks, np.float64)
   hi_bound = jnp.asarray(1.3 * rows_k, jnp.float32)
   lo_bound = jnp.asarray(0.8 * rows_k, jnp.float32)
-  bounds, _ = _leaf_rows(layout)
   # Each element's row, once (a cumulative sum of row starts): every round
   # is then one pass over the bucket whatever the number of rows.
   # (Behind an optimization barrier: XLA would otherwise fold the whole
   # constant row array at compile time, a minute for ResNet-18's 11M.)
   zeros = jax.lax.optimization_barrier(
     jnp.zeros((layout.size,), jnp.int32))
-  starts = zeros.at[
+  starts_mark = zeros.at[
     jnp.asarray(np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1)
-  row = jnp.cumsum(starts, dtype=jnp.int32)
-  mag = jnp.abs(x).astype(jnp.float32)
+  row = jnp.cumsum(starts_mark, dtype=jnp.int32)
 
   def above(t):
     return mag >= t[row]
@@ -643,25 +676,30 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   zero = t0 * 0.0                           # (typed as t0 under shard_map)
   init = (t0, zero, zero + jnp.inf, count(t0), zero.astype(jnp.int32))
   t = jax.lax.while_loop(lambda c: jnp.any(active(c)), body, init)[0]
-  caps = [dgc_capacity(k, s.size) for k, s in zip(ks, segs)]
-  vals, gi, _ = _topk.compact_segments(
-    x, _topk.pack_mask(above(t)), bounds,
-    tuple(c for c, s in zip(caps, segs) for _ in range(s.count)))
+  caps = [dgc_capacity(k, n) for k, n in zip(ks, sizes)]
+  vals, gi, _ = _topk.compact_segments(x, _topk.pack_mask(above(t)),
+                                       bounds, tuple(caps))
+  # The cut, every leaf at once: sort the candidates by (leaf, -|v|,
+  # index), keep each leaf's first k, sort the kept back by (leaf, index)
+  # and read each leaf's first k slots.
   total = layout.size
-  out_i, out_v, start = [], [], 0
-  for s, k, cap in zip(segs, ks, caps):
-    gv = vals[start:start + s.count * cap].reshape(s.count, cap)
-    gg = gi[start:start + s.count * cap].reshape(s.count, cap)
-    start += s.count * cap
-    if cap > k:
-      # Unused slots hold value 0 and the sentinel: they rank last.
-      _, pos = jax.lax.top_k(jnp.where(gg < total, jnp.abs(gv), -1.0), k)
-      pos = jnp.sort(pos, axis=1)
-      gv = jnp.take_along_axis(gv, pos, axis=1)
-      gg = jnp.take_along_axis(gg, pos, axis=1)
-    out_i.append(gg.reshape(-1))
-    out_v.append(gv.reshape(-1))
-  return jnp.concatenate(out_i), jnp.concatenate(out_v)
+  cend = np.cumsum(caps)
+  crow = jnp.searchsorted(jnp.asarray(cend, jnp.int32),
+                          jnp.arange(int(cend[-1]), dtype=jnp.int32),
+                          side="right").astype(jnp.int32)
+  real = gi < total
+  neg = jnp.where(real, -jnp.abs(vals), 1.0)    # unused slots rank last
+  crow, _, gi, vals = jax.lax.sort((crow, neg, gi, vals), num_keys=3)
+  rank = jnp.arange(int(cend[-1]), dtype=jnp.int32) - jnp.asarray(
+    cend - np.asarray(caps), jnp.int32)[crow]
+  keep = rank < jnp.asarray(np.asarray(ks, np.int64), jnp.int32)[crow]
+  order_key = jnp.where(keep, gi, total + 1)
+  _, gi, vals = jax.lax.sort((crow, order_key, vals), num_keys=2)
+  take = np.concatenate([c0 + np.arange(k) for c0, k in
+                         zip(cend - np.asarray(caps), ks)]) if nrows else \
+    np.zeros((0,), np.int64)
+  take = jnp.asarray(take, jnp.int32)
+  return gi[take], vals[take]
 
 
 def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
