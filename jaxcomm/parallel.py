@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.collectives import _core
+from jaxcomm.collectives import _signs
 
 # ----------------------------------------------------------------- meshes --
 
@@ -327,38 +328,65 @@ def pmap_replicate(tree, devices=None):
 # ----------------------------------------------------- resizing the state --
 
 _ADDITIVE_FIELDS = ("residual", "server_error", "worker_error")
+# Additive leaves whose row k is read only on device k's chunk of the
+# flattened buffer (onebit's server error: chunk_length(L, n) elements).
+_CHUNK_OWNED_FIELDS = ("server_error",)
 
 
-def _additive_paths(state) -> list[bool]:
-  """For each leaf: does it hold error-feedback mass (summed on resize)?"""
+def _additive_paths(state) -> list:
+  """For each leaf: ``False``, or ``"sum"`` for error-feedback mass
+  (summed or split on resize), or ``"owned"`` for mass that device ``k``
+  keeps on its own chunk only (re-chunked on resize)."""
   flags = []
 
-  def visit(x, additive):
+  def visit(x, kind):
     if hasattr(x, "_fields"):
       for name, y in zip(x._fields, x):
-        visit(y, additive or name in _ADDITIVE_FIELDS)
+        sub = kind
+        if name in _CHUNK_OWNED_FIELDS:
+          sub = "owned"
+        elif name in _ADDITIVE_FIELDS and not kind:
+          sub = "sum"
+        visit(y, sub)
     elif isinstance(x, (tuple, list)):
       for y in x:
-        visit(y, additive)
+        visit(y, kind)
     elif isinstance(x, dict):
       for k in sorted(x):
-        visit(x[k], additive)
+        visit(x[k], kind)
     elif x is None:
       return
     else:
-      flags.append(additive)
+      flags.append(kind)
 
   visit(state, False)
   return flags
+
+
+def _rechunk(x: np.ndarray, new: int) -> np.ndarray:
+  """Chunk-owned rows ``[old, L]`` -> ``[new, L]``: the total over the old
+  rows, each element given to the device whose chunk now holds it
+  (``collectives._signs.chunk_length(L, new)`` elements per device), so
+  that every element is read again and none is counted twice."""
+  total = x.sum(axis=0)
+  length = total.shape[-1]
+  c = _signs.chunk_length(length, new)
+  out = np.zeros((new,) + total.shape, x.dtype)
+  for k in range(new):
+    out[k, ..., k * c:(k + 1) * c] = total[..., k * c:(k + 1) * c]
+  return out
 
 
 def resize_state(state, layout, num_devices: int):
   """Moves a laid-out state (host arrays) to ``num_devices`` devices.
 
   Error-feedback mass is conserved: residual-like leaves (fields named
-  ``residual``, ``server_error`` or ``worker_error``) are summed over groups
-  of old devices when shrinking and split evenly when growing, so the total
-  residual is unchanged. Other per-device leaves (local momenta, statistics)
+  ``residual`` or ``worker_error``) are summed over groups of old devices
+  when shrinking and split evenly when growing, so the total residual is
+  unchanged. A ``server_error`` (onebit's) is owned by chunks: device ``k``
+  reads only its chunk of it, whose bounds depend on the device count, so
+  its total is re-cut into the new devices' chunks (every element lands
+  where its new owner reads it). Other per-device leaves (local momenta, statistics)
   are averaged over groups, or copied when growing. Replicated leaves are
   unchanged.
 
@@ -383,6 +411,8 @@ def resize_state(state, layout, num_devices: int):
     new = num_devices
     if old == new:
       out.append(x)
+    elif add == "owned" and (old % new == 0 or new % old == 0):
+      out.append(_rechunk(x, new))
     elif old % new == 0:
       g = x.reshape((new, old // new) + x.shape[1:])
       out.append(g.sum(axis=1) if add else g.mean(axis=1).astype(x.dtype))

@@ -115,6 +115,28 @@ def test_onebit_server_error_lives_on_the_chunk_owner(mesh):
     assert np.any(err[k][~outside] != 0)
 
 
+@pytest.mark.parametrize("new", (2, 4, 16))
+def test_onebit_server_error_resize_lands_on_the_new_owners(mesh, new):
+  # Resizing 8 -> new devices keeps the total server error, and every
+  # element of it sits in the chunk its new owner reads (chunk bounds
+  # depend on the device count), none elsewhere.
+  tx = jaxcomm.onebit()
+  _, state, layout = harness.device_run(tx, mesh, harness.make_grads(2, 2))
+  old = np.asarray(entries_quantization.codec_state(state).server_error)
+  resized = parallel.resize_state(state, layout, new)
+  err = np.asarray(entries_quantization.codec_state(resized).server_error)
+  length = old.shape[1]
+  assert err.shape == (new, length)
+  np.testing.assert_allclose(err.sum(axis=0), old.sum(axis=0), rtol=1e-6,
+                             atol=1e-6)
+  c = _signs.chunk_length(length, new)
+  for k in range(new):
+    inside = np.zeros(length, bool)
+    inside[k * c:(k + 1) * c] = True
+    assert np.all(err[k][~inside] == 0)
+    np.testing.assert_array_equal(err[k][inside], old.sum(axis=0)[inside])
+
+
 # ------------------------------------------------------------------ wire --
 
 

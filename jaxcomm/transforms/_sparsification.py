@@ -770,7 +770,9 @@ def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
     ``ratio`` (0: no warm-up).
 
   Selection per leaf (``k = max(1, ceil(density * L))``) uses the sampled
-  threshold of :func:`sampled_select` (``exact=False``) or exact top-k.
+  threshold of :func:`sampled_select` (``exact=False``; the samples of all
+  leaves come from one draw, :func:`dgc_bucket_sample`, and all leaves are
+  selected together) or exact top-k.
 
   Departs from the paper in the exchange of the warm-up: message sizes must
   be static, so each stage has its own exchange (capacity sized for that
