@@ -386,9 +386,9 @@ def resize_state(state, layout, num_devices: int):
   unchanged. A ``server_error`` (onebit's) is owned by chunks: device ``k``
   reads only its chunk of it, whose bounds depend on the device count, so
   its total is re-cut into the new devices' chunks (every element lands
-  where its new owner reads it). Other per-device leaves (local momenta, statistics)
-  are averaged over groups, or copied when growing. Replicated leaves are
-  unchanged.
+  where its new owner reads it). Other per-device leaves (local momenta,
+  statistics) are averaged over groups, or copied when growing. Replicated
+  leaves are unchanged.
 
   Args:
     state: the state as host (numpy) arrays, e.g. from a checkpoint.
