@@ -208,7 +208,7 @@ class Spec:
     for lay in self.layouts(params):
       arg = lay if self.codec.flat else list(lay.shapes)
       out.extend(self.codec.wire(arg, n))
-    dense = sum(int(l.size) for l in _policy.select(leaves, paths,
+    dense = sum(_policy.real_size(l) for l in _policy.select(leaves, paths,
                                                     _policy.DENSE))
     # The fused dense psum always carries one extra float32: the flag that
     # tells every device whether some device saw a non-finite value.
@@ -251,6 +251,23 @@ def safe_norm(xs) -> jax.Array:
   safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
   total = sum(jnp.sum(jnp.square(x / safe)) for x in xs)
   return jnp.where(m > 0, safe * jnp.sqrt(total), m)
+
+
+def _as_real(x: jax.Array) -> jax.Array:
+  """A dense leaf as float32 values for the fused psum: complex leaves as
+  interleaved (real, imaginary) pairs."""
+  if _policy.is_complex(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).astype(
+      jnp.float32).reshape(-1)
+  return jnp.ravel(x).astype(jnp.float32)
+
+
+def _from_real(flat: jax.Array, like: jax.Array) -> jax.Array:
+  """Inverse of :func:`_as_real` in ``like``'s shape and dtype."""
+  if _policy.is_complex(like):
+    pairs = flat.reshape(tuple(like.shape) + (2,))
+    return jax.lax.complex(pairs[..., 0], pairs[..., 1]).astype(like.dtype)
+  return flat.reshape(like.shape).astype(like.dtype)
 
 
 def _apply_codec(codec: Codec, layout, x, state, ctx):
@@ -356,7 +373,7 @@ def compressed(
     # One flat float32 buffer per bucket (equal shapes side by side).
     g = [_buckets.flatten([leaves[comp[j]] for j in lay.leaves])
          for lay in layouts]
-    dense = _buckets.flatten([leaves[i] for i in dense_idx])
+    dense = _buckets.flatten([_as_real(leaves[i]) for i in dense_idx])
     local_bad = jnp.zeros([], bool)
     for x in g + [dense]:
       if x.size:
@@ -475,9 +492,8 @@ def compressed(
       dense_mean = jnp.where(any_bad, nan, dense_mean)
       offset = 0
       for i in dense_idx:
-        size = leaves[i].size
-        out[i] = dense_mean[offset:offset + size].reshape(
-          leaves[i].shape).astype(leaves[i].dtype)
+        size = _policy.real_size(leaves[i])
+        out[i] = _from_real(dense_mean[offset:offset + size], leaves[i])
         offset += size
 
     new_state = CompressState(

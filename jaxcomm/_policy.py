@@ -4,7 +4,8 @@ Every compressor routes each leaf of the gradient pytree to one of three
 paths:
 
 * ``COMPRESS`` — floating leaves the policy and the compressor accept;
-* ``DENSE``    — other floating leaves: all of them travel in one fused dense
+* ``DENSE``    — other floating leaves, and complex ones (as their real and
+  imaginary parts): all of them travel in one fused dense
   psum (tensor fusion), never one collective each;
 * ``SKIP``     — non-floating leaves (ints, bools, float0): passed through
   untouched and never communicated.
@@ -35,6 +36,19 @@ def is_float(x) -> bool:
   if dtype == jax.dtypes.float0:
     return False
   return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def is_complex(x) -> bool:
+  """Complex leaves are averaged densely (as their real and imaginary
+  parts), never compressed."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and bool(jnp.issubdtype(dtype,
+                                                   jnp.complexfloating))
+
+
+def real_size(x) -> int:
+  """Float32 elements a dense leaf takes in the fused psum (complex: 2)."""
+  return int(x.size) * (2 if is_complex(x) else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +107,9 @@ class LeafPolicy:
       mask = [bool(b) for b in mask_leaves]
     out = []
     for leaf, keep in zip(leaves, mask):
-      if not is_float(leaf):
+      if is_complex(leaf):
+        out.append(DENSE)
+      elif not is_float(leaf):
         out.append(SKIP)
       elif (keep and leaf.size >= max(self.min_size, 1)
             and leaf.ndim >= self.min_ndim and accepts(tuple(leaf.shape))):

@@ -286,6 +286,13 @@ class DataParallel:
     (plain host arrays are sharded here)."""
     if self.layout is None:
       raise ValueError("call DataParallel.init(params) before step()")
+    for name, tree in (("params", params), ("state", state)):
+      if any(isinstance(x, jax.Array) and x.is_deleted()
+             for x in jax.tree.leaves(tree)):
+        raise ValueError(
+          f"{name} holds buffers donated to an earlier step (DataParallel "
+          "donates params and state by default): pass the params and state "
+          "that step returned, or build DataParallel(..., donate=False)")
     if self._step is None:
       self._step = self._build()
     if not all(isinstance(x, jax.Array) and len(x.devices()) > 1

@@ -185,3 +185,32 @@ def test_stats_are_found_in_a_chain():
   state = tx.init({"w": jnp.zeros((3,))})
   found = jaxcomm.stats(state)
   assert len(found) == 1 and int(found[0].nonfinite_steps) == 0
+
+
+@pytest.mark.parametrize("make", [jaxcomm.mean_gradients,
+                                  lambda: jaxcomm.topk(0.1)],
+                         ids=["mean_gradients", "topk"])
+def test_complex_leaves_are_averaged_under_pmap(make):
+  # A complex leaf is never compressed: its real and imaginary parts travel
+  # in the fused dense psum, so every device gets the mean over devices
+  # (numpy's), in its own dtype; the float leaf beside it is unaffected.
+  n = jax.device_count()
+  rng = np.random.default_rng(0)
+  z = (rng.standard_normal((n, 3, 5))
+       + 1j * rng.standard_normal((n, 3, 5))).astype(np.complex64)
+  w = rng.standard_normal((n, 400)).astype(np.float32)
+  params = {"w": jnp.zeros((400,), jnp.float32),
+            "z": jnp.zeros((3, 5), jnp.complex64)}
+  tx = make()
+  assert jaxcomm.spec_of(tx).paths(params)[1] == "dense"     # z
+  state = jax.pmap(lambda _: tx.init(params), axis_name="data")(
+    jnp.arange(n))
+  upd, _ = jax.pmap(lambda g, s: tx.update(g, s), axis_name="data")(
+    {"w": w, "z": z}, state)
+  assert upd["z"].dtype == jnp.complex64
+  for i in range(n):
+    np.testing.assert_allclose(np.asarray(upd["z"][i]), z.mean(axis=0),
+                               rtol=1e-5, atol=1e-6)
+  if make is jaxcomm.mean_gradients:
+    np.testing.assert_allclose(np.asarray(upd["w"][0]), w.mean(axis=0),
+                               rtol=1e-5, atol=1e-6)

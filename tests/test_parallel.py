@@ -197,3 +197,19 @@ def test_bad_arguments():
     jaxcomm.cast(policy="big")
   with pytest.raises(ValueError, match="min_size"):
     jaxcomm.LeafPolicy(min_size=-1)
+
+
+def test_reusing_donated_buffers_is_a_clear_error(mesh):
+  # DataParallel donates params and state: stepping again from the old
+  # ones is refused in Python (jaxlib would crash the process).
+  tx = optax.chain(jaxcomm.topk(0.5), optax.sgd(0.1))
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  params, state = dp.init(_params())
+  new_params, new_state, _ = dp.step(params, state, _batch(0))
+  jax.block_until_ready((new_params, new_state))
+  with pytest.raises(ValueError, match="donated"):
+    dp.step(params, new_state, _batch(1))
+  with pytest.raises(ValueError, match="state holds buffers donated"):
+    dp.step(new_params, state, _batch(1))
+  # The returned ones work.
+  dp.step(new_params, new_state, _batch(1))
