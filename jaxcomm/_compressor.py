@@ -231,6 +231,17 @@ def _check_float(name, value, lo=None, hi=None, lo_open=False):
       f"{name} must be in {lo_s}{lo}, {hi}], got {value!r}")
 
 
+def _check_axis_name(axis_name) -> None:
+  """``axis_name`` must be None, a name, or a non-empty tuple of names."""
+  ok = axis_name is None or isinstance(axis_name, str) or (
+    isinstance(axis_name, (tuple, list)) and len(axis_name) > 0
+    and all(isinstance(a, str) for a in axis_name))
+  if not ok:
+    raise ValueError(
+      "axis_name must be a mesh axis name (a str), a non-empty tuple of "
+      f"them, or None for one device without collectives; got {axis_name!r}")
+
+
 def _match_varying(x, like):
   """``x`` marked varying over every axis ``like`` (an abstract value)
   varies over."""
@@ -328,6 +339,7 @@ def compressed(
     :class:`CompressState`.
   """
   policy = _policy.as_policy(policy)
+  _check_axis_name(axis_name)
   if not isinstance(error_feedback, bool):
     raise ValueError(
       f"error_feedback must be a bool, got {error_feedback!r}")

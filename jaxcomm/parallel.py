@@ -403,6 +403,10 @@ def resize_state(state, layout, num_devices: int):
     num_devices: the new data-axis size. The old and new sizes must divide
       one another.
   """
+  if isinstance(num_devices, bool) or not isinstance(
+      num_devices, (int, np.integer)) or num_devices < 1:
+    raise ValueError(
+      f"num_devices must be a positive int, got {num_devices!r}")
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
   additive = _additive_paths(state)

@@ -218,6 +218,10 @@ def test_unbound_axis_is_a_clear_error(name):
   params = harness.battery_params()
   with pytest.raises(ValueError, match="axis_name='data' is not bound"):
     tx.update(params, tx.init(params), params)
+  # A malformed axis name is refused when the transform is built.
+  for bad in (5, ("data", 3), ()):
+    with pytest.raises(ValueError, match="axis_name must be"):
+      entry.make(axis_name=bad)
 
 
 @entry_param

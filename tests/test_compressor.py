@@ -214,3 +214,9 @@ def test_complex_leaves_are_averaged_under_pmap(make):
   if make is jaxcomm.mean_gradients:
     np.testing.assert_allclose(np.asarray(upd["w"][0]), w.mean(axis=0),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_cast_names_the_accepted_dtypes():
+  for bad in ("foo", jnp.float32, 3):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+      jaxcomm.cast(bad)

@@ -176,6 +176,9 @@ def test_resize_state_conserves_residual_mass(mesh):
   assert back[0].count == host[0].count
   with pytest.raises(ValueError, match="divide"):
     parallel.resize_state(host, dp.layout, 3)
+  for bad in (0, -4, 2.0, True):
+    with pytest.raises(ValueError, match="num_devices must be"):
+      parallel.resize_state(host, dp.layout, bad)
 
 
 def test_bad_arguments():

@@ -52,7 +52,10 @@ _CAST_DTYPES = {
 
 
 def _cast_codec(dtype) -> _compressor.Codec:
-  name = np.dtype(dtype).name
+  try:
+    name = np.dtype(dtype).name
+  except TypeError:
+    name = None
   if name not in _CAST_DTYPES:
     raise ValueError(
       f"dtype must be one of {sorted(_CAST_DTYPES)}, got {dtype!r}")
