@@ -738,6 +738,15 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                      f"--num-devices {cfg.num_devices}")
   if cfg.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+  for flag, value, lo in (("--eval-examples", cfg.eval_examples, 1),
+                          ("--log-every", cfg.log_every, 1),
+                          ("--checkpoint-every", cfg.checkpoint_every, 0)):
+    if value < lo:
+      raise ValueError(f"{flag} must be >= {lo}, got {value}")
+  if cfg.stop_after is not None and cfg.stop_after < 1:
+    raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
+  if not math.isfinite(cfg.lr) or cfg.lr < 0:
+    raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
   devices = list(devices if devices is not None else jax.devices())
   if cfg.num_devices > len(devices):
     raise ValueError(f"--num-devices {cfg.num_devices} but JAX has "

@@ -182,3 +182,13 @@ def test_default_falls_back_without_powersgd(tmp_path, monkeypatch, capsys):
   with pytest.raises(ValueError, match="not in this build"):
     train.main(TINY + ["--compressor", "powersgd", "--compressor-args",
                        "rank=2", "--out-dir", str(tmp_path / "g")])
+
+
+@pytest.mark.parametrize("flag,value", [("--eval-examples", 0),
+                                        ("--log-every", 0),
+                                        ("--checkpoint-every", -1),
+                                        ("--stop-after", -1),
+                                        ("--lr", "nan")])
+def test_nonsense_flags_are_refused_by_name(flag, value, tmp_path):
+  with pytest.raises(ValueError, match=flag):
+    _run(tmp_path, "--compressor", "dense", flag, value)
