@@ -354,6 +354,44 @@ def test_topk_abs_segments_is_exact_per_segment():
       np.testing.assert_array_equal(np.asarray(values[r]), x[expected])
 
 
+def test_segment_ids_and_bad_bounds():
+  # Empty segments included: each position's segment, as numpy's
+  # searchsorted of the boundaries gives it.
+  bounds = (0, 3, 3, 7, 8, 8, 12)
+  want = np.searchsorted(np.asarray(bounds[1:]), np.arange(12), "right")
+  np.testing.assert_array_equal(np.asarray(topk.segment_ids(bounds)), want)
+  for bad in ((1, 4), (0, 5, 3), (0,)):
+    with pytest.raises(ValueError, match="bounds must be"):
+      topk.segment_ids(bad)
+  x = np.ones(10, np.float32)
+  words = topk.threshold_mask(x, 0.5)
+  with pytest.raises(ValueError, match="bounds must end"):
+    topk.compact_segments(x, words, (0, 4, 9), (2, 2))
+  with pytest.raises(ValueError, match="capacities must"):
+    topk.compact_segments(x, words, (0, 4, 10), (2,))
+  with pytest.raises(ValueError, match="cover x contiguously"):
+    topk.topk_abs_segments(x, [(1, 1, 9, 2)])
+
+
+def test_topk_abs_groups_same_on_every_path(monkeypatch):
+  # The dispatcher's two paths (segments searched together, as on a GPU;
+  # per group, as on CPU) give the same exact result, positions in x.
+  groups = [(0, 2, 5000, 30), (10_000, 1, 3000, 700), (13_000, 3, 300, 4)]
+  x = _bracket_input("integers", 13_900, 30, seed=5)
+  plain = topk.topk_abs_groups(x, groups)
+  monkeypatch.setattr(_dispatch, "auto_bracketed_topk",
+                      lambda backend, k=None: True)
+  searched = topk.topk_abs_groups(x, groups)
+  for (off, count, size, k), (v1, i1), (v2, i2) in zip(groups, plain,
+                                                        searched):
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(i2))
+    np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
+    for r in range(count):
+      start = off + r * size
+      np.testing.assert_array_equal(
+        np.asarray(i1[r]), start + _np_topk(x[start:start + size], k))
+
+
 def test_topk_abs_bracketed_on_gpu_dispatch():
   # The jnp path of topk_abs is the bracketed one on GPU only, and only
   # where it selects from at least 4x its candidates.

@@ -315,6 +315,9 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   end = u32(_ABS_BITS_END)
   bounds, caps, quota, t0 = [0], [], [], []
   for off, count, size, k in groups:
+    if off != bounds[-1]:
+      raise ValueError(
+        f"groups must cover x contiguously, in order; got {groups}")
     k = _check_k(k, size)
     cap = min(bracket_capacity(k), size)
     target = max(k, min(cap, (k + cap) // 2))
@@ -333,9 +336,10 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   bounds = tuple(bounds)
   k_row = jnp.asarray(np.asarray(quota, np.int64), jnp.int32)
   cap_row = jnp.asarray(np.asarray(caps, np.int64), jnp.int32)
-  zeros = lax.optimization_barrier(jnp.zeros((length,), jnp.int32))
-  row = jnp.cumsum(zeros.at[jnp.asarray(
-    np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1), dtype=jnp.int32)
+  if bounds[-1] != length:
+    raise ValueError(
+      f"groups must cover x contiguously (len {length}), got {groups}")
+  row = segment_ids(bounds)
 
   def count(t):
     return segment_counts(pack_mask(bits >= t[row]), bounds)
@@ -389,6 +393,35 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
     _, p = lax.top_k(key, k)
     out.append((jnp.take_along_axis(vals, p, axis=1),
                 jnp.take_along_axis(idx, p, axis=1)))
+  return out
+
+
+def topk_abs_groups(x: jax.Array, groups) -> list:
+  """The top-k of every segment of a flat buffer, dispatched.
+
+  ``groups`` as :func:`topk_abs_segments`. Where the jnp top-k is the
+  bracketed search (``auto``/``never`` on a GPU) and it pays for some
+  segment, all segments are searched together
+  (:func:`topk_abs_segments`); otherwise each group takes
+  :func:`topk_abs` (kernel or ``lax.top_k`` by the ``auto`` table), batched
+  over its rows. Either way the result is exact.
+
+  Returns:
+    Per group ``(values, indices)`` of shape ``[count, k]``, indices
+    positions in ``x``.
+  """
+  x = _flat(x)
+  backend = jax.default_backend()
+  if _dispatch.mode() != "always" and any(
+      _dispatch.auto_bracketed_topk(backend, k) and bracket_pays(k, size)
+      for _, _, size, k in groups):
+    return topk_abs_segments(x, groups)
+  out = []
+  for off, count, size, k in groups:
+    rows = x[off:off + count * size].reshape(count, size)
+    vals, idx = jax.vmap(lambda r, k=k: topk_abs(r, k))(rows)
+    base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
+    out.append((vals, idx + base))
   return out
 
 
@@ -553,6 +586,24 @@ def compact_from_mask(x: jax.Array, mask_words: jax.Array, capacity: int
   return values, idx, count
 
 
+def segment_ids(bounds) -> jax.Array:
+  """``int32[bounds[-1]]``: the segment ``j`` of each position, for static
+  boundaries ``0 = b_0 <= ... <= b_R`` (segment ``j`` is ``[b_j,
+  b_{j+1})``). A cumulative sum of segment starts: one pass whatever the
+  number of segments, built behind an optimization barrier (XLA would
+  otherwise fold the constant array at compile time: a minute for 11M
+  positions).
+  """
+  b = np.asarray(bounds, np.int64)
+  if b.ndim != 1 or b.size < 2 or b[0] != 0 or np.any(np.diff(b) < 0):
+    raise ValueError(
+      "bounds must be non-decreasing static boundaries starting at 0, got "
+      f"{tuple(int(v) for v in b)}")
+  zeros = lax.optimization_barrier(jnp.zeros((int(b[-1]),), jnp.int32))
+  starts = zeros.at[jnp.asarray(b[1:-1], jnp.int32)].add(1, mode="drop")
+  return jnp.cumsum(starts, dtype=jnp.int32)
+
+
 def _set_bits_before(mask_words, incl, bounds) -> jax.Array:
   """Set bits of the mask before each static position of ``bounds``:
   whole words from the inclusive popcount prefix ``incl``, then the low
@@ -598,17 +649,23 @@ def compact_segments(x: jax.Array, mask_words: jax.Array,
     ``counts`` per segment (may exceed its capacity).
   """
   length = x.shape[0]
+  if tuple(bounds)[-1:] != (length,):
+    raise ValueError(
+      f"bounds must end at len(x) = {length}, got {tuple(bounds)}")
   nw = mask_words.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
   incl = lax.associative_scan(jnp.add, popc)
   before = _set_bits_before(mask_words, incl, bounds)
   counts = before[1:] - before[:-1]
   caps = np.asarray(capacities, np.int64)
+  if caps.shape != (len(bounds) - 1,) or np.any(caps < 1):
+    raise ValueError(
+      f"capacities must hold one int >= 1 per segment ({len(bounds) - 1}), "
+      f"got {tuple(capacities)}")
   cap_ends = np.cumsum(caps)
   total = int(cap_ends[-1])
   slots = jnp.arange(total, dtype=jnp.int32)
-  seg = jnp.searchsorted(jnp.asarray(cap_ends, jnp.int32), slots,
-                         side="right").astype(jnp.int32)
+  seg = segment_ids((0,) + tuple(int(c) for c in cap_ends))
   local = slots - jnp.asarray(cap_ends - caps, jnp.int32)[seg]
   valid = local < counts[seg]
   rank = before[:-1][seg] + local

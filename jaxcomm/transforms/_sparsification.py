@@ -42,7 +42,6 @@ import numpy as np
 from jaxcomm import _compressor
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
-from jaxcomm.kernels import _dispatch as _topk_dispatch
 from jaxcomm.kernels import topk as _topk
 
 _GRANULARITIES = ("leaf", "model")
@@ -117,22 +116,8 @@ def _segments(layout, granularity: str = "leaf") -> list[_Segs]:
           for g in layout.groups]
 
 
-def _views(x: jax.Array, segs) -> list[jax.Array]:
-  """Per group of segments, the ``[count, size]`` view of the bucket."""
-  return [x[s.offset:s.offset + s.count * s.size].reshape(s.count, s.size)
-          for s in segs]
-
-
 def _num_pairs(segs, ratio) -> int:
   return sum(s.count * num_selected(ratio, s.size) for s in segs)
-
-
-def _to_global(idx: jax.Array, seg: _Segs, total: int) -> jax.Array:
-  """``[count, c]`` row-local indices (``seg.size``: unused slot) -> flat
-  indices into the bucket (``total``: unused slot)."""
-  rows = jnp.arange(seg.count, dtype=jnp.int32)[:, None]
-  return jnp.where(idx < seg.size, seg.offset + rows * seg.size + idx,
-                   total).reshape(-1)
 
 
 def _row_keys(key, ids) -> jax.Array:
@@ -141,17 +126,10 @@ def _row_keys(key, ids) -> jax.Array:
     jnp.asarray(ids, jnp.int32))
 
 
-def _topk_rows(v: jax.Array, k: int):
-  """Each row's ``k`` largest ``|x|`` (the dispatched
-  :func:`jaxcomm.kernels.topk_abs`, batched): ``[count, k]`` pairs."""
-  return jax.vmap(lambda r: _topk.topk_abs(r, k))(v)
-
-
-def _sparse_exchange(idx, val, segs, ctx):
-  """sparse psum of the per-group pairs; returns flat (mean, sent)."""
+def _sparse_exchange(gi, gv, ctx):
+  """sparse psum of bucket positions ``gi`` (``layout.size``: unused slot)
+  and values ``gv``; returns flat (mean, sent)."""
   total = ctx.layout.size
-  gi = jnp.concatenate([_to_global(i, s, total) for i, s in zip(idx, segs)])
-  gv = jnp.concatenate([v.reshape(-1) for v in val])
   summed = _sparse.sparse_psum(gi, gv, total, ctx.axis_name)
   sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
   return summed / ctx.num_devices, sent
@@ -160,32 +138,21 @@ def _sparse_exchange(idx, val, segs, ctx):
 # -------------------------------------------------------------- top-k ----
 
 def _local_topk(x, segs, ratio):
-  """Each segment's k largest ``|x|``: per group ``[count, k]`` pairs.
-
-  Where the jnp top-k is the bracketed search (GPU) and some segment has
-  ``k`` in its range, all segments search together
-  (:func:`jaxcomm.kernels.topk.topk_abs_segments`); otherwise each group
-  takes the dispatched :func:`jaxcomm.kernels.topk_abs`, batched.
-  """
-  ks = [num_selected(ratio, s.size) for s in segs]
-  if _topk_dispatch.mode() != "always" and any(
-      _topk_dispatch.auto_bracketed_topk(jax.default_backend(), k)
-      and _topk.bracket_pays(k, s.size) for k, s in zip(ks, segs)):
-    sel = _topk.topk_abs_segments(
-      x, [(s.offset, s.count, s.size, k) for s, k in zip(segs, ks)])
-    return ([jnp.where(i < x.shape[0], i - (s.offset + jnp.arange(
-      s.count, dtype=jnp.int32)[:, None] * s.size), s.size)
-             for (_, i), s in zip(sel, segs)], [v for v, _ in sel])
-  sel = [_topk_rows(v, k) for v, k in zip(_views(x, segs), ks)]
-  return [i for _, i in sel], [v for v, _ in sel]
+  """Each segment's k largest ``|x|``, all segments through
+  :func:`jaxcomm.kernels.topk.topk_abs_groups`: flat (bucket positions,
+  values), segment by segment."""
+  sel = _topk.topk_abs_groups(
+    x, [(s.offset, s.count, s.size, num_selected(ratio, s.size))
+        for s in segs])
+  return (jnp.concatenate([i.reshape(-1) for _, i in sel]),
+          jnp.concatenate([v.reshape(-1) for v, _ in sel]))
 
 
 def _topk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
-    idx, val = _local_topk(x, segs, ratio)
-    mean, sent = _sparse_exchange(idx, val, segs, ctx)
+    mean, sent = _sparse_exchange(*_local_topk(x, segs, ratio), ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(layout, n):
@@ -297,8 +264,7 @@ def _randomk_flat(key, ratio: float, rows) -> jax.Array:
   keys = _row_keys(key, [i for _, _, i in rows])
   shifts, salts = jax.vmap(draws)(keys, jnp.asarray(sizes))
   pos = jnp.arange(total, dtype=jnp.int32)
-  row = jnp.searchsorted(jnp.asarray(ends), pos, side="right").astype(
-    jnp.int32)
+  row = _topk.segment_ids((0,) + tuple(int(e) for e in ends))
   v = pos - (jnp.asarray(ends) - jnp.asarray(ks))[row]
   v = _swap_or_not(v, jnp.asarray(sizes)[row], shifts[row], salts[row])
   return jnp.asarray(offsets)[row] + v
@@ -421,11 +387,8 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
     caps = tuple(num_selected(capacity_ratio, s) for s in sizes)
     words = _topk.threshold_mask(x, value)
     vals, gi, _ = _topk.compact_segments(x, words, bounds, caps)
-    total = ctx.layout.size
-    summed = _sparse.sparse_psum(gi, vals, total, ctx.axis_name)
-    sent = jnp.zeros((total,), jnp.float32).at[gi].set(vals, mode="drop")
-    return _compressor.CodecResult(mean=summed / ctx.num_devices, sent=sent,
-                                   state=state)
+    mean, sent = _sparse_exchange(gi, vals, ctx)
+    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(layout, n):
     cap = _num_pairs(_segments(layout), capacity_ratio)
@@ -592,8 +555,7 @@ def dgc_bucket_sample(key, sizes, density: float, sample_ratio: float):
   ends = np.cumsum(ss)
   total = int(ends[-1])
   slot = jnp.arange(total, dtype=jnp.int32)
-  row = jnp.searchsorted(jnp.asarray(ends, jnp.int32), slot,
-                         side="right").astype(jnp.int32)
+  row = _topk.segment_ids((0,) + tuple(int(e) for e in ends))
   size = jnp.asarray(np.asarray(sizes, np.int64), jnp.int32)[row]
   local = slot - jnp.asarray(ends - np.asarray(ss), jnp.int32)[row]
   full = jnp.asarray(np.asarray([s == n for s, n in zip(ss, sizes)]))[row]
@@ -628,9 +590,7 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   # Thresholds: each leaf's sample sorted by (leaf, -|x|) in one sort.
   pos, ss = dgc_bucket_sample(key, sizes, density, sample_ratio)
   send = np.cumsum(ss)
-  srow = jnp.searchsorted(jnp.asarray(send, jnp.int32),
-                          jnp.arange(int(send[-1]), dtype=jnp.int32),
-                          side="right").astype(jnp.int32)
+  srow = _topk.segment_ids((0,) + tuple(int(e) for e in send))
   svals = mag[jnp.asarray(starts, jnp.int32)[srow] + pos]
   _, svals = jax.lax.sort((srow, -svals), num_keys=2)
   kps = [min(s, max(1, math.ceil(k * s / n))) for s, k, n in
@@ -640,15 +600,9 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   rows_k = np.asarray(ks, np.float64)
   hi_bound = jnp.asarray(1.3 * rows_k, jnp.float32)
   lo_bound = jnp.asarray(0.8 * rows_k, jnp.float32)
-  # Each element's row, once (a cumulative sum of row starts): every round
-  # is then one pass over the bucket whatever the number of rows.
-  # (Behind an optimization barrier: XLA would otherwise fold the whole
-  # constant row array at compile time, a minute for ResNet-18's 11M.)
-  zeros = jax.lax.optimization_barrier(
-    jnp.zeros((layout.size,), jnp.int32))
-  starts_mark = zeros.at[
-    jnp.asarray(np.asarray(bounds[1:-1], np.int64), jnp.int32)].set(1)
-  row = jnp.cumsum(starts_mark, dtype=jnp.int32)
+  # Each element's row, once: every round is then one pass over the bucket
+  # whatever the number of rows.
+  row = _topk.segment_ids(bounds)
 
   def above(t):
     return mag >= t[row]
@@ -684,9 +638,7 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   # and read each leaf's first k slots.
   total = layout.size
   cend = np.cumsum(caps)
-  crow = jnp.searchsorted(jnp.asarray(cend, jnp.int32),
-                          jnp.arange(int(cend[-1]), dtype=jnp.int32),
-                          side="right").astype(jnp.int32)
+  crow = _topk.segment_ids((0,) + tuple(int(e) for e in cend))
   real = gi < total
   neg = jnp.where(real, -jnp.abs(vals), 1.0)    # unused slots rank last
   crow, _, gi, vals = jax.lax.sort((crow, neg, gi, vals), num_keys=3)
@@ -707,19 +659,12 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
 
   def stage_fn(density):
     def run(x, ctx):
-      total = ctx.layout.size
       if exact:
-        segs = _segments(ctx.layout)
-        idx, val = _local_topk(x, segs, density)
-        gi = jnp.concatenate([_to_global(i, s, total)
-                              for i, s in zip(idx, segs)])
-        gv = jnp.concatenate([v.reshape(-1) for v in val])
+        gi, gv = _local_topk(x, _segments(ctx.layout), density)
       else:
         gi, gv = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
                                         sample_ratio, max_rounds)
-      summed = _sparse.sparse_psum(gi, gv, total, ctx.axis_name)
-      sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
-      return summed / ctx.num_devices, sent
+      return _sparse_exchange(gi, gv, ctx)
     return run
 
   def apply(x, state, ctx):
@@ -838,10 +783,8 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
-    idx, val = _local_topk(x, segs, ratio)
+    gi, gv = _local_topk(x, segs, ratio)
     total = ctx.layout.size
-    gi = jnp.concatenate([_to_global(i, s, total) for i, s in zip(idx, segs)])
-    gv = jnp.concatenate([v.reshape(-1) for v in val])
     bounds = [0] + [s.offset + (r + 1) * s.size
                     for s in segs for r in range(s.count)]
     ks = [num_selected(ratio, s.size) for s in segs for _ in range(s.count)]
