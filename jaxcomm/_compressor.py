@@ -30,6 +30,7 @@ The data path of one step (per device, inside shard_map or pmap)::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -374,12 +375,16 @@ def compressed(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
+    del extra_args
     n = _core.check_axis(axis_name, codec.name)
+    if params is not None:
+      _check_like_params(updates, params, codec.name)
     leaves, treedef = jax.tree.flatten(updates)
+    _warn_if_wide(leaves, codec.name)
     paths = spec.paths(updates)
     layouts = spec.layouts(updates)
     _check_state(state, layouts, keep_residual, use_momentum, codec.name)
+    _check_codec_state(state.codec, layouts, codec_init, codec.name)
     comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
     dense_idx = [i for i, p in enumerate(paths) if p == _policy.DENSE]
     # One flat float32 buffer per bucket (equal shapes side by side).
@@ -540,6 +545,82 @@ def _check_state(state, layouts, keep_residual, use_momentum, name):
         f"compressed leaves need buckets of {want} elements, the state "
         f"holds {got} (gradients of other shapes than the params given to "
         "init, or another compressor's state)")
+
+
+def _warn_if_wide(leaves, name) -> None:
+  """float64 gradients (``jax_enable_x64``) are averaged in float32: say so
+  once per trace rather than return float32 accuracy in a float64 dtype."""
+  wide = sorted({str(jnp.result_type(x)) for x in leaves
+                 if jnp.result_type(x) in (jnp.float64, jnp.complex128)})
+  if wide:
+    warnings.warn(
+      f"{name}: {'/'.join(wide)} gradients are compressed and averaged in "
+      "float32 (the buckets and the fused psum are float32); the update is "
+      "cast back to the gradients' dtype but carries float32 accuracy",
+      stacklevel=3)
+
+
+def _check_like_params(updates, params, name):
+  """The gradients must have the params' structure and shapes: a gradient
+  of another shape would be broadcast silently (and change the residual's
+  shape with it)."""
+  u_paths = {jax.tree_util.keystr(p): x
+             for p, x in jax.tree_util.tree_leaves_with_path(updates)}
+  p_paths = {jax.tree_util.keystr(p): x
+             for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  missing = [k for k in p_paths if k not in u_paths]
+  extra = [k for k in u_paths if k not in p_paths]
+  if missing or extra:
+    what = []
+    if missing:
+      what.append(f"missing {', '.join(missing[:5])}")
+    if extra:
+      what.append(f"not in params: {', '.join(extra[:5])}")
+    raise ValueError(
+      f"{name}: the gradients' leaves do not match the params' "
+      f"({'; '.join(what)})")
+  for k, g in u_paths.items():
+    p = p_paths[k]
+    gs, ps = getattr(g, "shape", None), getattr(p, "shape", None)
+    if gs is not None and ps is not None and tuple(gs) != tuple(ps):
+      raise ValueError(
+        f"{name}: gradient leaf {k} has shape {tuple(gs)} but its param has "
+        f"shape {tuple(ps)}")
+
+
+def _describe(tree) -> str:
+  if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+    return "()" if not tree else f"a tuple of {len(tree)}"
+  return f"a {type(tree).__name__}"
+
+
+def _check_codec_state(codec_state, layouts, codec_init, name):
+  """The codec state must be what ``codec.init`` makes for these buckets
+  (another compressor's state, or gradients transposed against the
+  params a PowerSGD state was made for, fail here by name)."""
+  if not isinstance(codec_state, tuple) or len(codec_state) != len(layouts):
+    raise ValueError(
+      f"{name}: the state's codec part does not belong to this compressor "
+      f"(expected one entry per bucket, {len(layouts)}; got "
+      f"{type(codec_state).__name__} of "
+      f"{len(codec_state) if isinstance(codec_state, tuple) else '?'}): "
+      "another compressor's state?")
+  for lay, got in zip(layouts, codec_state):
+    want = jax.eval_shape(lambda lay=lay: codec_init(lay))
+    w_leaves, w_def = jax.tree.flatten(want)
+    g_leaves, g_def = jax.tree.flatten(got)
+    if w_def != g_def:
+      raise ValueError(
+        f"{name}: the state's codec part does not belong to this "
+        f"compressor: expected {_describe(want)}, got {_describe(got)} "
+        "(another compressor's state?)")
+    for w, g in zip(w_leaves, g_leaves):
+      if tuple(w.shape) != tuple(jnp.shape(g)):
+        raise ValueError(
+          f"{name}: the state was made for gradients of other shapes: a "
+          f"codec state leaf is {tuple(jnp.shape(g))}, these gradients "
+          f"need {tuple(w.shape)} (gradients transposed or reshaped "
+          "against the params given to init?)")
 
 
 def spec_of(tx) -> Spec:

@@ -95,10 +95,33 @@ def shard_batch(batch, mesh, axis_name: str = "data"):
   Leading axes are split over ``axis_name``. On one process pass the whole
   global batch; on many, each process passes its own contiguous slice.
   """
+  n = _data_size(mesh, axis_name)
+  per_process = max(1, n // jax.process_count())
+  _check_leading(batch, per_process,
+                 f"the batch's leading axis (the examples) must split evenly "
+                 f"over the {per_process} devices of axis {axis_name!r}"
+                 f"{' on this process' if jax.process_count() > 1 else ''}: "
+                 f"use a batch size that is a multiple of {per_process}",
+                 multiple=True)
   sharding = NamedSharding(mesh, P(axis_name))
   return jax.tree.map(
     lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
     batch)
+
+
+def _check_leading(tree, n: int, what: str, *, multiple: bool,
+                   name: str = "batch") -> None:
+  """Every leaf of ``tree`` has a leading axis equal to (or, with
+  ``multiple``, a multiple of) ``n``; the error names the leaf."""
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    shape = tuple(np.shape(x))
+    lead = shape[0] if shape else None
+    ok = lead is not None and (lead % n == 0 and lead > 0 if multiple
+                               else lead == n)
+    if not ok:
+      raise ValueError(
+        f"{name} leaf {jax.tree_util.keystr(path) or '(root)'} has shape "
+        f"{shape}: {what}")
 
 
 # ----------------------------------------------------------- state layout --
@@ -249,6 +272,15 @@ class DataParallel:
 
   def init(self, params):
     """Replicated params and the laid-out optimizer state."""
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      dtype = jnp.result_type(x)
+      if not (jnp.issubdtype(dtype, jnp.floating)
+              or jnp.issubdtype(dtype, jnp.complexfloating)):
+        raise ValueError(
+          f"params leaf {jax.tree_util.keystr(path)} is {dtype}: DataParallel "
+          "differentiates every params leaf, and only floating (or complex) "
+          "leaves have gradients; keep integer state (counters, indices) "
+          "out of params, e.g. in the batch or closed over by loss_fn")
     self.layout = state_layout(self.tx, params, self.mesh, self.axis_name)
     state = init_state(self.tx, params, self.mesh, self.axis_name,
                        self.layout)
@@ -321,7 +353,22 @@ def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
     params = optax.apply_updates(params, updates)
     return params, state, {"loss": jax.lax.pmean(loss, axis_name)}
 
-  return jax.pmap(step, axis_name=axis_name)
+  mapped = jax.pmap(step, axis_name=axis_name)
+
+  def checked(params, state, batch):
+    n = jax.local_device_count()
+    for name, tree, hint in (
+        ("params", params, "replicate params with pmap_replicate"),
+        ("state", state, "replicate the state with pmap_replicate"),
+        ("batch", batch, "reshape the batch to (devices, examples per "
+                         "device, ...)")):
+      _check_leading(tree, n, f"pmap_train_step needs a leading device axis "
+                     f"of {n} (jax.local_device_count()) on every input: "
+                     f"{hint}", multiple=False, name=name)
+    return mapped(params, state, batch)
+
+  checked.lower = mapped.lower
+  return checked
 
 
 def pmap_replicate(tree, devices=None):

@@ -242,6 +242,7 @@ registry.register(registry.Entry(
   stochastic=True,
   static_args=("levels", "bucket_size", "error_feedback", "policy", "seed"),
   bad_args=[({"levels": 0}, "levels"), ({"levels": 2.5}, "levels"),
+            ({"levels": 2**31 - 1}, "levels"), ({"levels": 2**40}, "levels"),
             ({"bucket_size": 0}, "bucket_size")],
 ))
 
@@ -287,7 +288,7 @@ registry.register(registry.Entry(
   kwargs={"bucket_size": 128},
   static_args=("bucket_size", "error_feedback", "policy"),
   bad_args=[({"bucket_size": 0}, "bucket_size"),
-            ({"bucket_size": None}, "bucket_size")],
+            ({"bucket_size": 2.5}, "bucket_size")],
 ))
 
 
@@ -332,7 +333,7 @@ registry.register(registry.Entry(
   kwargs={"bucket_size": 128},
   static_args=("bucket_size", "error_feedback", "policy"),
   bad_args=[({"bucket_size": 0}, "bucket_size"),
-            ({"bucket_size": None}, "bucket_size")],
+            ({"bucket_size": 2.5}, "bucket_size")],
 ))
 
 

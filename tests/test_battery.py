@@ -117,7 +117,9 @@ def test_inject_hyperparams(name):
   if entry.factory is None:
     pytest.skip("no public factory")
   kwargs = dict(entry.kwargs, axis_name=None)
-  static = tuple(set(entry.static_args) | {"axis_name"})
+  # Only the structural arguments the user passes are listed: a default
+  # (a seed, a bucket size, a sample ratio) must never need listing.
+  static = tuple((set(entry.static_args) & set(kwargs)) | {"axis_name"})
   injected = optax.inject_hyperparams(entry.factory, static_args=static)(
     **kwargs)
   plain = entry.factory(**kwargs)
@@ -233,6 +235,41 @@ def test_empty_and_nonfloat_pytrees(name):
   ints = {"i": jnp.arange(4, dtype=jnp.int32)}
   upd, _ = tx.update(ints, tx.init(ints), ints)
   np.testing.assert_array_equal(upd["i"], ints["i"])
+
+
+@entry_param
+def test_mismatched_gradients_and_foreign_state_are_named(name):
+  """Gradients that do not fit the params (or the state) are refused by
+  leaf name instead of being broadcast into the update and the residual."""
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name=None)
+  params = harness.battery_params()
+  state = tx.init(params)
+  grads = dict(params)
+  grads["w"] = jnp.zeros((4,) + params["w"].shape)      # a stray batch axis
+  with pytest.raises(ValueError, match=r"gradient leaf \['w'\] has shape "
+                     r"\(4, 64, 48\) but its param has shape \(64, 48\)"):
+    tx.update(grads, state, params)
+  grads["w"] = params["w"].T                             # transposed
+  with pytest.raises(ValueError, match=r"\['w'\] has shape \(48, 64\)"):
+    tx.update(grads, state, params)
+  missing = {k: v for k, v in params.items() if k != "b"}
+  with pytest.raises(ValueError, match=r"missing \['b'\]"):
+    tx.update(missing, state, params)
+  # Without params, a state that keeps residuals still names the mismatch.
+  if entry.error_feedback:
+    grads["w"] = jnp.zeros((4,) + params["w"].shape)
+    with pytest.raises(ValueError, match="do not match the state"):
+      tx.update(grads, state)
+  # Another compressor's state (PowerSGD's for every other entry).
+  other = (jaxcomm.powersgd(1, axis_name=None) if "powersgd" not in name
+           else jaxcomm.topk(0.1, axis_name=None, error_feedback=False))
+  foreign = other.init(params)
+  if (jax.tree.structure(foreign.codec) != jax.tree.structure(state.codec)
+      or jax.tree.structure(foreign.residual)
+      != jax.tree.structure(state.residual)):
+    with pytest.raises(ValueError, match="state"):
+      tx.update(params, foreign, params)
 
 
 @entry_param

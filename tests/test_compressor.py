@@ -5,6 +5,8 @@ The toy codec sends, per leaf, only the element of largest magnitude (a
 simple enough that every expectation below is written in plain numpy.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,3 +222,79 @@ def test_cast_names_the_accepted_dtypes():
   for bad in ("foo", jnp.float32, 3):
     with pytest.raises(ValueError, match="dtype must be one of"):
       jaxcomm.cast(bad)
+
+
+# The arguments each public factory needs; every other argument keeps its
+# default, which optax.inject_hyperparams must not need listed as static.
+_REQUIRED = {
+  "mean_gradients": {}, "cast": {}, "powersgd": {"rank": 2},
+  "topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1},
+  "threshold": {"value": 0.5}, "dgc": {}, "gtopk": {"ratio": 0.1},
+  "qsgd": {}, "terngrad": {}, "natural": {}, "int8": {}, "uint8": {},
+  "onebit": {}, "signsgd": {}, "signum": {}, "ef_signsgd": {},
+  "csc": {"chunk_size": 16, "ratio": 0.25},
+}
+
+
+def test_required_arguments_table_is_complete():
+  import inspect
+  from jaxcomm import transforms
+  public = {n for n in dir(transforms) if not n.startswith("_")
+            and inspect.isfunction(getattr(transforms, n))}
+  assert public == set(_REQUIRED)
+  for name, args in _REQUIRED.items():
+    sig = inspect.signature(getattr(jaxcomm, name))
+    needed = {k for k, p in sig.parameters.items() if p.default is p.empty}
+    assert needed == set(args), name
+
+
+@pytest.mark.parametrize("name", sorted(_REQUIRED))
+def test_inject_hyperparams_needs_only_the_passed_static_args(name):
+  """``inject_hyperparams(f, static_args=<what is passed>)`` works with every
+  default left out, and gives the plain factory's update."""
+  factory = getattr(jaxcomm, name)
+  args = dict(_REQUIRED[name], axis_name=None)
+  static = tuple(k for k in args if k not in ("ratio", "value")
+                 or name in ("topk", "randomk", "gtopk", "csc"))
+  injected = optax.inject_hyperparams(factory, static_args=static)(**args)
+  plain = factory(**args)
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
+  rng = np.random.default_rng(0)
+  grads = {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),
+           "b": jnp.asarray(rng.normal(size=(48,)), jnp.float32)}
+  state = injected.init(params)
+  u1, _ = jax.jit(injected.update)(grads, state, params)
+  u2, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  for k in grads:
+    np.testing.assert_allclose(np.asarray(u1[k]), np.asarray(u2[k]),
+                               rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_float64_gradients_warn_that_they_are_averaged_in_float32():
+  tx = jaxcomm.topk(0.5, axis_name=None)
+  with jax.enable_x64(True):
+    params = {"w": jnp.zeros((32, 16), jnp.float64)}
+    grads = {"w": jnp.full((32, 16), 1.0 + 1e-12, jnp.float64)}
+    with pytest.warns(UserWarning, match="float64 gradients are compressed "
+                      "and averaged in float32"):
+      upd, _ = tx.update(grads, tx.init(params), params)
+    assert upd["w"].dtype == jnp.float64
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update({"w": jnp.ones((32, 16))}, tx.init({"w": jnp.ones((32, 16))}))
+
+
+def test_sign_compressors_move_zero_gradients_unless_masked_out():
+  """sign(0) = +1 (documented): all-zero gradients move params by the
+  scale; a leaf masked out of the policy gets the exact dense mean, 0."""
+  params = {"frozen": jnp.zeros((32, 16)), "w": jnp.zeros((32, 16))}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  for make in (jaxcomm.signsgd, jaxcomm.signum):
+    tx = make(axis_name=None)
+    upd, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(upd["frozen"]), 1.0)
+    policy = jaxcomm.LeafPolicy(mask={"frozen": False, "w": True})
+    tx = make(axis_name=None, policy=policy)
+    upd, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(upd["frozen"]), 0.0)
+    np.testing.assert_array_equal(np.asarray(upd["w"]), 1.0)

@@ -216,3 +216,35 @@ def test_reusing_donated_buffers_is_a_clear_error(mesh):
     dp.step(new_params, state, _batch(1))
   # The returned ones work.
   dp.step(new_params, new_state, _batch(1))
+
+
+def test_integer_params_and_uneven_batches_are_named(mesh):
+  tx = optax.chain(jaxcomm.topk(0.25), optax.sgd(0.1))
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  with pytest.raises(ValueError, match=r"params leaf \['count'\] is int32"):
+    dp.init(dict(_params(), count=np.zeros((), np.int32)))
+  params, state = dp.init(_params())
+  x, y = _batch(0, size=10)
+  with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(10, 16\)"
+                     r".*multiple of 8"):
+    dp.step(params, state, (x, y))
+  # A batch that splits evenly still trains.
+  params, state, m = dp.step(params, state, _batch(0, size=16))
+  assert np.isfinite(float(m["loss"]))
+
+
+def test_pmap_step_names_inputs_without_a_device_axis(mesh):
+  tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+  step = parallel.pmap_train_step(_loss, tx)
+  n = jax.local_device_count()
+  params = parallel.pmap_replicate(jax.tree.map(jnp.asarray, _params()))
+  state = parallel.pmap_replicate(tx.init(_params()))
+  x, y = _batch(0)
+  with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(32, 16\)"
+                     rf".*leading device axis of {n}"):
+    step(params, state, (x, y))
+  with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(4, 8, 16\)"):
+    step(params, state, (x.reshape(4, 8, 16), y.reshape(4, 8, 4)))
+  with pytest.raises(ValueError, match=r"params leaf \['b'\]"):
+    step(jax.tree.map(jnp.asarray, _params()), state,
+         (x.reshape(n, -1, 16), y.reshape(n, -1, 4)))

@@ -81,7 +81,7 @@ def _cast_codec(dtype) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
-def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,
+def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
          policy=None):
   """Averages gradients in a low-precision dtype (fp16/bf16 compression).
 
@@ -100,7 +100,10 @@ def cast(dtype=jnp.bfloat16, *, axis_name="data", error_feedback=False,
   ``min_size`` travel in the fused float32 psum.
 
   Args:
-    dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+    dtype: ``"bfloat16"`` (default) or ``"float16"``, or the JAX dtypes
+      themselves (a string is what ``optax.inject_hyperparams`` leaves
+      static; a dtype object is callable, and it would take it for a
+      schedule).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256

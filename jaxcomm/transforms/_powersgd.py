@@ -240,10 +240,12 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
                            wire=wire, accepts=accepts, flat=True)
 
 
-def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
-             min_compression_rate: float = 2.0, error_feedback: bool = True,
-             warm_start: bool = True, orthogonalization_epsilon=0.0,
-             num_iters_per_step: int = 1, seed: int = 0, policy=None,
+def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
+             min_compression_rate: float | None = None,
+             error_feedback: bool = True, warm_start: bool = True,
+             orthogonalization_epsilon=0.0,
+             num_iters_per_step: int | None = None, seed: int | None = None,
+             policy=None,
              batch_same_shape: bool = False,
              orthogonalization: str = "householder"):
   """PowerSGD: rank-``r`` compression by warm-started power iteration.
@@ -294,16 +296,18 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
     rank: the rank ``r`` of the approximation (>= 1).
     axis_name: the data axis (a name, a tuple of names, or None).
     start_step: exchange the dense mean (residual untouched) for the first
-      ``start_step`` steps (PyTorch's ``start_powerSGD_iter``).
+      ``start_step`` steps (PyTorch's ``start_powerSGD_iter``; default 0).
     min_compression_rate: compress a matrix only if
-      ``(n + m) r * min_compression_rate < n m``.
+      ``(n + m) r * min_compression_rate < n m`` (default 2).
     error_feedback: keep what was not sent per device (the paper's EF).
     warm_start: reuse ``Q`` across steps (power iteration over time).
     orthogonalization_epsilon: added to column norms before dividing
       (Gram-Schmidt, rank 1) or to the Gram matrix's diagonal (Cholesky-QR);
       may be injected as a traced value.
-    num_iters_per_step: rounds of the low-rank allreduce per step.
-    seed: seed of the initial ``Q`` (and of the transform's step keys).
+    num_iters_per_step: rounds of the low-rank allreduce per step
+      (default 1).
+    seed: seed of the initial ``Q`` (and of the transform's step keys;
+      default 0).
     policy: a :class:`jaxcomm.LeafPolicy`.
     batch_same_shape: accepted for compatibility with PyTorch's
       ``batch_tensors_with_same_shape`` and ignored: same-shape matrices
@@ -332,6 +336,13 @@ def powersgd(rank: int, *, axis_name="data", start_step: int = 0,
       or rank < 1:
     raise ValueError(f"rank must be an int >= 1, got {rank!r}")
   rank = int(rank)
+  # Shape-setting arguments default to None so that optax.inject_hyperparams
+  # does not turn an unpassed default into a traced hyperparameter.
+  start_step = 0 if start_step is None else start_step
+  min_compression_rate = (2.0 if min_compression_rate is None
+                          else min_compression_rate)
+  num_iters_per_step = 1 if num_iters_per_step is None else num_iters_per_step
+  seed = 0 if seed is None else seed
   if isinstance(num_iters_per_step, bool) or not isinstance(
       num_iters_per_step, (int, np.integer)) or num_iters_per_step < 1:
     raise ValueError(

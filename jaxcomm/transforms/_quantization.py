@@ -40,6 +40,12 @@ from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
 from jaxcomm.collectives import _signs
 
+# Defaults of the static arguments (the factories take None for them, so
+# that optax.inject_hyperparams injects only what the caller passes).
+DEFAULT_BUCKET_SIZE = 128
+# QSGD's largest level count: 16-bit codes (wider ones are float32's size).
+MAX_LEVELS = 2**15 - 1
+
 
 def _sizes(shapes) -> list[int]:
   return [int(np.prod(s)) for s in shapes]
@@ -195,7 +201,11 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
   the paper keeps no error feedback. Each device sends about 2 bits per
   element whatever the number of devices
   (:func:`jaxcomm.collectives.majority_vote`). sign(0) = +1 and ties (even
-  ``n``) vote +1.
+  ``n``) vote +1: a 1-bit code has no zero, so a coordinate whose gradient
+  is 0 on every device (all-zero gradients, a frozen or unused parameter)
+  moves by ``-lr * scale`` every step. Keep such leaves out of the vote
+  with ``LeafPolicy(mask=...)`` (they then get the exact dense mean, 0) or
+  ``optax.masked``.
 
   Args:
     scale: ``gamma``, a positive number (injectable).
@@ -237,7 +247,8 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
   :func:`jaxcomm.collectives.majority_vote` (about 2 bits per element per
   device). Use a downstream optimizer without momentum
   (``optax.sgd(lr)``). As :func:`signsgd`, no error feedback by default and
-  no mass conservation.
+  no mass conservation; sign(0) = +1, so coordinates with zero momentum
+  move by ``-lr * scale`` (mask such leaves out, see :func:`signsgd`).
 
   Args:
     beta: momentum in ``[0, 1)`` (injectable).
@@ -459,7 +470,8 @@ def _safe_ratio(x, s):
   return jnp.where(s > 0, jnp.abs(x) / jnp.where(s > 0, s, 1.0), 0.0)
 
 
-def qsgd(levels: int = 127, bucket_size: int = 128, *, axis_name="data",
+def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
+         axis_name="data",
          error_feedback: bool = False, policy=None, seed: int = 0):
   """QSGD: stochastic, unbiased quantization to ``levels`` norm-scaled levels.
 
@@ -484,8 +496,11 @@ def qsgd(levels: int = 127, bucket_size: int = 128, *, axis_name="data",
   conservative.
 
   Args:
-    levels: ``s >= 1`` (static: it sets the code width).
-    bucket_size: elements per bucket, ``>= 1`` (static).
+    levels: ``s`` in ``[1, 32767]`` (static: it sets the code width;
+      default 127). Codes of more levels would be 32 bits wide, as large
+      as the float32 they replace, and their sums over devices could
+      overflow.
+    bucket_size: elements per bucket, ``>= 1`` (static; default 128).
     axis_name: the data axis.
     error_feedback: keep the quantization error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -503,7 +518,16 @@ def qsgd(levels: int = 127, bucket_size: int = 128, *, axis_name="data",
     Alistarh et al, `QSGD: Communication-Efficient SGD via Gradient
     Quantization and Encoding <https://arxiv.org/abs/1610.02132>`_, 2017.
   """
+  # Static arguments default to None so that optax.inject_hyperparams
+  # injects only what it is given.
+  levels = 127 if levels is None else levels
+  bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _check_int("levels", levels)
+  if levels > MAX_LEVELS:
+    raise ValueError(
+      f"levels must be an int in [1, {MAX_LEVELS}] (wider codes cost as "
+      "much as float32 and their sums over devices overflow), got "
+      f"{levels!r}")
   _check_int("bucket_size", bucket_size)
   _check_bool("error_feedback", error_feedback)
 
@@ -583,7 +607,7 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
                                 seed=seed)
 
 
-def int8(bucket_size: int = 128, *, axis_name="data",
+def int8(bucket_size: int | None = None, *, axis_name="data",
          error_feedback: bool = True, policy=None):
   """int8 quantization with a per-bucket scale and error feedback.
 
@@ -599,7 +623,7 @@ def int8(bucket_size: int = 128, *, axis_name="data",
   rounding error is resent later and mass is conserved.
 
   Args:
-    bucket_size: elements per scale, ``>= 1`` (static).
+    bucket_size: elements per scale, ``>= 1`` (static; default 128).
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -615,6 +639,7 @@ def int8(bucket_size: int = 128, *, axis_name="data",
     Dettmers, `8-Bit Approximations for Parallelism in Deep Learning
     <https://arxiv.org/abs/1511.04561>`_, 2016.
   """
+  bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _check_int("bucket_size", bucket_size)
   _check_bool("error_feedback", error_feedback)
 
@@ -635,7 +660,7 @@ def _uint8_span(S):
   return -S[..., 0], (S[..., 1] + S[..., 0]) / 255.0
 
 
-def uint8(bucket_size: int = 128, *, axis_name="data",
+def uint8(bucket_size: int | None = None, *, axis_name="data",
           error_feedback: bool = True, policy=None):
   """Asymmetric uint8 quantization with a per-bucket minimum and scale.
 
@@ -661,7 +686,8 @@ def uint8(bucket_size: int = 128, *, axis_name="data",
   more float32 per bucket.
 
   Args:
-    bucket_size: elements per ``(l, s)`` pair, ``>= 1`` (static).
+    bucket_size: elements per ``(l, s)`` pair, ``>= 1`` (static; default
+      128).
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -680,6 +706,7 @@ def uint8(bucket_size: int = 128, *, axis_name="data",
     Dettmers, `8-Bit Approximations for Parallelism in Deep Learning
     <https://arxiv.org/abs/1511.04561>`_, 2016.
   """
+  bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _check_int("bucket_size", bucket_size)
   _check_bool("error_feedback", error_feedback)
 

@@ -398,7 +398,7 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
-def threshold(value: float, *, capacity_ratio: float = 0.01,
+def threshold(value: float, *, capacity_ratio: float | None = None,
               axis_name="data", error_feedback: bool = True, policy=None,
               seed: int = 0):
   """Threshold sparsification with a bounded message (Strom 2015).
@@ -422,7 +422,7 @@ def threshold(value: float, *, capacity_ratio: float = 0.01,
   Args:
     value: the threshold ``tau > 0``.
     capacity_ratio: the message capacity as a fraction of each leaf, in
-      ``(0, 1]`` (static).
+      ``(0, 1]`` (static; default 0.01).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent coordinates (Strom's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -443,7 +443,10 @@ def threshold(value: float, *, capacity_ratio: float = 0.01,
   _compressor._check_float("value", value, 0.0, None, lo_open=True)  # noqa
   if not isinstance(value, jax.core.Tracer) and not math.isfinite(value):
     raise ValueError(f"value must be finite, got {value!r}")
-  capacity_ratio = _check_ratio("capacity_ratio", capacity_ratio)
+  # Static arguments default to None: optax.inject_hyperparams then keeps
+  # them out of the traced hyperparameters unless the caller passes them.
+  capacity_ratio = _check_ratio(
+    "capacity_ratio", 0.01 if capacity_ratio is None else capacity_ratio)
   return _compressor.compressed(_threshold_codec(value, capacity_ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -687,10 +690,12 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
                            apply=apply, wire=wire, flat=True)
 
 
-def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
-        clip_norm: float | None = None, warmup_steps_per_stage: int = 0,
+def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
+        clip_norm: float | None = None,
+        warmup_steps_per_stage: int | None = None,
         warmup_densities: Sequence[float] = DGC_WARMUP_DENSITIES,
-        sample_ratio: float = 0.01, exact: bool = False, max_rounds: int = 10,
+        sample_ratio: float | None = None, exact: bool = False,
+        max_rounds: int | None = None,
         axis_name="data", policy=None, seed: int = 0):
   """Deep Gradient Compression (Lin et al. 2018).
 
@@ -729,14 +734,21 @@ def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
   trades bytes for accuracy early in training.
 
   Args:
-    ratio: target density in ``(0, 1]`` (static; the paper uses 0.001).
+    ratio: target density in ``(0, 1]`` (static; default 0.001, the
+      paper's).
     momentum: momentum ``m`` of the correction (None: plain error feedback).
     clip_norm: local clipping norm (None: no clipping).
-    warmup_steps_per_stage: steps per warm-up stage (static int >= 0).
+    warmup_steps_per_stage: steps per warm-up stage (static int >= 0;
+      default 0, no warm-up).
     warmup_densities: warm-up densities (static, decreasing).
-    sample_ratio: fraction of each leaf sampled for the threshold (static).
+    sample_ratio: fraction of each leaf sampled for the threshold (static;
+      default 0.01).
     exact: exact top-k instead of the sampled threshold (static).
-    max_rounds: bound on the threshold adjustment rounds (static).
+    max_rounds: bound on the threshold adjustment rounds (static; default
+      10).
+
+  The static arguments default to None (meaning the values above), so that
+  ``optax.inject_hyperparams(jaxcomm.dgc)`` injects only what it is given.
     axis_name: the data axis (a name, a tuple of names, or None).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the PRNG key (the threshold's samples).
@@ -753,11 +765,12 @@ def dgc(ratio: float = 0.001, *, momentum: float | None = 0.9,
     Bandwidth for Distributed Training <https://arxiv.org/abs/1712.01887>`_,
     2018.
   """
-  ratio = _check_ratio("ratio", ratio)
-  sample_ratio = _check_ratio("sample_ratio", sample_ratio)
-  warmup_steps_per_stage = _check_int("warmup_steps_per_stage",
-                                      warmup_steps_per_stage, 0)
-  max_rounds = _check_int("max_rounds", max_rounds, 0)
+  pick = lambda v, d: d if v is None else v
+  ratio = _check_ratio("ratio", pick(ratio, 0.001))
+  sample_ratio = _check_ratio("sample_ratio", pick(sample_ratio, 0.01))
+  warmup_steps_per_stage = _check_int(
+    "warmup_steps_per_stage", pick(warmup_steps_per_stage, 0), 0)
+  max_rounds = _check_int("max_rounds", pick(max_rounds, 10), 0)
   try:
     warm = tuple(_check_ratio("warmup_densities", d)
                  for d in warmup_densities)
