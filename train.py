@@ -29,7 +29,11 @@ are a pure function of ``(seed, step)``. Each checkpoint is written to a new
 it, so the last good checkpoint is never overwritten. ``--resume`` continues
 bit-identically; a checkpoint from ``n`` devices restores on ``m`` (``n`` and
 ``m`` dividing one another) with the error-feedback mass preserved
-(:func:`jaxcomm.parallel.resize_state`).
+(:func:`jaxcomm.parallel.resize_state`). When the latest checkpoint is
+corrupt, the error names the older ones that read cleanly, and
+``--resume-from checkpoints/step_<N>`` continues from one of them. Resuming a
+run that is already complete trains nothing: it re-evaluates and reports the
+train loss recorded in ``metrics.jsonl``.
 
 Multi-process: pass ``--coordinator host:port --num-processes P
 --process-id i`` to every process (``--num-devices`` is the global count).
@@ -51,6 +55,8 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
 import inspect  # noqa: E402
@@ -58,6 +64,8 @@ import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
+import typing  # noqa: E402
+import warnings  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -254,6 +262,7 @@ class Config:
   checkpoint_every: int = 500
   keep_checkpoints: int = 2
   resume: bool = False
+  resume_from: str | None = None  # a checkpoint directory; implies resume
   overwrite: bool = False
   eval_every: int = 0          # 0: only at the end
   eval_examples: int = 512
@@ -328,6 +337,10 @@ def parse_args(argv=None) -> Config:
                  help="0: only at the end")
   g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
   _add_bool(g, "resume", d.resume, "continue from --out-dir's checkpoint")
+  g.add_argument("--resume-from", default=None, metavar="PATH",
+                 help="continue from this checkpoint directory (e.g. "
+                 "checkpoints/step_<N>, an older one when the latest is "
+                 "corrupt) instead of the one LATEST names; implies --resume")
   _add_bool(g, "overwrite", d.overwrite,
             "start afresh in an --out-dir that has checkpoints")
   g.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -359,6 +372,8 @@ def parse_args(argv=None) -> Config:
                        values["compressor"].lower())
     values["compressor_args"] = (d.compressor_args
                                  if same == d.compressor else "")
+  if values["resume_from"] is not None:
+    values["resume"] = True
   return Config(**values)
 
 
@@ -405,14 +420,128 @@ def load_data(cfg: Config):
                       "label": s["label"]}
     train, test = flat(train), flat(test)
     kwargs = {"in_features": train["image"].shape[1]}
+  kwargs["num_classes"] = int(max(np.max(train["label"]),
+                                  np.max(test["label"]))) + 1
   return train, test, kwargs, dataset
 
 
+def model_arguments(name: str) -> dict[str, Any]:
+  """``{argument: default}`` of model ``name``'s constructor.
+
+  ``rngs`` is left out. A constructor taking ``**kwargs`` (``resnet20``)
+  also lists the arguments of the class it returns. Defaults without a
+  value are ``inspect.Parameter.empty``; ``{}`` means the arguments cannot
+  be told from the signature.
+  """
+  models._registry.check_name(name)
+  out: dict[str, Any] = {}
+  targets = [models.MODELS[name]]
+  while targets:
+    fn = targets.pop(0)
+    # A class's own signature can be its metaclass's (*args, **kwargs), as
+    # for flax.nnx modules: read __init__ instead.
+    init = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+      params = list(inspect.signature(init).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover
+      return {}
+    if inspect.isclass(fn):
+      params = params[1:]  # self
+    for p in params:
+      if p.kind is p.VAR_KEYWORD:
+        try:
+          ret = typing.get_type_hints(fn).get("return")
+        except Exception:  # pylint: disable=broad-except  # pragma: no cover
+          ret = None
+        if not inspect.isclass(ret):
+          return {}  # pragma: no cover  # open-ended: nothing to check
+        targets.append(ret)
+      elif p.kind is not p.VAR_POSITIONAL and p.name != "rngs":
+        out.setdefault(p.name, p.default)
+  return out
+
+
+def _expected(default: Any) -> str | None:
+  """What a model argument with this default must be; None: anything."""
+  if isinstance(default, bool):
+    return "true or false"
+  if isinstance(default, int):
+    return "a positive integer"
+  if isinstance(default, float):
+    return "a finite number"
+  if (isinstance(default, (tuple, list))
+      and all(isinstance(v, int) and not isinstance(v, bool)
+              for v in default)):
+    return "a tuple of positive integers"
+  return None
+
+
+def _fits(value: Any, expected: str | None) -> bool:
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+  if expected == "true or false":
+    return isinstance(value, bool)
+  if expected == "a positive integer":
+    return is_int(value) and value > 0
+  if expected == "a finite number":
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+  if expected == "a tuple of positive integers":
+    return (isinstance(value, (tuple, list))
+            and all(is_int(v) and v > 0 for v in value))
+  return True
+
+
+def check_model_args(name: str, given: dict[str, Any],
+                     data_kwargs: dict[str, Any]) -> None:
+  """Refuses ``--model-args`` that model ``name`` cannot take.
+
+  Unknown keys (the message lists the accepted ones), values of the wrong
+  kind (sizes must be positive integers, stage widths tuples of them), and
+  sizes the dataset fixes (``vocab_size``, ``in_features``, ``in_channels``,
+  ``image_size``, ``num_classes``) given another value.
+  """
+  accepted = model_arguments(name)
+  if not accepted:  # pragma: no cover  # a signature inspect cannot read
+    return
+  unknown = [k for k in given if k not in accepted]
+  if unknown:
+    raise ValueError(
+      f"--model-args: model {name!r} takes no argument(s) "
+      f"{', '.join(unknown)}; accepted: {', '.join(accepted)}")
+  for key, value in given.items():
+    if key in data_kwargs and value != data_kwargs[key]:
+      raise ValueError(
+        f"--model-args {key}={value!r}: the dataset fixes {key} to "
+        f"{data_kwargs[key]!r} for model {name!r}; leave {key} out")
+    expected = _expected(accepted[key])
+    if not _fits(value, expected):
+      example = ("e.g. (64,) or (32, 64)"
+                 if expected == "a tuple of positive integers"
+                 else f"default {accepted[key]!r}")
+      raise ValueError(
+        f"--model-args {key}={value!r}: model {name!r} expects {expected} "
+        f"for {key} ({example})")
+
+
 def build_model(cfg: Config, data_kwargs: dict[str, Any]):
-  """The model's :class:`models.Functional` (parameters seeded by seed)."""
+  """The model's :class:`models.Functional` (parameters seeded by seed).
+
+  ``--model-args`` is checked first (:func:`check_model_args`); what the
+  constructor itself refuses is reported under the flag's name too.
+  """
+  try:
+    given = parse_kwargs(cfg.model_args)
+  except ValueError as e:
+    raise ValueError(f"--model-args: {e}") from None
+  check_model_args(cfg.model, given, data_kwargs)
   kwargs = dict(data_kwargs)
-  kwargs.update(parse_kwargs(cfg.model_args))
-  return models.functional(models.create(cfg.model, rngs=cfg.seed, **kwargs))
+  kwargs.update(given)
+  try:
+    model = models.create(cfg.model, rngs=cfg.seed, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"--model-args {cfg.model_args!r} for model "
+                     f"{cfg.model!r}: {e}") from e
+  return models.functional(model)
 
 
 def make_schedule(cfg: Config):
@@ -485,6 +614,57 @@ def _atomic_write(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that lets its unfinished tasks end before it closes."""
+
+  def close(self):
+    if not self.is_closed() and not self.is_running():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      if pending:
+        self.run_until_complete(
+          asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+
+  def new_event_loop(self):
+    return _DrainingEventLoop()
+
+
+@contextlib.contextmanager
+def _drained_event_loops():
+  """Event loops made inside finish their pending tasks before closing.
+
+  orbax runs a restore in a fresh event loop and closes it as soon as the
+  first array read fails, while tensorstore still completes the other reads
+  and then calls back into the closed loop: "RuntimeError: Event loop is
+  closed" tracebacks on stderr, typically at interpreter exit. Letting the
+  loop finish those reads first (their errors are collected, not raised)
+  ends them cleanly.
+  """
+  with warnings.catch_warnings():  # the policy API is deprecated in 3.14
+    warnings.simplefilter("ignore", DeprecationWarning)
+    old = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+  try:
+    yield
+  finally:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      asyncio.set_event_loop_policy(old)
+
+
+def _step_of(name: str) -> tuple[int, int] | None:
+  """``(step, k)`` of a ``step_<N>`` or ``step_<N>.<k>`` directory name."""
+  if not name.startswith("step_"):
+    return None
+  head, _, k = name[len("step_"):].partition(".")
+  if not head.isdigit() or (k and not k.isdigit()):
+    return None
+  return int(head), int(k or 0)
+
+
 class Checkpoints:
   """Step directories under ``<out_dir>/checkpoints`` and a LATEST pointer.
 
@@ -520,6 +700,53 @@ class Checkpoints:
         f"{pointer} names {name!r}, which is not a checkpoint directory "
         f"under {self.root}")
     return path
+
+  def step_dirs(self) -> list[str]:
+    """Every ``step_<N>`` directory, newest (highest step) first."""
+    if not os.path.isdir(self.root):
+      return []
+    found = [(_step_of(n), n) for n in os.listdir(self.root)
+             if os.path.isdir(os.path.join(self.root, n))]
+    return [os.path.join(self.root, n)
+            for key, n in sorted(found, reverse=True) if key is not None]
+
+  def resolve(self, path: str) -> str:
+    """The checkpoint directory ``--resume-from path`` names.
+
+    ``path`` is a directory (absolute, or relative to the working directory)
+    or the name of one under ``<out_dir>/checkpoints``.
+    """
+    for p in (path, os.path.join(self.root, path)):
+      if os.path.isfile(os.path.join(p, "meta.json")):
+        return p
+    have = self.step_dirs()
+    raise CheckpointError(
+      f"--resume-from {path}: not a checkpoint directory (absolute, relative "
+      f"to here, or under {self.root}); expected a step_<N> directory "
+      "holding meta.json" + (f", e.g. {', '.join(have)}" if have else ""))
+
+  def fallback_hint(self, bad: str | None) -> str:
+    """Names the checkpoints other than ``bad`` that read cleanly.
+
+    Each is read and checked against its digests (as ``read`` does), so a
+    suggestion is never another corrupt checkpoint.
+    """
+    good = []
+    for path in self.step_dirs():
+      if bad is not None and os.path.realpath(path) == os.path.realpath(bad):
+        continue
+      try:
+        good.append((self.read(path)[3], path))
+      except (CheckpointError, OSError):
+        continue
+    if not good:
+      return (f"\nno other checkpoint under {self.root} reads cleanly: "
+              "pass --overwrite to start afresh")
+    step, path = good[0]
+    listed = ", ".join(f"{p} (step {s})" for s, p in good)
+    return (f"\ncheckpoints that read cleanly: {listed}\npass --resume-from "
+            f"{path} to resume from the older checkpoint at step {step} "
+            "(the next checkpoint saved becomes LATEST)")
 
   def save(self, step: int, params, opt_state, layout, meta: dict) -> str:
     """Writes a checkpoint of ``(params, opt_state)`` at ``step``."""
@@ -579,7 +806,8 @@ class Checkpoints:
       raise CheckpointError(
         f"checkpoint {path}: meta.json is corrupt ({e!r})") from None
     try:
-      tree = self.ckpt.restore(os.path.abspath(path))
+      with _drained_event_loops():
+        tree = self.ckpt.restore(os.path.abspath(path))
     except Exception as e:  # orbax/tensorstore raise many kinds
       raise CheckpointError(
         f"checkpoint {path} is corrupt or unreadable: "
@@ -729,6 +957,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   """
   t_start = time.time()
   cfg = dataclasses.replace(cfg)
+  if cfg.resume_from is not None:
+    cfg.resume = True
   canon = resolve_compressor(cfg.compressor)
   cfg.compressor = canon
   if cfg.num_devices < 1:
@@ -762,8 +992,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
         "them, --overwrite to start afresh, or another --out-dir")
     if main_proc:
       shutil.rmtree(ckpts.root)
-  if cfg.resume and ckpts.latest() is None:
-    raise CheckpointError(f"--resume: no checkpoint in {ckpts.root}")
+  resume_path = _resume_path(ckpts, cfg) if cfg.resume else None
 
   train, test, data_kwargs, dataset = load_data(cfg)
   cfg.dataset = dataset
@@ -791,8 +1020,11 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   meta_cfg = {k: v for k, v in dataclasses.asdict(cfg).items()}
   start = 0
   if cfg.resume:
-    path = ckpts.latest()
-    meta, p_leaves, s_leaves, start = ckpts.read(path)
+    path = resume_path
+    try:
+      meta, p_leaves, s_leaves, start = ckpts.read(path)
+    except CheckpointError as e:
+      raise CheckpointError(f"{e}{ckpts.fallback_hint(path)}") from None
     check_compatible(meta, cfg, params, opt_state, dp.layout, path)
     treedef_p = jax.tree.structure(params)
     treedef_s = jax.tree.structure(opt_state)
@@ -827,6 +1059,13 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
 
   stop = min(cfg.stop_after if cfg.stop_after is not None else cfg.steps,
              cfg.steps)
+  if start >= stop:  # a resumed run with nothing left to train
+    if main_proc:
+      why = (f"run already complete at step {start}" if start >= cfg.steps
+             else f"checkpoint at step {start}, --stop-after "
+             f"{cfg.stop_after}")
+      print(f"{why}: nothing to train; evaluating the restored parameters")
+    stop = start
   it = mdata.batches(train, cfg.batch_size, seed=cfg.seed, num_shards=n,
                      start_step=start)
   eval_fn = _make_eval(loss_fn, mesh)
@@ -884,6 +1123,12 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       log.close()
   train_time = time.time() - t_loop
   steps_run = stop - start
+  # Nothing trained (a finished run resumed): the train figures are the last
+  # ones recorded, and the speed is the one the run reported when it ran.
+  before = {}
+  if not last:
+    last = next((h for h in reversed(history) if "loss" in h), {})
+    before = _previous_result(out_dir, stop) if main_proc else {}
 
   final = evaluate(eval_fn, params, test, cfg, dp)
   result = {
@@ -898,15 +1143,23 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     "compression_ratio": (dense_rep.total_sent / rep.total_sent
                           if rep.total_sent else math.inf),
     "bytes_total": cum_bytes,
-    "steps_per_s": steps_run / train_time if steps_run else 0.0,
-    "train_time_s": train_time, "wall_time_s": time.time() - t_start,
+    "steps_per_s": (steps_run / train_time if steps_run
+                    else before.get("steps_per_s", 0.0)),
+    "train_time_s": train_time if steps_run else before.get("train_time_s",
+                                                            0.0),
+    "wall_time_s": time.time() - t_start,
     "identical_params": _identical_across_devices(params),
     "out_dir": out_dir,
   }
   result.update(_stats(opt_state))
-  if main_proc:
+  summary_path = os.path.join(out_dir, "summary.md")
+  if (main_proc and not math.isfinite(result["train_loss"])
+      and os.path.exists(summary_path)):
+    print(f"note: {metrics_path} records no train loss at step {stop}: "
+          f"{summary_path} and result.json are left as they were")
+  elif main_proc:
     table = summary_table([result])
-    _atomic_write(os.path.join(out_dir, "summary.md"), table + "\n")
+    _atomic_write(summary_path, table + "\n")
     with open(os.path.join(out_dir, "result.json"), "w") as f:
       json.dump(result, f, indent=1)
     if cfg.plot and history:
@@ -917,6 +1170,31 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   result["layout"] = dp.layout
   result["history"] = history
   return result
+
+
+def _resume_path(ckpts: Checkpoints, cfg: Config) -> str:
+  """The checkpoint a resumed run starts from (``--resume-from`` or LATEST)."""
+  if cfg.resume_from is not None:
+    return ckpts.resolve(cfg.resume_from)
+  try:
+    path = ckpts.latest()
+  except CheckpointError as e:
+    raise CheckpointError(f"{e}{ckpts.fallback_hint(None)}") from None
+  if path is None:
+    raise CheckpointError(f"--resume: no checkpoint in {ckpts.root}")
+  return path
+
+
+def _previous_result(out_dir: str, step: int) -> dict[str, Any]:
+  """``result.json`` of an earlier run in ``out_dir`` that ended at ``step``."""
+  try:
+    with open(os.path.join(out_dir, "result.json")) as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(before, dict) or before.get("steps") != step:
+    return {}
+  return before
 
 
 def _place_state(host_state, layout, mesh):

@@ -6,6 +6,8 @@ conftest made), with a tiny char-LSTM and a few steps each.
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -192,3 +194,135 @@ def test_default_falls_back_without_powersgd(tmp_path, monkeypatch, capsys):
 def test_nonsense_flags_are_refused_by_name(flag, value, tmp_path):
   with pytest.raises(ValueError, match=flag):
     _run(tmp_path, "--compressor", "dense", flag, value)
+
+
+@pytest.mark.parametrize("model,args,match", [
+  ("charlm", "embed_dim=8,hidden_size=-3,num_layers=1",
+   r"--model-args hidden_size=-3: .*positive integer"),
+  ("charlm", "embed_dim=8,hidden=32", r"--model-args: .*hidden; accepted: "
+   r"vocab_size, embed_dim, hidden_size, num_layers"),
+  ("charlm", "embed_dim=8,hidden_size=32,num_layers=0",
+   r"--model-args num_layers=0: .*positive integer"),
+  ("charlm", "embed_dim=2.5,hidden_size=32",
+   r"--model-args embed_dim=2.5: .*positive integer"),
+  ("charlm", "vocab_size=7,hidden_size=32",
+   r"--model-args vocab_size=7: the dataset fixes vocab_size"),
+  ("mlp", "hidden_sizes=(16,-1)",
+   r"--model-args hidden_sizes=\(16, -1\): .*tuple of positive integers"),
+  ("cnn", "hidden=0", r"--model-args hidden=0: .*positive integer"),
+  ("cnn", "num_classes=5", r"--model-args num_classes=5: the dataset fixes"),
+], ids=["negative", "unknown", "zero_layers", "float", "vocab", "mlp_tuple",
+        "cnn_zero", "classes"])
+def test_nonsense_model_args_are_refused_by_name(model, args, match,
+                                                 tmp_path):
+  with pytest.raises(ValueError, match=match):
+    _run(tmp_path, "--compressor", "dense", "--model", model,
+         "--model-args", args, "--steps", 1)
+  assert not (tmp_path / "run").exists()
+
+
+def _metrics_steps(out):
+  return [json.loads(x)["step"]
+          for x in open(out / "metrics.jsonl").read().splitlines()]
+
+
+def test_resuming_a_finished_run_keeps_its_train_loss(tmp_path, capsys):
+  comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+  first = _run(tmp_path, *comp, "--steps", 2, name="d")
+  out = tmp_path / "d"
+  before = json.loads((out / "result.json").read_text())
+  capsys.readouterr()
+  again = _run(tmp_path, *comp, "--steps", 2, "--resume", name="d")
+  assert "run already complete at step 2" in capsys.readouterr().out
+  after = json.loads((out / "result.json").read_text())
+  for r in (again, after):
+    assert np.isfinite(r["train_loss"]) and np.isfinite(r["train_accuracy"])
+    assert r["train_loss"] == first["train_loss"] == before["train_loss"]
+    assert r["train_accuracy"] == first["train_accuracy"]
+    assert r["eval_loss"] == first["eval_loss"]
+    assert r["steps"] == 2
+    assert r["steps_per_s"] == before["steps_per_s"] > 0
+  summary = (out / "summary.md").read_text()
+  assert "nan" not in summary
+  assert f"| {first['train_loss']:.4f} |" in summary
+  assert _metrics_steps(out) == [1, 2]
+
+
+def _flip_bytes(step_dir):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs
+           if f != "meta.json"]
+  big = max(files, key=os.path.getsize)
+  blob = bytearray(open(big, "rb").read())
+  for i in range(len(blob) // 2, min(len(blob), len(blob) // 2 + 16)):
+    blob[i] ^= 0xFF
+  open(big, "wb").write(bytes(blob))
+
+
+def test_corrupt_latest_names_the_older_checkpoint_and_resume_from_it(
+    tmp_path):
+  comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+  full = _run(tmp_path, *comp, "--steps", 4, "--checkpoint-every", 2,
+              name="o")
+  root = tmp_path / "o" / "checkpoints"
+  older, latest = root / "step_00000002", root / "step_00000004"
+  assert (root / "LATEST").read_text() == latest.name and older.is_dir()
+  _flip_bytes(latest)
+  with pytest.raises(train.CheckpointError) as err:
+    _run(tmp_path, *comp, "--steps", 4, "--resume", name="o")
+  msg = str(err.value)
+  assert "corrupt" in msg and str(latest) in msg
+  assert (f"pass --resume-from {older} to resume from the older checkpoint "
+          "at step 2") in msg
+  # The fallback is checked against this run like any resume,
+  with pytest.raises(train.CheckpointError, match="steps: checkpoint has 4"):
+    _run(tmp_path, *comp, "--steps", 5, "--resume-from", older, name="o")
+  # refuses what is not a checkpoint, naming the flag,
+  with pytest.raises(train.CheckpointError, match="--resume-from nowhere"):
+    _run(tmp_path, *comp, "--steps", 4, "--resume-from", "nowhere", name="o")
+  # and continues bit-identically to the end (a name under checkpoints/ is
+  # enough), truncating the metrics to its step and moving LATEST on.
+  r = _run(tmp_path, *comp, "--steps", 4, "--resume-from", older.name,
+           name="o")
+  assert r["steps"] == 4 and np.isfinite(r["train_loss"])
+  assert r["train_loss"] == full["train_loss"]
+  for x, y in zip(jax.tree.leaves(jax.device_get(full["params"])),
+                  jax.tree.leaves(jax.device_get(r["params"])), strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert _metrics_steps(tmp_path / "o") == [1, 2, 3, 4]
+  new = (root / "LATEST").read_text()
+  assert new == "step_00000004.1"
+  # and a plain --resume now finds the new checkpoint.
+  again = _run(tmp_path, *comp, "--steps", 4, "--resume", name="o")
+  assert again["train_loss"] == full["train_loss"]
+
+
+def test_refused_restore_exits_cleanly(tmp_path):
+  """A subprocess: the error, and no asyncio tracebacks at exit."""
+  comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
+  _run(tmp_path, *comp, "--steps", 4, "--checkpoint-every", 2, name="x")
+  # Remove the array data of both checkpoints: orbax's reads fail while
+  # others are in flight (the case that left tensorstore calling back into a
+  # closed event loop).
+  victims = [os.path.join(d, f)
+             for d, _, fs in os.walk(tmp_path / "x" / "checkpoints")
+             for f in fs if os.path.basename(os.path.dirname(d))
+             .startswith("ocdbt.process_") and os.path.basename(d) == "d"]
+  assert victims, "orbax's array files not found: layout changed?"
+  for f in victims:
+    os.remove(f)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+    f for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count"))
+  proc = subprocess.run(
+    [sys.executable, os.path.join(repo, "train.py"), *TINY, *comp,
+     "--steps", "4", "--num-devices", "2", "--resume", "--out-dir",
+     str(tmp_path / "x")],
+    cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  assert "error: checkpoint" in proc.stderr
+  assert "is corrupt or unreadable" in proc.stderr
+  assert "no other checkpoint" in proc.stderr
+  assert "Event loop is closed" not in proc.stderr, proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
