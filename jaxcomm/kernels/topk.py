@@ -47,7 +47,12 @@ Kernels (each beside its ``*_reference``, keyword-only ``interpret``):
   float32 at k = 0.1% and 1%, where the same path runs with a jnp packer.
   A fully in-kernel compaction (a prefix sum and a data-dependent scatter
   inside the kernel) is not portable between Mosaic TPU and GPU, so it is
-  not attempted.
+  not attempted. The prefix sum is ``jnp.cumsum`` (a reduce-window that XLA
+  rewrites into a scan) and the search ``searchsorted(method="scan")`` (a
+  ``log2(words)``-step loop): on CPU for ResNet-18's 11M-element bucket
+  they compile in 0.12 s and 0.16 s where ``lax.associative_scan`` took
+  0.78 s and the unrolled search 0.51 s (a third of threshold's whole
+  compile); their GPU run time is not yet re-measured.
 
 Dispatch (``use_kernel=None``) follows ``JAXCOMM_KERNELS``
 (:mod:`jaxcomm.kernels` has the table and the figures); ``True``
@@ -571,11 +576,11 @@ def compact_from_mask(x: jax.Array, mask_words: jax.Array, capacity: int
   """
   length = x.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  incl = lax.associative_scan(jnp.add, popc)
+  incl = jnp.cumsum(popc, dtype=jnp.int32)
   count = incl[-1]
   slots = jnp.arange(capacity, dtype=jnp.int32)
   word = jnp.searchsorted(incl, slots + 1, side="left",
-                          method="scan_unrolled").astype(jnp.int32)
+                          method="scan").astype(jnp.int32)
   word = jnp.minimum(word, mask_words.shape[0] - 1)
   rank = slots - (incl[word] - popc[word])
   idx = 32 * word + _select_bit(mask_words[word], rank)
@@ -621,7 +626,7 @@ def segment_counts(mask_words: jax.Array, bounds: tuple[int, ...]
   """Set bits of a packed mask in each segment ``[bounds[j], bounds[j+1])``
   (one popcount prefix sum, whatever the number of segments)."""
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  before = _set_bits_before(mask_words, lax.associative_scan(jnp.add, popc),
+  before = _set_bits_before(mask_words, jnp.cumsum(popc, dtype=jnp.int32),
                             bounds)
   return before[1:] - before[:-1]
 
@@ -654,7 +659,7 @@ def compact_segments(x: jax.Array, mask_words: jax.Array,
       f"bounds must end at len(x) = {length}, got {tuple(bounds)}")
   nw = mask_words.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  incl = lax.associative_scan(jnp.add, popc)
+  incl = jnp.cumsum(popc, dtype=jnp.int32)
   before = _set_bits_before(mask_words, incl, bounds)
   counts = before[1:] - before[:-1]
   caps = np.asarray(capacities, np.int64)
@@ -670,7 +675,7 @@ def compact_segments(x: jax.Array, mask_words: jax.Array,
   valid = local < counts[seg]
   rank = before[:-1][seg] + local
   word = jnp.searchsorted(incl, rank + 1, side="left",
-                          method="scan_unrolled").astype(jnp.int32)
+                          method="scan").astype(jnp.int32)
   word = jnp.minimum(word, nw - 1)
   r_in = rank - (incl[word] - popc[word])
   idx = 32 * word + _select_bit(mask_words[word], r_in)
