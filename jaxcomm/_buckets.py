@@ -22,6 +22,7 @@ of :class:`Layout`, which issue one op per group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 from typing import Sequence
 
@@ -234,3 +235,42 @@ def check_bucket_bytes(value) -> int | None:
     raise ValueError(
       f"bucket_bytes must be a positive int (bytes) or None, got {value!r}")
   return int(value)
+
+
+# Widest block :func:`leaf_blocks` uses, and the narrowest worth it (below
+# it, per-run ops are cheaper than a reduction over that many blocks).
+LEAF_BLOCK_MAX = 4096
+LEAF_BLOCK_MIN = 32
+
+
+def leaf_blocks(sizes: Sequence[int]) -> int | None:
+  """The block width ``B`` that tiles every leaf of a flat concatenation:
+  the largest divisor of ``gcd(sizes)`` up to :data:`LEAF_BLOCK_MAX`, or
+  None when it is under :data:`LEAF_BLOCK_MIN`.
+
+  With it, per-leaf reductions and broadcasts run on the ``[L / B, B]``
+  view of the whole bucket (a free reshape): one reduction per block, the
+  blocks' partials combined per leaf (a sorted segment reduction of
+  ``L / B`` values) and the per-leaf result read back per block. The
+  program then has the same ops for any number of leaves and sizes.
+  """
+  g = 0
+  for s in sizes:
+    g = math.gcd(g, int(s))
+  if g == 0:
+    return None
+  best = max(d for d in range(1, min(g, LEAF_BLOCK_MAX) + 1) if g % d == 0)
+  return best if best >= LEAF_BLOCK_MIN else None
+
+
+def block_leaf_ids(sizes: Sequence[int], block: int) -> jax.Array:
+  """``int32[L / block]``: the leaf of each block (see :func:`leaf_blocks`),
+  a cumulative sum of leaf starts built at run time (as
+  ``kernels.topk.segment_ids``, so that XLA does not fold an ``L / block``
+  constant)."""
+  counts = [int(s) // block for s in sizes]
+  total = sum(counts)
+  starts = np.cumsum([0] + counts)[1:-1]
+  zeros = jax.lax.optimization_barrier(jnp.zeros((total,), jnp.int32))
+  marks = zeros.at[jnp.asarray(starts, jnp.int32)].add(1, mode="drop")
+  return jnp.cumsum(marks, dtype=jnp.int32)

@@ -95,7 +95,39 @@ def test_state_mismatch_is_named():
   params = _params()
   state = tx.init(params)
   bad = dict(params, a=jnp.zeros((4, 16, 20)))
-  with pytest.raises(ValueError, match="do not match the state's residual"):
+  with pytest.raises(ValueError, match=r"gradient leaf \['a'\] has shape"):
     tx.update(bad, state, params)
+  with pytest.raises(ValueError, match="do not match the state's residual"):
+    tx.update(bad, state)
   with pytest.raises(ValueError, match="CompressState"):
     tx.update(params, optax.EmptyState(), params)
+
+
+def test_leaf_blocks_tile_every_leaf():
+  assert _buckets.leaf_blocks([1152, 3072]) == 384
+  assert _buckets.leaf_blocks([1728, 36864, 5120]) == 64
+  assert _buckets.leaf_blocks([2**20, 2**21]) == _buckets.LEAF_BLOCK_MAX
+  assert _buckets.leaf_blocks([48, 100]) is None        # gcd 4: too narrow
+  sizes = [96, 32, 32, 160]
+  ids = np.asarray(_buckets.block_leaf_ids(sizes, 32))
+  np.testing.assert_array_equal(ids, [0, 0, 0, 1, 2, 3, 3, 3, 3, 3])
+
+
+@pytest.mark.parametrize("sizes", [[96, 32, 32, 160], [50, 70, 70, 3]])
+def test_per_leaf_scales_match_numpy_on_both_paths(sizes):
+  """Blocks (sizes sharing a wide divisor) and runs (they do not) give the
+  per-leaf scale ||x_l|| / sqrt(d_l) and its broadcast of numpy."""
+  from jaxcomm.collectives import _signs
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=sum(sizes)).astype(np.float32)
+  ends = np.cumsum(sizes)
+  parts = np.split(x.astype(np.float64), ends[:-1])
+  want = np.asarray([np.sqrt(np.sum(p * p) / p.size) for p in parts])
+  got = np.asarray(_signs.worker_scales(jnp.asarray(x), sizes))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  vals = rng.normal(size=(2, sum(sizes))).astype(np.float32)
+  scales = rng.normal(size=(2, len(sizes))).astype(np.float32)
+  want = vals * np.repeat(scales, sizes, axis=1)
+  got = np.asarray(_signs._per_leaf(jnp.asarray(vals), jnp.asarray(scales),
+                                    sizes))
+  np.testing.assert_allclose(got, want, rtol=1e-6)

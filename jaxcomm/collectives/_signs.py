@@ -122,6 +122,12 @@ def _per_leaf(values, scales, sizes: Sequence[int]):
   whose index computation XLA constant-folds (minutes for 10M elements).
   """
   lead = values.shape[:-1]
+  block = _buckets.leaf_blocks(sizes)
+  if block is not None and len(_buckets.runs(sizes)) > 1:
+    # Every leaf a whole number of blocks: one broadcast for all sizes.
+    ids = _buckets.block_leaf_ids(sizes, block)
+    v = values.reshape(lead + (-1, block))
+    return (v * scales[..., ids][..., None]).reshape(values.shape)
   out, first = [], 0
   for off, count, d in _buckets.runs(sizes):
     v = values[..., off:off + count * d].reshape(lead + (count, d))
@@ -134,6 +140,14 @@ def _per_leaf(values, scales, sizes: Sequence[int]):
 def worker_scales(x: jax.Array, sizes: Sequence[int]) -> jax.Array:
   """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation (one
   batched reduction per run of equal sizes)."""
+  block = _buckets.leaf_blocks(sizes)
+  if block is not None and len(_buckets.runs(sizes)) > 1:
+    # Block sums of squares, added up per leaf: the same ops for any sizes.
+    xb = x.reshape(-1, block)
+    ids = _buckets.block_leaf_ids(sizes, block)
+    ss = jax.ops.segment_sum(jnp.sum(xb * xb, axis=1), ids,
+                             num_segments=len(sizes), indices_are_sorted=True)
+    return jnp.sqrt(ss / jnp.asarray(np.asarray(sizes, np.float32)))
   out = []
   for off, count, d in _buckets.runs(sizes):
     seg = x[off:off + count * d].reshape(count, d)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _buckets
 from jaxcomm import _compressor
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
@@ -367,7 +368,8 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
                    stat: Callable, quantize: Callable, unit: Callable,
                    prepare: Callable | None = None,
                    stochastic: bool, low: int | None = None,
-                   zero: Callable | None = None) -> _compressor.Codec:
+                   zero: Callable | None = None,
+                   stat_is_max: bool = False) -> _compressor.Codec:
   """A quantizer whose codes, under a scale shared by all devices, add up.
 
   Per bucket: ``stat(xb) -> [nb]`` (``[nb, 2]`` when ``zero`` is set) the
@@ -383,28 +385,77 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
   to ``zero(S) + unit(S) q`` and a sum ``t`` of ``n`` codes to ``n zero(S) +
   unit(S) t``. The last bucket is then padded with its last value, not 0,
   so that padding cannot move the bucket's minimum or maximum.
+
+  One bucket per leaf (``bucket_size=None``) with a statistic that is a
+  maximum over the bucket (``stat_is_max``: block maxima combine by max)
+  and no ``prepare`` runs on the ``[L / B, B]`` view of the whole bucket
+  (:func:`jaxcomm._buckets.leaf_blocks`): block maxima, one sorted segment
+  maximum per leaf, the leaf's scale read back per block; the same ops for
+  any number of leaf sizes.
   """
+
+  def apply_per_leaf(x, state, ctx, block):
+    sizes = ctx.layout.sizes
+    xb = x.reshape(-1, block)
+    ids = _buckets.block_leaf_ids(sizes, block)
+    local = jax.ops.segment_max(stat(xb), ids, num_segments=len(sizes),
+                                indices_are_sorted=True)
+    s = _core.pmax(local, ctx.axis_name)[ids][:, None]
+    u = (jax.random.uniform(device_key(ctx), xb.shape, jnp.float32)
+         if stochastic else None)
+    q = quantize(xb, s, u)
+    total = _quantized.integer_allreduce(q.ravel(), bound, ctx.axis_name,
+                                         low=low)
+    t = total.reshape(xb.shape).astype(jnp.float32)
+    un = unit(s)
+    mean = t * un / ctx.num_devices
+    sent = q.astype(jnp.float32) * un
+    return _compressor.CodecResult(mean=mean.reshape(-1),
+                                   sent=sent.reshape(-1), state=state)
 
   def apply(x, state, ctx):
     layout = ctx.layout
+    if (bucket_size is None and stat_is_max and prepare is None
+        and zero is None):
+      block = _buckets.leaf_blocks(layout.sizes)
+      if block is not None:
+        return apply_per_leaf(x, state, ctx, block)
     lay = bucket_layout(layout.shapes, bucket_size)
-    # Per group of equal shapes, [G, d] -> each leaf cut into c buckets of
-    # b elements (the last one padded) -> [G c, b]: one op per group.
+    # The bucket as [rows, b] blocks of buckets. Consecutive groups whose
+    # leaves split into whole buckets of one width b (no padding, no
+    # per-leaf ``prepare``) are one contiguous region of x: a free reshape,
+    # with no copy in and none out. A group that pads its last bucket (or
+    # that ``prepare`` transforms per leaf) is [G, d] -> padded -> [G c, b].
     mode = "constant" if zero is None else "edge"
-    dims, xbs = [], []
-    for g, v in zip(layout.groups, layout.views(x)):
+    parts = []   # (offset, size, b, padded: (count, d, c) | None)
+    for g in layout.groups:
       d = g.leaf_size
       b = d if bucket_size is None else max(1, min(bucket_size, d))
       c = -(-d // b)
+      if b * c == d and prepare is None:
+        if (parts and parts[-1][3] is None and parts[-1][2] == b
+            and parts[-1][0] + parts[-1][1] == g.offset):
+          o, sz, _, _ = parts[-1]
+          parts[-1] = (o, sz + g.count * d, b, None)
+        else:
+          parts.append((g.offset, g.count * d, b, None))
+      else:
+        parts.append((g.offset, g.count * d, b, (g.count, d, c)))
+    xbs = []
+    for off, size, b, padded in parts:
+      v = x[off:off + size]
+      if padded is None:
+        xbs.append(v.reshape(size // b, b))
+        continue
+      count, d, c = padded
+      v = v.reshape(count, d)
       if prepare is not None:
         v = prepare(v)
       if b * c != d:
         v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
-      dims.append((g.count, d, b, c))
-      xbs.append(v.reshape(g.count * c, b))
-    # Consecutive groups with the same bucket width (all of them with a
-    # bucket_size under the leaf sizes) are one [N, b] block: the
-    # statistics, the quantizer and the decoder run once per block.
+      xbs.append(v.reshape(count * c, b))
+    # Consecutive parts with the same bucket width are one [N, b] block:
+    # the statistics, the quantizer and the decoder run once per block.
     blocks: list[list[int]] = []
     for i, xb in enumerate(xbs):
       if blocks and xbs[blocks[-1][0]].shape[1] == xb.shape[1]:
@@ -442,9 +493,15 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
       else:
         m = z + un * (t / n)
         e = z + un * q.astype(jnp.float32)
+      if all(parts[i][3] is None for i in blk):
+        # Whole buckets only: the block is already the bucket's elements.
+        mean.append(m.reshape(-1))
+        sent.append(e.reshape(-1))
+        continue
       row = 0
       for i in blk:
-        count, d, b, c = dims[i]
+        _, size, b, padded = parts[i]
+        count, d, c = padded if padded is not None else (size // b, b, 1)
         # [G c, b] -> [G, c b] -> the leaves' own d elements (a free
         # reshape when no padding was added).
         for out, v in ((mean, m), (sent, e)):
@@ -601,7 +658,8 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
 
   codec = _integer_codec(
     "terngrad", 1, None, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
-    quantize=quantize, unit=lambda s: s, prepare=prepare, stochastic=True)
+    quantize=quantize, unit=lambda s: s, prepare=prepare, stochastic=True,
+    stat_is_max=True)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed)
