@@ -299,13 +299,14 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
 
   ``groups``: static ``(offset, count, size, k)`` runs of ``count``
   equal segments of ``size`` elements starting at ``offset`` (contiguous,
-  in order, covering ``x``), each keeping its ``k`` largest ``|x|``. One
-  threshold search for all segments (one loop; each round one pass over
-  ``x`` and a per-segment popcount), two compactions
-  (:func:`compact_segments`), and per group only the sample and the final
-  ``lax.top_k`` of the candidates: the program does not repeat the search
-  per group, and on a GPU the loop waits on the host once per round, not
-  once per round and group.
+  in order, covering ``x``), each keeping its ``k`` largest ``|x|``. The
+  program has the same ops for any number of segments and sizes: one
+  sample draw for all segments and one sort for their thresholds, one
+  threshold search (one loop; each round one pass over ``x`` and a
+  per-segment popcount), two compactions (:func:`compact_segments`) and
+  one sort of all candidates by ``(segment, -|x|, index)`` for the cut; on
+  a GPU the loop waits on the host once per round, not once per round and
+  group.
 
   Returns:
     Per group ``(values, indices)`` of shape ``[count, k]``: signed values
@@ -318,7 +319,7 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
                                   jnp.uint32)
   u32 = lambda v: jnp.asarray(v, jnp.uint32)
   end = u32(_ABS_BITS_END)
-  bounds, caps, quota, t0 = [0], [], [], []
+  bounds, caps, quota, samples, picks, sizes = [0], [], [], [], [], []
   for off, count, size, k in groups:
     if off != bounds[-1]:
       raise ValueError(
@@ -328,22 +329,32 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
     target = max(k, min(cap, (k + cap) // 2))
     s = min(size, max(4096, math.ceil(128 * size / target)))
     kp = min(s, max(1, round(target * s / size)))
-    rows = bits[off:off + count * size].reshape(count, size)
-    keys = jax.random.split(jax.random.PRNGKey(0), count)
-    pos = jax.vmap(lambda kk, s=s, size=size: jax.random.randint(
-      kk, (s,), 0, size))(keys)
-    t0.append(jnp.sort(jnp.take_along_axis(rows, pos, axis=1), axis=1)[
-      :, s - kp])
     bounds += [off + (r + 1) * size for r in range(count)]
     caps += [cap] * count
     quota += [k] * count
-  t0 = jnp.clip(jnp.concatenate(t0), u32(1), end - 1)
-  bounds = tuple(bounds)
-  k_row = jnp.asarray(np.asarray(quota, np.int64), jnp.int32)
-  cap_row = jnp.asarray(np.asarray(caps, np.int64), jnp.int32)
+    samples += [s] * count
+    picks += [kp] * count
+    sizes += [size] * count
   if bounds[-1] != length:
     raise ValueError(
       f"groups must cover x contiguously (len {length}), got {groups}")
+  bounds = tuple(bounds)
+  starts = np.asarray(bounds[:-1], np.int64)
+  # Thresholds expected to keep ~1.5 k per segment: every segment's sample
+  # from one draw (fixed key: the sample only guides the search), sorted
+  # by (segment, -|x|) in one sort, the kp-th of each read off.
+  s_end = np.cumsum(samples)
+  srow = segment_ids((0,) + tuple(int(e) for e in s_end))
+  pos = jax.random.randint(
+    jax.random.PRNGKey(0), (int(s_end[-1]),), 0,
+    jnp.asarray(np.asarray(sizes, np.int64), jnp.int32)[srow])
+  drawn = bits[jnp.asarray(starts, jnp.int32)[srow] + pos]
+  _, drawn = lax.sort((srow, ~drawn), num_keys=2)
+  t0 = ~drawn[jnp.asarray(s_end - np.asarray(samples) + np.asarray(picks)
+                          - 1, jnp.int32)]
+  t0 = jnp.clip(t0, u32(1), end - 1)
+  k_row = jnp.asarray(np.asarray(quota, np.int64), jnp.int32)
+  cap_row = jnp.asarray(np.asarray(caps, np.int64), jnp.int32)
   row = segment_ids(bounds)
 
   def count(t):
@@ -381,23 +392,31 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
                                tuple(caps))
   ve, ie, _ = compact_segments(x, pack_mask(bits == t_equal[row]), bounds,
                                tuple(quota))
-  out, ra, re_ = [], 0, 0
-  for _, count, size, k in groups:
-    cap = min(bracket_capacity(k), size)
-    vals = jnp.concatenate(
-      [va[ra:ra + count * cap].reshape(count, cap),
-       ve[re_:re_ + count * k].reshape(count, k)], axis=1)
-    idx = jnp.concatenate(
-      [ia[ra:ra + count * cap].reshape(count, cap),
-       ie[re_:re_ + count * k].reshape(count, k)], axis=1)
-    ra += count * cap
-    re_ += count * k
-    key = lax.bitcast_convert_type(jnp.abs(vals).astype(jnp.float32),
-                                   jnp.int32)
-    key = jnp.where(idx < length, key, -1)
-    _, p = lax.top_k(key, k)
-    out.append((jnp.take_along_axis(vals, p, axis=1),
-                jnp.take_along_axis(idx, p, axis=1)))
+  # The cut, every segment at once. Candidates above the threshold and
+  # those equal to the tie pattern are disjoint; sorted by (segment, -|x|
+  # bits, index) with unused slots last, each segment's first k are its
+  # top-k in the reference's order.
+  c_end = np.cumsum(caps)
+  q_end = np.cumsum(quota)
+  crow = jnp.concatenate([
+    segment_ids((0,) + tuple(int(e) for e in c_end)),
+    segment_ids((0,) + tuple(int(e) for e in q_end))])
+  vals = jnp.concatenate([va, ve])
+  idx = jnp.concatenate([ia, ie])
+  key = lax.bitcast_convert_type(jnp.abs(vals).astype(jnp.float32),
+                                 jnp.uint32)
+  # Unused slots (index L) sort after every candidate of their segment.
+  key = jnp.where(idx < length, ~key, u32(0xFFFFFFFF))
+  _, _, idx, vals = lax.sort((crow, key, idx, vals), num_keys=3)
+  first = np.asarray(c_end - np.asarray(caps)) + np.asarray(
+    q_end - np.asarray(quota))     # each segment's first slot once sorted
+  out, r0 = [], 0
+  for _, count, _, k in groups:
+    take = (first[r0:r0 + count, None] + np.arange(k)[None, :]).astype(
+      np.int32)
+    take = jnp.asarray(take)
+    out.append((vals[take], idx[take]))
+    r0 += count
   return out
 
 
