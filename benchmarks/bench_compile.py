@@ -44,6 +44,7 @@ Run from the repository root::
   python -m benchmarks.bench_compile --quick               # ~1 min
   python -m benchmarks.bench_compile --shapes transformer --only dgc,topk
   python -m benchmarks.bench_compile --timeout 600 --json out.json
+  python -m benchmarks.bench_compile --compare before.json after.json
 
 One run on a shared CPU host is noisy: read the ratios, not the digits.
 """
@@ -327,6 +328,43 @@ def _write_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
+def compare(paths: list[str]) -> str:
+  """Markdown tables, per shape set, of the ``x dense`` and compiled-op
+  columns of several ``--json`` files side by side (each file's own dense
+  row is its baseline, so runs on different days compare by ratio)."""
+  runs = []
+  for path in paths:
+    with open(path) as f:
+      runs.append((os.path.splitext(os.path.basename(path))[0],
+                   json.load(f)))
+  out = []
+  for shape_set in SHAPE_SETS:
+    tables = [r["results"].get(shape_set) for _, r in runs]
+    if not any(tables):
+      continue
+    first = next(t for t in tables if t)
+    out.append(f"\n### {shape_set}: {first['leaves']} leaves, "
+               f"{first['params']:,} parameters\n")
+    head = ["compressor"] + [f"x dense {n}" for n, _ in runs] + [
+      f"HLO ops {n}" for n, _ in runs]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|---|" + "---:|" * (len(head) - 1))
+    labels = {}
+    for t in tables:
+      for row in (t or {}).get("rows", []):
+        labels.setdefault(row["name"], row["label"])
+    for name, label in labels.items():
+      cells, ops = [], []
+      for t in tables:
+        row = next((r for r in (t or {}).get("rows", [])
+                    if r["name"] == name), None)
+        ok = row is not None and row.get("status") == "ok"
+        cells.append(f"{row['x_dense']:.1f}" if ok else "-")
+        ops.append(f"{row['hlo_ops']:,}" if ok else "-")
+      out.append("| " + " | ".join([label] + cells + ops) + " |")
+  return "\n".join(out)
+
+
 def _split(text: str | None) -> list[str]:
   return [s.strip() for s in (text or "").split(",") if s.strip()]
 
@@ -350,8 +388,14 @@ def main(argv=None) -> None:
   parser.add_argument("--json", default=None, help="write results here")
   parser.add_argument("--list", action="store_true",
                       help="print the compressor names and exit")
+  parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                      help="print the --json files' tables side by side "
+                      "and exit (nothing is compiled)")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.compare:
+    print(compare(args.compare))
+    return
   if args.child:
     mesh = _mesh()
     _warmup(mesh)
