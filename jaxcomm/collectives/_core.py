@@ -11,7 +11,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax import parallel as _lax_parallel
 
 AxisName = str | tuple[str, ...] | None
 
@@ -94,7 +93,30 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False):
     return x if tiled else jnp.expand_dims(x, axis)
   names = _names(axis_name)
   name = names[0] if len(names) == 1 else names
-  return _lax_parallel.all_gather_invariant(x, name, axis=axis, tiled=tiled)
+  return _gather_invariant(x, name, axis, tiled)
+
+
+# How the public ``jax.lax.all_gather`` spells an invariant result
+# (``to="invarying"`` on JAX 0.10); the first spelling the running JAX
+# accepts is kept.
+_INVARIANT_SPELLINGS = ["invarying", "invariant"]
+
+
+def _gather_invariant(x, name, axis: int, tiled: bool):
+  error = None
+  for to in list(_INVARIANT_SPELLINGS):
+    try:
+      out = jax.lax.all_gather(x, name, axis=axis, tiled=tiled, to=to)
+    except (TypeError, ValueError) as e:
+      if "to" not in str(e):
+        raise
+      error = e
+      continue
+    _INVARIANT_SPELLINGS[:] = [to]
+    return out
+  raise NotImplementedError(
+    "this JAX's jax.lax.all_gather cannot return an invariant result "
+    f"(tried to={_INVARIANT_SPELLINGS}): {error}")
 
 
 def all_gather_varying(x, axis_name: AxisName, *, axis: int = 0,
