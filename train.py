@@ -1207,6 +1207,14 @@ def _place_state(host_state, layout, mesh):
 
 # ------------------------------------------------------------ reporting --
 
+def _ratio_text(r: dict[str, Any]) -> str:
+  """The compression ratio, or why there is none (one device: nothing
+  crosses the wire, compressed or not)."""
+  if not r["dense_bytes_per_step"]:
+    return "- (one device: no traffic)"
+  return f"{r['compression_ratio']:,.1f}x"
+
+
 def summary_table(results: list[dict[str, Any]]) -> str:
   """A markdown table: final figures next to wire bytes/step vs dense."""
   rows = ["| model | compressor | args | devices | steps | train loss | "
@@ -1220,7 +1228,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
       f"{r['num_devices']} | {r['steps']} | {r['train_loss']:.4f} | "
       f"{r['eval_loss']:.4f} | {r['eval_accuracy']:.4f} | "
       f"{r['bytes_per_step']:,.0f} | {r['dense_bytes_per_step']:,.0f} | "
-      f"{r['compression_ratio']:,.1f}x | {r['steps_per_s']:.1f} |")
+      f"{_ratio_text(r)} | {r['steps_per_s']:.1f} |")
   return "\n".join(rows)
 
 
@@ -1290,9 +1298,12 @@ def main(argv=None, *, set_devices: bool = False) -> dict[str, Any]:
           f"{r['steps']} steps in {r['train_time_s']:.0f}s "
           f"({r['wall_time_s']:.0f}s with set-up): held-out loss "
           f"{r['eval_loss']:.4f}, accuracy {r['eval_accuracy']:.4f}; "
-          f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
-          f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
-          f"({r['compression_ratio']:.1f}x less). Outputs: {r['out_dir']}")
+          + (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
+             f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
+             f"({r['compression_ratio']:.1f}x less)"
+             if r["dense_bytes_per_step"] else
+             "one device: nothing crosses the wire")
+          + f". Outputs: {r['out_dir']}")
   return result
 
 

@@ -326,3 +326,15 @@ def test_refused_restore_exits_cleanly(tmp_path):
   assert "no other checkpoint" in proc.stderr
   assert "Event loop is closed" not in proc.stderr, proc.stderr
   assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_one_device_summary_says_nothing_crosses_the_wire():
+  r = {"model": "mlp", "compressor": "topk", "compressor_args": {},
+       "num_devices": 1, "steps": 3, "train_loss": 1.0, "eval_loss": 1.0,
+       "eval_accuracy": 0.5, "bytes_per_step": 0, "dense_bytes_per_step": 0,
+       "compression_ratio": float("inf"), "steps_per_s": 2.0}
+  table = train.summary_table([r])
+  assert "one device: no traffic" in table and "inf" not in table
+  r.update(num_devices=8, bytes_per_step=100, dense_bytes_per_step=1000,
+           compression_ratio=10.0)
+  assert "| 10.0x |" in train.summary_table([r])
