@@ -561,3 +561,26 @@ def test_updates_equal_pytorch_residual_convention(mesh):
       res[k] = [m - approx for m in ms]
       np.testing.assert_allclose(updates[t][k], approx.reshape(s),
                                  rtol=1e-3, atol=1e-4, err_msg=f"{k} {t}")
+
+
+@pytest.mark.parametrize("method", ["householder", "gram_schmidt", "cholesky"])
+def test_padded_orthogonalization_equals_per_shape(method):
+  """P blocks of several row counts orthogonalized in one zero-padded stack
+  give each block's own orthonormal basis (numpy QR's, up to column
+  signs), and nothing in the padded rows."""
+  from jaxcomm.collectives import _lowrank
+  rng = np.random.default_rng(3)
+  shapes = [(2, 300, 3), (1, 40, 3), (3, 7, 3)]
+  ps = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  assert _lowrank._bins(shapes) == [[0, 1, 2]]
+  orth = _lowrank.orthogonalizer(method, 3)
+  got = _lowrank._orthogonalize_batches(orth, ps, [0.0] * 3, False)
+  for p, q in zip(ps, got):
+    assert q.shape == p.shape
+    for g in range(p.shape[0]):
+      ref, _ = np.linalg.qr(np.asarray(p[g], np.float64))
+      qg = np.asarray(q[g], np.float64)
+      np.testing.assert_allclose(np.abs(qg.T @ ref), np.eye(3), atol=1e-4)
+      np.testing.assert_allclose(qg.T @ qg, np.eye(3), atol=1e-4)
+  # Far apart row counts with big blocks get bins of their own.
+  assert _lowrank._bins([(64, 8192, 4), (96, 256, 4)]) == [[0], [1]]

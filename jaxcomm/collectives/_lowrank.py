@@ -258,6 +258,66 @@ def _right(m, p):
   return jnp.einsum("bnr,bnm->brm", p, m)
 
 
+# Batches' P blocks are orthogonalized together, zero-padded to the bin's
+# largest row count, while the padded bin stays under this many elements or
+# pads no batch by more than _PAD_RATIO: one orthogonalization for many
+# matrix shapes (ResNet-18's 11 shapes: one), not one per shape.
+_PAD_ELEMENTS = 1 << 20
+_PAD_RATIO = 4
+
+
+def _bins(shapes) -> list[list[int]]:
+  """Batches ``(G, n, r)`` grouped for one padded orthogonalization each:
+  by decreasing ``n``, a batch joins the current bin (of row count ``N``)
+  if the bin padded to ``N`` stays under :data:`_PAD_ELEMENTS` elements or
+  ``N <= _PAD_RATIO * n``."""
+  order = sorted(range(len(shapes)), key=lambda i: -shapes[i][1])
+  bins: list[list[int]] = []
+  for i in order:
+    g, n, r = shapes[i]
+    if bins:
+      top = shapes[bins[-1][0]][1]
+      rows = sum(shapes[j][0] for j in bins[-1]) + g
+      if rows * top * r <= _PAD_ELEMENTS or top <= _PAD_RATIO * n:
+        bins[-1].append(i)
+        continue
+    bins.append([i])
+  return bins
+
+
+def _orthogonalize_batches(orthogonalize, ps, eps, per_column):
+  """``orthogonalize`` of every batch's ``P``, batches of different row
+  counts stacked with zero rows (see :func:`_bins`).
+
+  Zero rows change no orthogonalization: Householder reflections, column
+  norms, projections and the Gram matrix all see the same numbers, and the
+  padded rows of the result are zero (they are cut off again).
+  """
+  out: list = [None] * len(ps)
+  for members in _bins([tuple(p.shape) for p in ps]):
+    if len(members) == 1:
+      i = members[0]
+      out[i] = orthogonalize(ps[i], eps[i])
+      continue
+    top = ps[members[0]].shape[1]
+    stacked = jnp.concatenate(
+      [jnp.pad(ps[i], ((0, 0), (0, top - ps[i].shape[1]), (0, 0)))
+       for i in members])
+    if per_column:
+      e = jnp.concatenate([jnp.broadcast_to(eps[i], (ps[i].shape[0], 1,
+                                                     ps[i].shape[2]))
+                           for i in members])
+    else:
+      e = eps[members[0]]
+    q = orthogonalize(stacked, e)
+    g0 = 0
+    for i in members:
+      g, n, _ = ps[i].shape
+      out[i] = q[g0:g0 + g, :n, :]
+      g0 += g
+  return out
+
+
 def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
                       axis_name, *, num_devices: int,
                       orthogonalize: Callable, eps=0.0, num_iters: int = 1,
@@ -311,8 +371,9 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   for k in range(num_iters):
     scales = [pow2_scale(q, axis=-2) for q in q_in]          # (G, 1, r)
     p_local = [_left(m, q / d) for m, q, d in zip(rest, q_in, scales)]
-    ps = [orthogonalize(p, eps / d if per_column else eps)
-          for p, d in zip(_core.fused_psum(p_local, axis_name), scales)]
+    ps = _orthogonalize_batches(
+      orthogonalize, _core.fused_psum(p_local, axis_name),
+      [eps / d if per_column else eps for d in scales], per_column)
     qt_local = [_right(m, p) for m, p in zip(rest, ps)]
     qt_sum = _core.fused_psum(qt_local, axis_name)
     sent_sq = sent_sq + sum(jnp.sum(jnp.square(q / norm_scale))
