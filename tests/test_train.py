@@ -155,14 +155,7 @@ def test_corrupt_or_incompatible_checkpoint(tmp_path):
     _run(tmp_path, *comp, "--steps", 5, "--resume", name="c")
   assert _tree_bytes(root) == good
   # Corrupt: flip bytes in the largest array file of the latest step.
-  step = root / (root / "LATEST").read_text()
-  files = [os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs
-           if f != "meta.json"]
-  big = max(files, key=os.path.getsize)
-  blob = bytearray(open(big, "rb").read())
-  for i in range(len(blob) // 2, min(len(blob), len(blob) // 2 + 16)):
-    blob[i] ^= 0xFF
-  open(big, "wb").write(bytes(blob))
+  _flip_bytes(root / (root / "LATEST").read_text())
   corrupted = _tree_bytes(root)
   with pytest.raises(train.CheckpointError, match="corrupt"):
     _run(tmp_path, *comp, "--steps", 4, "--resume", name="c")
