@@ -19,6 +19,9 @@ from jaxcomm._compressor import compressed
 from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
+from jaxcomm.transforms import OneBitState
+from jaxcomm.transforms import PowerSGDState
+from jaxcomm.transforms import SignumState
 from jaxcomm.transforms import cast
 from jaxcomm.transforms import csc
 from jaxcomm.transforms import dgc

@@ -30,6 +30,8 @@ The data path of one step (per device, inside shard_map or pmap)::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from typing import Any
 from typing import Callable
@@ -325,6 +327,7 @@ def compressed(
   start_step: int = 0,
   policy: _policy.LeafPolicy | None = None,
   seed: int = 0,
+  **unknown,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds a compressing GradientTransformation from a :class:`Codec`.
 
@@ -355,11 +358,18 @@ def compressed(
     policy: which leaves to compress and how to bucket them
       (:class:`jaxcomm.LeafPolicy`).
     seed: seed of the PRNG key kept in the state.
+    **unknown: refused (a ValueError naming them): the compressor
+      factories forward their ``**options`` here.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`CompressState`.
   """
+  if unknown:
+    raise ValueError(
+      f"{codec.name}: unknown option(s) {', '.join(sorted(unknown))}; the "
+      "options every compressor takes are start_step, clip_norm, momentum, "
+      "momentum_masking, lr_schedule and seed")
   policy = _policy.as_policy(policy)
   _check_axis_name(axis_name)
   if not isinstance(error_feedback, bool):
@@ -642,6 +652,38 @@ def _check_codec_state(codec_state, layouts, codec_init, name):
           f"codec state leaf is {tuple(jnp.shape(g))}, these gradients "
           f"need {tuple(w.shape)} (gradients transposed or reshaped "
           "against the params given to init?)")
+
+
+# The options of compressed() that every compressor factory forwards, with
+# their defaults (None: not numeric, so optax.inject_hyperparams leaves
+# them static unless they are passed).
+SHARED_OPTIONS = (("start_step", None), ("clip_norm", None),
+                  ("momentum", None), ("momentum_masking", True),
+                  ("lr_schedule", None))
+
+
+def shared_options(factory):
+  """Gives a factory that ends in ``**options`` (forwarded to
+  :func:`compressed`) the shared options as explicit keyword-only
+  parameters in its signature, for ``inspect.signature`` readers
+  (``optax.inject_hyperparams``, train.py's argument check): a bare
+  ``**options`` makes ``inject_hyperparams`` pass ``options={}`` along."""
+  sig = inspect.signature(factory)
+  params = [p for p in sig.parameters.values()
+            if p.kind is not p.VAR_KEYWORD]
+  have = {p.name for p in params}
+  params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                               default=default)
+             for name, default in SHARED_OPTIONS if name not in have]
+
+  @functools.wraps(factory)
+  def wrapper(*args, **kwargs):
+    if "start_step" in kwargs and kwargs["start_step"] is None:
+      kwargs["start_step"] = 0
+    return factory(*args, **kwargs)
+
+  wrapper.__signature__ = sig.replace(parameters=params)
+  return wrapper
 
 
 def spec_of(tx) -> Spec:

@@ -244,7 +244,8 @@ def test_required_arguments_table_is_complete():
   assert public == set(_REQUIRED)
   for name, args in _REQUIRED.items():
     sig = inspect.signature(getattr(jaxcomm, name))
-    needed = {k for k, p in sig.parameters.items() if p.default is p.empty}
+    needed = {k for k, p in sig.parameters.items() if p.default is p.empty
+              and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     assert needed == set(args), name
 
 
@@ -298,3 +299,37 @@ def test_sign_compressors_move_zero_gradients_unless_masked_out():
     upd, _ = tx.update(zeros, tx.init(params), params)
     np.testing.assert_array_equal(np.asarray(upd["frozen"]), 0.0)
     np.testing.assert_array_equal(np.asarray(upd["w"]), 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(set(_REQUIRED) - {"mean_gradients"}))
+def test_every_factory_forwards_the_shared_options(name):
+  """start_step, clip_norm, momentum and lr_schedule reach compressed():
+  the dense phase is exact, a momentum buffer is kept, the schedule is
+  read, a bad clip_norm is refused by name, an unknown option too."""
+  factory = getattr(jaxcomm, name)
+  args = dict(_REQUIRED[name], axis_name=None)
+  calls = []
+
+  def schedule(step):
+    calls.append(step)
+    return 0.1
+
+  extra = {} if name == "dgc" else {"momentum": 0.5}
+  tx = factory(**args, start_step=2, lr_schedule=schedule, **extra)
+  assert jaxcomm.spec_of(tx).start_step == 2
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
+  rng = np.random.default_rng(2)
+  state = tx.init(params)
+  assert len(state.momentum) == 1          # a momentum buffer per bucket
+  update = jax.jit(tx.update)
+  for _ in range(2):                        # dense phase: the exact mean
+    grads = {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),
+             "b": jnp.asarray(rng.normal(size=(48,)), jnp.float32)}
+    upd, state = update(grads, state, params)
+    np.testing.assert_array_equal(np.asarray(upd["w"]),
+                                  np.asarray(grads["w"]))
+  assert calls, "lr_schedule was never read"
+  with pytest.raises(ValueError, match="clip_norm"):
+    factory(**args, clip_norm=-1.0)
+  with pytest.raises(ValueError, match="unknown option"):
+    factory(**args, bucket_cap=3)

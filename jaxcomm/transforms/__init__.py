@@ -2,7 +2,10 @@
 
 from jaxcomm.transforms._dense import cast
 from jaxcomm.transforms._dense import mean_gradients
+from jaxcomm.transforms._powersgd import PowerSGDState
 from jaxcomm.transforms._powersgd import powersgd
+from jaxcomm.transforms._quantization import OneBitState
+from jaxcomm.transforms._quantization import SignumState
 from jaxcomm.transforms._quantization import ef_signsgd
 from jaxcomm.transforms._quantization import int8
 from jaxcomm.transforms._quantization import natural

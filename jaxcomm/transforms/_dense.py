@@ -81,8 +81,10 @@ def _cast_codec(dtype) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
-         policy=None):
+         policy=None,
+         **options):
   """Averages gradients in a low-precision dtype (fp16/bf16 compression).
 
   .. math::
@@ -108,6 +110,9 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
       elements are cast).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -122,5 +127,5 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
   """
   return _compressor.compressed(_cast_codec(dtype), axis_name=axis_name,
                                 error_feedback=error_feedback,
-                                policy=policy)
+                                policy=policy, **options)
 

@@ -240,6 +240,7 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
                            wire=wire, accepts=accepts, flat=True)
 
 
+@_compressor.shared_options
 def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
              min_compression_rate: float | None = None,
              error_feedback: bool = True, warm_start: bool = True,
@@ -247,7 +248,8 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
              num_iters_per_step: int | None = None, seed: int | None = None,
              policy=None,
              batch_same_shape: bool = False,
-             orthogonalization: str = "householder"):
+             orthogonalization: str = "householder",
+             **options):
   """PowerSGD: rank-``r`` compression by warm-started power iteration.
 
   .. math::
@@ -318,6 +320,9 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
       ``P`` in the measurement recorded in ARCHITECTURE.md),
       ``"gram_schmidt"`` (PyTorch's choice) or ``"cholesky"`` (Cholesky-QR2
       with a Householder fallback).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its codec state is a
@@ -372,4 +377,4 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
                           orthogonalization)
   return _compressor.compressed(
     codec, axis_name=axis_name, error_feedback=error_feedback,
-    start_step=start_step, policy=policy, seed=int(seed))
+    start_step=start_step, policy=policy, seed=int(seed), **options)

@@ -107,7 +107,9 @@ def _onebit_codec() -> _compressor.Codec:
       layout.sizes, n))
 
 
-def onebit(*, axis_name="data", error_feedback: bool = True, policy=None):
+@_compressor.shared_options
+def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
+           **options):
   """1-bit SGD with error feedback and DeepSpeed's compressed allreduce.
 
   Each device sends the sign of its error-compensated gradient and one
@@ -134,6 +136,9 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None):
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the worker error (the server error is always kept).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -152,7 +157,7 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None):
   """
   _check_bool("error_feedback", error_feedback)
   return _compressor.compressed(_onebit_codec(), axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
 # --------------------------------------------------------- majority vote --
@@ -187,8 +192,10 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
     wire=lambda layout, n: _signs.majority_vote_collectives(layout.size, n))
 
 
+@_compressor.shared_options
 def signsgd(scale: float = 1.0, *, axis_name="data",
-            error_feedback: bool = False, policy=None):
+            error_feedback: bool = False, policy=None,
+            **options):
   """signSGD with majority vote: the update is the devices' majority sign.
 
   .. math::
@@ -214,6 +221,9 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(x)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -232,11 +242,13 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
   _check_bool("error_feedback", error_feedback)
   return _compressor.compressed(_vote_codec("signsgd", scale),
                                 axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
+@_compressor.shared_options
 def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
-           error_feedback: bool = False, policy=None):
+           error_feedback: bool = False, policy=None,
+           **options):
   """Signum with majority vote: devices vote on their local momentum.
 
   .. math::
@@ -258,6 +270,9 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(m)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -277,7 +292,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
   _check_bool("error_feedback", error_feedback)
   return _compressor.compressed(_vote_codec("signum", scale, beta),
                                 axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
 # ------------------------------------------------------------- ef_signsgd --
@@ -296,8 +311,10 @@ def _ef_sign_codec() -> _compressor.Codec:
     wire=lambda layout, n: _signs.gather_signs_collectives(layout.sizes, n))
 
 
+@_compressor.shared_options
 def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
-               policy=None):
+               policy=None,
+               **options):
   """EF-signSGD: scaled signs with error feedback.
 
   .. math::
@@ -316,6 +333,9 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     axis_name: the data axis.
     error_feedback: keep the residual (the paper's point; default True).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -330,7 +350,7 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
   """
   _check_bool("error_feedback", error_feedback)
   return _compressor.compressed(_ef_sign_codec(), axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
 # ----------------------------------------------- shared-scale quantizers --
@@ -527,9 +547,11 @@ def _safe_ratio(x, s):
   return jnp.where(s > 0, jnp.abs(x) / jnp.where(s > 0, s, 1.0), 0.0)
 
 
+@_compressor.shared_options
 def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
          axis_name="data",
-         error_feedback: bool = False, policy=None, seed: int = 0):
+         error_feedback: bool = False, policy=None, seed: int = 0,
+         **options):
   """QSGD: stochastic, unbiased quantization to ``levels`` norm-scaled levels.
 
   Per bucket ``v`` of ``bucket_size`` elements, with ``S`` the largest
@@ -562,6 +584,9 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
     error_feedback: keep the quantization error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -602,11 +627,13 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
                          stochastic=True)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
+@_compressor.shared_options
 def terngrad(clip_sigma: float | None = None, *, axis_name="data",
-             error_feedback: bool = False, policy=None, seed: int = 0):
+             error_feedback: bool = False, policy=None, seed: int = 0,
+             **options):
   """TernGrad: stochastic ternary gradients with a shared per-layer scale.
 
   Per leaf (layer-wise scaling), with ``s`` the maximum of ``max|g|`` over
@@ -629,6 +656,9 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     error_feedback: keep the quantization error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -662,11 +692,13 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     stat_is_max=True)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
+@_compressor.shared_options
 def int8(bucket_size: int | None = None, *, axis_name="data",
-         error_feedback: bool = True, policy=None):
+         error_feedback: bool = True, policy=None,
+         **options):
   """int8 quantization with a per-bucket scale and error feedback.
 
   .. math::
@@ -685,6 +717,9 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -710,7 +745,7 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     "int8", 127, bucket_size, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
     quantize=quantize, unit=lambda s: s / 127.0, stochastic=False)
   return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
 def _uint8_span(S):
@@ -718,8 +753,10 @@ def _uint8_span(S):
   return -S[..., 0], (S[..., 1] + S[..., 0]) / 255.0
 
 
+@_compressor.shared_options
 def uint8(bucket_size: int | None = None, *, axis_name="data",
-          error_feedback: bool = True, policy=None):
+          error_feedback: bool = True, policy=None,
+          **options):
   """Asymmetric uint8 quantization with a per-bucket minimum and scale.
 
   .. math::
@@ -749,6 +786,9 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -782,7 +822,7 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     unit=lambda S: _uint8_span(S)[1], zero=lambda S: _uint8_span(S)[0],
     low=0, stochastic=False)
   return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy)
+                                error_feedback=error_feedback, policy=policy, **options)
 
 
 # ---------------------------------------------------------------- natural --
@@ -832,8 +872,10 @@ def _natural_codec() -> _compressor.Codec:
                                                    n).collectives)
 
 
+@_compressor.shared_options
 def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
-            seed: int = 0):
+            seed: int = 0,
+            **options):
   """Natural compression: unbiased stochastic rounding to powers of two.
 
   .. math::
@@ -860,6 +902,9 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     error_feedback: keep the rounding error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -875,7 +920,7 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
   _check_bool("error_feedback", error_feedback)
   return _compressor.compressed(_natural_codec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
 __all__ = ["onebit", "signsgd", "signum", "ef_signsgd", "qsgd", "terngrad",

@@ -163,8 +163,10 @@ def _topk_codec(ratio, granularity) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
-         error_feedback: bool = True, policy=None, seed: int = 0):
+         error_feedback: bool = True, policy=None, seed: int = 0,
+         **options):
   """Top-k sparsification: each device sends its k largest coordinates.
 
   .. math::
@@ -188,6 +190,9 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep the unsent coordinates (Stich et al. 2018).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by top-k itself).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -207,7 +212,7 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
   return _compressor.compressed(_topk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
 # ------------------------------------------------------------ random-k ----
@@ -329,8 +334,10 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
-            error_feedback: bool = True, policy=None, seed: int = 0):
+            error_feedback: bool = True, policy=None, seed: int = 0,
+            **options):
   """Random-k sparsification with a key shared by all devices.
 
   .. math::
@@ -350,6 +357,9 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep the unsent coordinates.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the shared PRNG key.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -367,7 +377,7 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
   return _compressor.compressed(_randomk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
 # ----------------------------------------------------------- threshold ----
@@ -398,9 +408,11 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def threshold(value: float, *, capacity_ratio: float | None = None,
               axis_name="data", error_feedback: bool = True, policy=None,
-              seed: int = 0):
+              seed: int = 0,
+              **options):
   """Threshold sparsification with a bounded message (Strom 2015).
 
   .. math::
@@ -427,6 +439,9 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
     error_feedback: keep the unsent coordinates (Strom's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -450,7 +465,7 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
   return _compressor.compressed(_threshold_codec(value, capacity_ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
 # ----------------------------------------------------------------- DGC ----
@@ -690,13 +705,15 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
         clip_norm: float | None = None,
         warmup_steps_per_stage: int | None = None,
         warmup_densities: Sequence[float] = DGC_WARMUP_DENSITIES,
         sample_ratio: float | None = None, exact: bool = False,
         max_rounds: int | None = None,
-        axis_name="data", policy=None, seed: int = 0):
+        axis_name="data", error_feedback: bool = True, policy=None,
+        seed: int = 0, **options):
   """Deep Gradient Compression (Lin et al. 2018).
 
   .. math::
@@ -746,12 +763,18 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     exact: exact top-k instead of the sampled threshold (static).
     max_rounds: bound on the threshold adjustment rounds (static; default
       10).
+    error_feedback: keep what was not sent (the paper's accumulation).
+      ``False`` needs ``momentum=None``: momentum correction accumulates
+      the velocity in the residual.
 
   The static arguments default to None (meaning the values above), so that
   ``optax.inject_hyperparams(jaxcomm.dgc)`` injects only what it is given.
     axis_name: the data axis (a name, a tuple of names, or None).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the PRNG key (the threshold's samples).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -780,14 +803,22 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
       f"{warmup_densities!r}") from None
   if not isinstance(exact, bool):
     raise ValueError(f"exact must be a bool, got {exact!r}")
+  if not isinstance(error_feedback, bool):
+    raise ValueError(
+      f"error_feedback must be a bool, got {error_feedback!r}")
+  if not error_feedback and momentum is not None:
+    raise ValueError(
+      "error_feedback=False needs momentum=None: DGC's momentum correction "
+      f"accumulates the velocity in the residual (got momentum={momentum!r})")
   densities = (dgc_densities(ratio, warm) if warmup_steps_per_stage
                else (ratio,))
   codec = _dgc_codec(ratio, densities, max(warmup_steps_per_stage, 1),
                      sample_ratio, exact, max_rounds)
   return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=True, momentum=momentum,
-                                momentum_masking=True, clip_norm=clip_norm,
-                                policy=policy, seed=seed)
+                                error_feedback=error_feedback,
+                                momentum=momentum,
+                                clip_norm=clip_norm,
+                                policy=policy, seed=seed, **options)
 
 
 # -------------------------------------------------------------- gTop-k ----
@@ -819,8 +850,10 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_compressor.shared_options
 def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
-          error_feedback: bool = True, policy=None, seed: int = 0):
+          error_feedback: bool = True, policy=None, seed: int = 0,
+          **options):
   """Global top-k sparsification (Shi et al. 2019).
 
   .. math::
@@ -847,6 +880,9 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep what did not reach the global sum.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -865,7 +901,7 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
   return _compressor.compressed(_gtopk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
 
 
 # ----------------------------------------------------------------- CSC ----
@@ -894,8 +930,10 @@ def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
                            flat=True)
 
 
+@_compressor.shared_options
 def csc(chunk_size: int, ratio: float, *, axis_name="data",
-        error_feedback: bool = True, policy=None, seed: int = 0):
+        error_feedback: bool = True, policy=None, seed: int = 0,
+        **options):
   """Coarse-grained sparsification by chunks (CSC, GradientFlow).
 
   .. math::
@@ -918,6 +956,9 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
     error_feedback: keep the unsent chunks.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
+      not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -937,4 +978,4 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
   return _compressor.compressed(_csc_codec(chunk_size, ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
-                                seed=seed)
+                                seed=seed, **options)
