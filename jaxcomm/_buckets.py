@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _checks
+
 Shape = tuple[int, ...]
 
 
@@ -228,13 +230,7 @@ def _layout(items: list[tuple[Shape, int]]) -> Layout:
 
 
 def check_bucket_bytes(value) -> int | None:
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-      or value < 1:
-    raise ValueError(
-      f"bucket_bytes must be a positive int (bytes) or None, got {value!r}")
-  return int(value)
+  return _checks.integer("bucket_bytes", value, 1, allow_none=True)
 
 
 # Widest block :func:`leaf_blocks` uses, and the narrowest worth it (below

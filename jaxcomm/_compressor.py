@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm import _buckets
+from jaxcomm import _checks
 from jaxcomm import _policy
 from jaxcomm.collectives import _core
 
@@ -219,21 +220,6 @@ class Spec:
     return [(k, b) for k, b in out if b > 0]
 
 
-def _check_float(name, value, lo=None, hi=None, lo_open=False):
-  if isinstance(value, jax.core.Tracer):
-    return
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a number, got {value!r}") from None
-  bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
-    hi is not None and v > hi)
-  if bad or v != v:
-    lo_s = "(" if lo_open else "["
-    raise ValueError(
-      f"{name} must be in {lo_s}{lo}, {hi}], got {value!r}")
-
-
 def _check_axis_name(axis_name) -> None:
   """``axis_name`` must be None, a name, or a non-empty tuple of names."""
   ok = axis_name is None or isinstance(axis_name, str) or (
@@ -372,17 +358,13 @@ def compressed(
       "momentum_masking, lr_schedule and seed")
   policy = _policy.as_policy(policy)
   _check_axis_name(axis_name)
-  if not isinstance(error_feedback, bool):
-    raise ValueError(
-      f"error_feedback must be a bool, got {error_feedback!r}")
+  _checks.boolean("error_feedback", error_feedback)
   use_momentum = momentum is not None
   if use_momentum:
-    _check_float("momentum", momentum, 0.0, 1.0)
+    _checks.number("momentum", momentum, 0.0, 1.0)
   if clip_norm is not None:
-    _check_float("clip_norm", clip_norm, 0.0, None, lo_open=True)
-  if not isinstance(start_step, int) or start_step < 0:
-    raise ValueError(
-      f"start_step must be a non-negative int, got {start_step!r}")
+    _checks.number("clip_norm", clip_norm, 0.0, None, lo_open=True)
+  start_step = _checks.integer("start_step", start_step, 0)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
   keep_residual = error_feedback or use_momentum

@@ -20,9 +20,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxcomm import _buckets
+from jaxcomm import _checks
 
 COMPRESS = "compress"
 DENSE = "dense"
@@ -82,12 +82,8 @@ class LeafPolicy:
   bucket_bytes: int | None = None
 
   def __post_init__(self):
-    if not isinstance(self.min_size, (int, np.integer)) or self.min_size < 0:
-      raise ValueError(
-        f"min_size must be a non-negative int, got {self.min_size!r}")
-    if not isinstance(self.min_ndim, (int, np.integer)) or self.min_ndim < 0:
-      raise ValueError(
-        f"min_ndim must be a non-negative int, got {self.min_ndim!r}")
+    _checks.integer("min_size", self.min_size, 0)
+    _checks.integer("min_ndim", self.min_ndim, 0)
     _buckets.check_bucket_bytes(self.bucket_bytes)
 
   def plan(self, grads, accepts: Callable[[tuple[int, ...]], bool]

@@ -33,6 +33,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _checks
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _signs
 
@@ -450,10 +451,7 @@ def resize_state(state, layout, num_devices: int):
     num_devices: the new data-axis size. The old and new sizes must divide
       one another.
   """
-  if isinstance(num_devices, bool) or not isinstance(
-      num_devices, (int, np.integer)) or num_devices < 1:
-    raise ValueError(
-      f"num_devices must be a positive int, got {num_devices!r}")
+  num_devices = _checks.integer("num_devices", num_devices, 1)
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
   additive = _additive_paths(state)

@@ -238,6 +238,7 @@ _REQUIRED = {
 
 def test_required_arguments_table_is_complete():
   import inspect
+
   from jaxcomm import transforms
   public = {n for n in dir(transforms) if not n.startswith("_")
             and inspect.isfunction(getattr(transforms, n))}

@@ -243,7 +243,8 @@ def test_pmap_step_names_inputs_without_a_device_axis(mesh):
   with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(32, 16\)"
                      rf".*leading device axis of {n}"):
     step(params, state, (x, y))
-  with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(4, 8, 16\)"):
+  with pytest.raises(ValueError,
+                     match=r"batch leaf \[0\] has shape \(4, 8, 16\)"):
     step(params, state, (x.reshape(4, 8, 16), y.reshape(4, 8, 4)))
   with pytest.raises(ValueError, match=r"params leaf \['b'\]"):
     step(jax.tree.map(jnp.asarray, _params()), state,

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm.collectives import _lowrank
 
@@ -337,10 +338,7 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
     Vogels et al, `PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization <https://arxiv.org/abs/1905.13727>`_, 2019.
   """
-  if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
-      or rank < 1:
-    raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-  rank = int(rank)
+  rank = _checks.integer("rank", rank, 1)
   # Shape-setting arguments default to None so that optax.inject_hyperparams
   # does not turn an unpassed default into a traced hyperparameter.
   start_step = 0 if start_step is None else start_step
@@ -348,10 +346,8 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
                           else min_compression_rate)
   num_iters_per_step = 1 if num_iters_per_step is None else num_iters_per_step
   seed = 0 if seed is None else seed
-  if isinstance(num_iters_per_step, bool) or not isinstance(
-      num_iters_per_step, (int, np.integer)) or num_iters_per_step < 1:
-    raise ValueError(
-      f"num_iters_per_step must be an int >= 1, got {num_iters_per_step!r}")
+  num_iters_per_step = _checks.integer("num_iters_per_step",
+                                      num_iters_per_step, 1)
   try:
     rate = float(min_compression_rate)
   except (TypeError, ValueError):
@@ -360,18 +356,13 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
     raise ValueError(
       "min_compression_rate must be a finite number >= 0, got "
       f"{min_compression_rate!r}")
-  _compressor._check_float("orthogonalization_epsilon",
-                           orthogonalization_epsilon, 0.0, None)
-  for name, value in (("warm_start", warm_start),
-                      ("batch_same_shape", batch_same_shape)):
-    if not isinstance(value, bool):
-      raise ValueError(f"{name} must be a bool, got {value!r}")
-  if orthogonalization not in _lowrank.ORTHOGONALIZATIONS:
-    raise ValueError(
-      f"orthogonalization must be one of {_lowrank.ORTHOGONALIZATIONS}, "
-      f"got {orthogonalization!r}")
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise ValueError(f"seed must be an int, got {seed!r}")
+  _checks.number("orthogonalization_epsilon", orthogonalization_epsilon,
+                 0.0, None)
+  _checks.boolean("warm_start", warm_start)
+  _checks.boolean("batch_same_shape", batch_same_shape)
+  _checks.choice("orthogonalization", orthogonalization,
+                 _lowrank.ORTHOGONALIZATIONS)
+  seed = _checks.integer("seed", seed)
   codec = _powersgd_codec(rank, rate, warm_start, orthogonalization_epsilon,
                           int(num_iters_per_step), int(seed),
                           orthogonalization)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _buckets
+from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
@@ -54,21 +55,6 @@ def _sizes(shapes) -> list[int]:
 
 def _sign(x):
   return jnp.where(x >= 0, 1.0, -1.0).astype(jnp.float32)
-
-
-def _check_int(name, value, lo=1, allow_none=False):
-  if allow_none and value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-      or value < lo:
-    raise ValueError(
-      f"{name} must be an int >= {lo}{' or None' if allow_none else ''}, "
-      f"got {value!r}")
-
-
-def _check_bool(name, value):
-  if not isinstance(value, bool):
-    raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def device_key(ctx: _compressor.Context) -> jax.Array:
@@ -155,9 +141,10 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     Tang et al, `1-bit Adam: Communication Efficient Large-Scale Training
     with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021.
   """
-  _check_bool("error_feedback", error_feedback)
+  _checks.boolean("error_feedback", error_feedback)
   return _compressor.compressed(_onebit_codec(), axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 # --------------------------------------------------------- majority vote --
@@ -238,11 +225,12 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant <https://arxiv.org/abs/1810.05291>`_, 2019.
   """
-  _compressor._check_float("scale", scale, 0.0, None, lo_open=True)
-  _check_bool("error_feedback", error_feedback)
+  _checks.number("scale", scale, 0.0, None, lo_open=True)
+  _checks.boolean("error_feedback", error_feedback)
   return _compressor.compressed(_vote_codec("signsgd", scale),
                                 axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 @_compressor.shared_options
@@ -285,14 +273,15 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant <https://arxiv.org/abs/1810.05291>`_, 2019.
   """
-  _compressor._check_float("beta", beta, 0.0, 1.0)
+  _checks.number("beta", beta, 0.0, 1.0)
   if not isinstance(beta, jax.core.Tracer) and float(beta) >= 1.0:
     raise ValueError(f"beta must be in [0, 1), got {beta!r}")
-  _compressor._check_float("scale", scale, 0.0, None, lo_open=True)
-  _check_bool("error_feedback", error_feedback)
+  _checks.number("scale", scale, 0.0, None, lo_open=True)
+  _checks.boolean("error_feedback", error_feedback)
   return _compressor.compressed(_vote_codec("signum", scale, beta),
                                 axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 # ------------------------------------------------------------- ef_signsgd --
@@ -348,9 +337,10 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     Karimireddy et al, `Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes <https://arxiv.org/abs/1901.09847>`_, 2019.
   """
-  _check_bool("error_feedback", error_feedback)
+  _checks.boolean("error_feedback", error_feedback)
   return _compressor.compressed(_ef_sign_codec(), axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 # ----------------------------------------------- shared-scale quantizers --
@@ -604,14 +594,14 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
   # injects only what it is given.
   levels = 127 if levels is None else levels
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-  _check_int("levels", levels)
+  _checks.integer("levels", levels, 1)
   if levels > MAX_LEVELS:
     raise ValueError(
       f"levels must be an int in [1, {MAX_LEVELS}] (wider codes cost as "
       "much as float32 and their sums over devices overflow), got "
       f"{levels!r}")
-  _check_int("bucket_size", bucket_size)
-  _check_bool("error_feedback", error_feedback)
+  _checks.integer("bucket_size", bucket_size, 1)
+  _checks.boolean("error_feedback", error_feedback)
 
   def stat(xb):
     return jnp.sqrt(jnp.sum(xb * xb, axis=1))
@@ -672,9 +662,9 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     Distributed Deep Learning <https://arxiv.org/abs/1705.07878>`_, 2017.
   """
   if clip_sigma is not None:
-    _compressor._check_float("clip_sigma", clip_sigma, 0.0, None,
+    _checks.number("clip_sigma", clip_sigma, 0.0, None,
                              lo_open=True)
-  _check_bool("error_feedback", error_feedback)
+  _checks.boolean("error_feedback", error_feedback)
 
   prepare = None
   if clip_sigma is not None:
@@ -733,8 +723,8 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     <https://arxiv.org/abs/1511.04561>`_, 2016.
   """
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-  _check_int("bucket_size", bucket_size)
-  _check_bool("error_feedback", error_feedback)
+  _checks.integer("bucket_size", bucket_size, 1)
+  _checks.boolean("error_feedback", error_feedback)
 
   def quantize(xb, s, u):
     del u
@@ -745,7 +735,8 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     "int8", 127, bucket_size, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
     quantize=quantize, unit=lambda s: s / 127.0, stochastic=False)
   return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 def _uint8_span(S):
@@ -805,8 +796,8 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     <https://arxiv.org/abs/1511.04561>`_, 2016.
   """
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-  _check_int("bucket_size", bucket_size)
-  _check_bool("error_feedback", error_feedback)
+  _checks.integer("bucket_size", bucket_size, 1)
+  _checks.boolean("error_feedback", error_feedback)
 
   def stat(xb):
     return jnp.stack([-jnp.min(xb, axis=1), jnp.max(xb, axis=1)], axis=1)
@@ -822,7 +813,8 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     unit=lambda S: _uint8_span(S)[1], zero=lambda S: _uint8_span(S)[0],
     low=0, stochastic=False)
   return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy, **options)
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
 
 
 # ---------------------------------------------------------------- natural --
@@ -917,7 +909,7 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     Horvath et al, `Natural Compression for Distributed Deep Learning
     <https://arxiv.org/abs/1905.10988>`_, 2019.
   """
-  _check_bool("error_feedback", error_feedback)
+  _checks.boolean("error_feedback", error_feedback)
   return _compressor.compressed(_natural_codec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
@@ -49,37 +50,6 @@ DGC_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
 
 
 # ------------------------------------------------------------- helpers ----
-
-def _check_ratio(name: str, ratio) -> float:
-  if isinstance(ratio, jax.core.Tracer):
-    raise ValueError(
-      f"{name} sets the message size and must be static (a Python number); "
-      f"list it in optax.inject_hyperparams(static_args=...)")
-  if isinstance(ratio, bool):
-    raise ValueError(f"{name} must be a number in (0, 1], got {ratio!r}")
-  try:
-    r = float(ratio)
-  except (TypeError, ValueError):
-    raise ValueError(
-      f"{name} must be a number in (0, 1], got {ratio!r}") from None
-  if not 0.0 < r <= 1.0:   # also rejects NaN
-    raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
-  return r
-
-
-def _check_granularity(granularity):
-  if granularity not in _GRANULARITIES:
-    raise ValueError(
-      f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
-  return granularity
-
-
-def _check_int(name, value, lo):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-      or value < lo:
-    raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-  return int(value)
-
 
 def num_selected(ratio: float, size: int) -> int:
   """``k = max(1, ceil(ratio * size))``, at most ``size``.
@@ -207,8 +177,8 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     Stich et al, `Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>`_, 2018.
   """
-  ratio = _check_ratio("ratio", ratio)
-  _check_granularity(granularity)
+  ratio = _checks.ratio("ratio", ratio)
+  _checks.choice("granularity", granularity, _GRANULARITIES)
   return _compressor.compressed(_topk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -372,8 +342,8 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     Stich et al, `Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>`_, 2018.
   """
-  ratio = _check_ratio("ratio", ratio)
-  _check_granularity(granularity)
+  ratio = _checks.ratio("ratio", ratio)
+  _checks.choice("granularity", granularity, _GRANULARITIES)
   return _compressor.compressed(_randomk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -455,12 +425,12 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
     Computing <https://www.isca-archive.org/interspeech_2015/strom15_interspeech.html>`_,
     2015.
   """
-  _compressor._check_float("value", value, 0.0, None, lo_open=True)  # noqa
+  _checks.number("value", value, 0.0, None, lo_open=True)  # noqa
   if not isinstance(value, jax.core.Tracer) and not math.isfinite(value):
     raise ValueError(f"value must be finite, got {value!r}")
   # Static arguments default to None: optax.inject_hyperparams then keeps
   # them out of the traced hyperparameters unless the caller passes them.
-  capacity_ratio = _check_ratio(
+  capacity_ratio = _checks.ratio(
     "capacity_ratio", 0.01 if capacity_ratio is None else capacity_ratio)
   return _compressor.compressed(_threshold_codec(value, capacity_ratio),
                                 axis_name=axis_name,
@@ -789,13 +759,13 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     2018.
   """
   pick = lambda v, d: d if v is None else v
-  ratio = _check_ratio("ratio", pick(ratio, 0.001))
-  sample_ratio = _check_ratio("sample_ratio", pick(sample_ratio, 0.01))
-  warmup_steps_per_stage = _check_int(
+  ratio = _checks.ratio("ratio", pick(ratio, 0.001))
+  sample_ratio = _checks.ratio("sample_ratio", pick(sample_ratio, 0.01))
+  warmup_steps_per_stage = _checks.integer(
     "warmup_steps_per_stage", pick(warmup_steps_per_stage, 0), 0)
-  max_rounds = _check_int("max_rounds", pick(max_rounds, 10), 0)
+  max_rounds = _checks.integer("max_rounds", pick(max_rounds, 10), 0)
   try:
-    warm = tuple(_check_ratio("warmup_densities", d)
+    warm = tuple(_checks.ratio("warmup_densities", d)
                  for d in warmup_densities)
   except TypeError:
     raise ValueError(
@@ -896,8 +866,8 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     Sparsification for Low Bandwidth Networks
     <https://arxiv.org/abs/1901.04359>`_, 2019.
   """
-  ratio = _check_ratio("ratio", ratio)
-  _check_granularity(granularity)
+  ratio = _checks.ratio("ratio", ratio)
+  _checks.choice("granularity", granularity, _GRANULARITIES)
   return _compressor.compressed(_gtopk_codec(ratio, granularity),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -973,8 +943,8 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
     on GPU Clusters: ImageNet/AlexNet Training in 1.5 Minutes
     <https://arxiv.org/abs/1902.06855>`_, 2019.
   """
-  chunk_size = _check_int("chunk_size", chunk_size, 1)
-  ratio = _check_ratio("ratio", ratio)
+  chunk_size = _checks.integer("chunk_size", chunk_size, 1)
+  ratio = _checks.ratio("ratio", ratio)
   return _compressor.compressed(_csc_codec(chunk_size, ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,

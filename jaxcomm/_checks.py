@@ -1,0 +1,86 @@
+"""Argument checks shared by every factory: one message per kind of mistake.
+
+Each check names the argument and what was expected, returns the value in
+its canonical Python type, and lets a JAX tracer through where a value may
+be a traced hyperparameter (``optax.inject_hyperparams``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import Sequence
+
+import jax
+import numpy as np
+
+
+def _is_int(value) -> bool:
+  return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def integer(name: str, value, lo: int | None = None, hi: int | None = None,
+            *, allow_none: bool = False) -> int | None:
+  """``value`` as an int in ``[lo, hi]`` (bounds optional), or None when
+  ``allow_none``; booleans are refused."""
+  if allow_none and value is None:
+    return None
+  if not _is_int(value) or (lo is not None and value < lo) or (
+      hi is not None and value > hi):
+    bounds = (f" in [{lo}, {hi}]" if lo is not None and hi is not None
+              else f" >= {lo}" if lo is not None
+              else f" <= {hi}" if hi is not None else "")
+    raise ValueError(
+      f"{name} must be an int{bounds}{' or None' if allow_none else ''}, "
+      f"got {value!r}")
+  return int(value)
+
+
+def boolean(name: str, value) -> bool:
+  """``value``, which must be a Python bool."""
+  if not isinstance(value, bool):
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+  return value
+
+
+def number(name: str, value, lo: float | None = None, hi: float | None = None,
+           *, lo_open: bool = False) -> Any:
+  """A real number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); NaN is
+  refused. Tracers pass unchecked (injected hyperparameters)."""
+  if isinstance(value, jax.core.Tracer):
+    return value
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a number, got {value!r}") from None
+  bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
+    hi is not None and v > hi)
+  if bad or math.isnan(v):
+    lo_s = "(" if lo_open else "["
+    raise ValueError(f"{name} must be in {lo_s}{lo}, {hi}], got {value!r}")
+  return value
+
+
+def ratio(name: str, value) -> float:
+  """A fraction in ``(0, 1]`` (static: it sets message sizes)."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+      f"{name} sets the message size and must be static (a Python number); "
+      f"list it in optax.inject_hyperparams(static_args=...)")
+  if isinstance(value, bool):
+    raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+  try:
+    r = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(
+      f"{name} must be a number in (0, 1], got {value!r}") from None
+  if not 0.0 < r <= 1.0:   # also refuses NaN
+    raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+  return r
+
+
+def choice(name: str, value, options: Sequence) -> Any:
+  """``value``, which must be one of ``options``."""
+  if value not in options:
+    raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+  return value
