@@ -15,6 +15,7 @@ from jaxcomm._compressor import CodecResult
 from jaxcomm._compressor import CompressState
 from jaxcomm._compressor import CompressStats
 from jaxcomm._compressor import Context
+from jaxcomm._compressor import compress_states
 from jaxcomm._compressor import compressed
 from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats

@@ -29,6 +29,7 @@ The data path of one step (per device, inside shard_map or pmap)::
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import inspect
@@ -679,23 +680,26 @@ def spec_of(tx) -> Spec:
   return spec
 
 
-def stats(opt_state) -> list[CompressStats]:
-  """Every :class:`CompressStats` found in an optimizer state, in order."""
+def compress_states(opt_state) -> list[CompressState]:
+  """Every :class:`CompressState` in an optimizer state, in order: inside
+  ``optax.chain``, ``inject_hyperparams``, ``MultiSteps``, ``masked`` or any
+  nesting of tuples, named tuples, lists and mappings."""
   found = []
 
   def visit(x):
     if isinstance(x, CompressState):
-      found.append(x.stats)
-      return
-    if isinstance(x, (tuple, list)):
+      found.append(x)
+    elif isinstance(x, (tuple, list)):
       for y in x:
         visit(y)
-    elif isinstance(x, dict):
+    elif isinstance(x, collections.abc.Mapping):
       for y in x.values():
-        visit(y)
-    elif hasattr(x, "_fields"):
-      for y in x:
         visit(y)
 
   visit(opt_state)
   return found
+
+
+def stats(opt_state) -> list[CompressStats]:
+  """Every :class:`CompressStats` found in an optimizer state, in order."""
+  return [s.stats for s in compress_states(opt_state)]

@@ -149,10 +149,9 @@ def residuals_of(state, params=None) -> list:
   side by side, as ``jaxcomm._buckets.plan`` lays them)."""
   params = battery_params() if params is None else params
   shapes = [tuple(params[k].shape) for k in COMPRESSED]
-  for s in _walk(state):
-    if isinstance(s, jaxcomm.CompressState):
-      return split_buckets(s.residual, shapes)
-  raise AssertionError("no CompressState in state")
+  found = jaxcomm.compress_states(state)
+  assert found, "no CompressState in state"
+  return split_buckets(found[0].residual, shapes)
 
 
 def split_buckets(buffers, shapes) -> list:
@@ -162,13 +161,6 @@ def split_buckets(buffers, shapes) -> list:
     for j, leaf in zip(lay.leaves, lay.split(np.asarray(buf))):
       out[j] = leaf
   return [out[j] for j in sorted(out)]
-
-
-def _walk(x):
-  yield x
-  if isinstance(x, (tuple, list)):
-    for y in x:
-      yield from _walk(y)
 
 
 def chain_sgd(tx, lr=1.0):

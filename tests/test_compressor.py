@@ -334,3 +334,17 @@ def test_every_factory_forwards_the_shared_options(name):
     factory(**args, clip_norm=-1.0)
   with pytest.raises(ValueError, match="unknown option"):
     factory(**args, bucket_cap=3)
+
+
+def test_compress_states_are_found_through_optax_wrappers():
+  params = {"w": jnp.zeros((32, 16))}
+  inner = jaxcomm.topk(0.5, axis_name=None)
+  wrapped = optax.chain(
+    optax.MultiSteps(optax.chain(inner, optax.sgd(0.1)), every_k_schedule=2),
+    optax.masked(jaxcomm.int8(axis_name=None), {"w": True}),
+    optax.inject_hyperparams(jaxcomm.signum, static_args=("axis_name",))(
+      axis_name=None))
+  found = jaxcomm.compress_states(wrapped.init(params))
+  assert len(found) == 3
+  assert all(isinstance(s, jaxcomm.CompressState) for s in found)
+  assert len(jaxcomm.stats(wrapped.init(params))) == 3
