@@ -205,7 +205,7 @@ class Spec:
         out[j] = leaf
     return [out[j] for j in sorted(out)]
 
-  def collectives(self, params, n: int) -> list[Collective]:
+  def wire(self, params, n: int) -> list[Collective]:
     """Collectives one compressed step issues on ``n`` devices."""
     leaves = jax.tree.leaves(params)
     paths = self.paths(params)

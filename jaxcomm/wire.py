@@ -312,7 +312,7 @@ def claimed(tx, params, n: int) -> list[tuple[str, int]]:
     raise ValueError(f"n must be >= 1, got {n}")
   if n == 1:
     return []
-  return _compressor.spec_of(tx).collectives(params, n)
+  return _compressor.spec_of(tx).wire(params, n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,14 +104,14 @@ class Plan(NamedTuple):
     bits: bits per code on the first (or only) exchange.
     sum_bits: bits per summed code (``scatter``'s all-gather).
     chunk: elements per device chunk (``scatter``), a multiple of 32.
-    collectives: ``[(hlo_kind, payload_bytes), ...]`` it issues.
+    wire: ``[(hlo_kind, payload_bytes), ...]`` it issues.
   """
 
   kind: str
   bits: int
   sum_bits: int
   chunk: int
-  collectives: list
+  wire: list
 
 
 def plan(length: int, bound: int, n: int, low: int | None = None) -> Plan:

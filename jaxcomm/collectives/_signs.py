@@ -99,7 +99,7 @@ def majority_vote(x: jax.Array, axis_name) -> jax.Array:
   return bitpack.unpack_signs(everything, length)
 
 
-def majority_vote_collectives(length: int, n: int) -> list:
+def majority_vote_wire(length: int, n: int) -> list:
   """The collectives of :func:`majority_vote` (HLO kind, payload bytes)."""
   words = n * chunk_length(length, n) // WORD_BITS
   return [("all-to-all", 4 * words), ("all-gather", 4 * words)]
@@ -236,7 +236,7 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   return mean[:length], sent, new_err[:length]
 
 
-def compressed_allreduce_collectives(sizes: Sequence[int], n: int) -> list:
+def compressed_allreduce_wire(sizes: Sequence[int], n: int) -> list:
   """The collectives of :func:`compressed_allreduce` (kind, payload)."""
   length = int(sum(sizes))
   cw = chunk_length(length, n) // WORD_BITS
@@ -283,12 +283,12 @@ def gather_signs(x: jax.Array, scales: jax.Array, sizes: Sequence[int],
                  axis=0) / n
 
 
-def gather_signs_collectives(sizes: Sequence[int], n: int) -> list:
+def gather_signs_wire(sizes: Sequence[int], n: int) -> list:
   """The collectives of :func:`gather_signs` (kind, payload)."""
   w = bitpack.num_words(int(sum(sizes)))
   return [("all-gather", 4 * n * (w + len(sizes)))]
 
 
-__all__ = ["chunk_length", "majority_vote", "majority_vote_collectives",
-           "compressed_allreduce", "compressed_allreduce_collectives",
-           "gather_signs", "gather_signs_collectives", "worker_scales"]
+__all__ = ["chunk_length", "majority_vote", "majority_vote_wire",
+           "compressed_allreduce", "compressed_allreduce_wire",
+           "gather_signs", "gather_signs_wire", "worker_scales"]

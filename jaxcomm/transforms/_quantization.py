@@ -89,7 +89,7 @@ def _onebit_codec() -> _compressor.Codec:
 
   return _compressor.Codec(
     name="onebit", init=init, apply=apply, flat=True,
-    wire=lambda layout, n: _signs.compressed_allreduce_collectives(
+    wire=lambda layout, n: _signs.compressed_allreduce_wire(
       layout.sizes, n))
 
 
@@ -176,7 +176,7 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
 
   return _compressor.Codec(
     name=name, init=init, apply=apply, flat=True,
-    wire=lambda layout, n: _signs.majority_vote_collectives(layout.size, n))
+    wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
 
 
 @_compressor.shared_options
@@ -297,7 +297,7 @@ def _ef_sign_codec() -> _compressor.Codec:
 
   return _compressor.Codec(
     name="ef_signsgd", init=lambda layout: (), apply=apply, flat=True,
-    wire=lambda layout, n: _signs.gather_signs_collectives(layout.sizes, n))
+    wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n))
 
 
 @_compressor.shared_options
@@ -527,7 +527,7 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
     lay = bucket_layout(layout.shapes, bucket_size)
     stats = 1 if zero is None else 2
     return ([("all-reduce", 4 * stats * lay.num_buckets)]
-            + _quantized.plan(lay.padded, bound, n, low).collectives)
+            + _quantized.plan(lay.padded, bound, n, low).wire)
 
   return _compressor.Codec(name=name, init=lambda layout: (), apply=apply,
                            wire=wire, flat=True)
@@ -861,7 +861,7 @@ def _natural_codec() -> _compressor.Codec:
   return _compressor.Codec(
     name="natural", init=lambda layout: (), apply=apply, flat=True,
     wire=lambda layout, n: _quantized.natural_plan(layout.size,
-                                                   n).collectives)
+                                                   n).wire)
 
 
 @_compressor.shared_options
