@@ -48,10 +48,10 @@ def test_pack_pairs_round_trip(size, capacity):
   idx = jnp.asarray(np.r_[rng.choice(size, capacity - 1, replace=False),
                           size], jnp.int32)
   val = jnp.asarray(rng.randn(capacity), jnp.float32)
-  words = _sparse.pack_pairs(idx, val, size)
+  words = _sparse.pack_pairs(val, idx, size)
   assert words.dtype == jnp.uint32
   assert words.shape == (_sparse.message_words(capacity, size),)
-  i2, v2 = _sparse.unpack_pairs(words, capacity, size)
+  v2, i2 = _sparse.unpack_pairs(words, capacity, size)
   np.testing.assert_array_equal(i2, idx)
   np.testing.assert_array_equal(v2, val)
 
@@ -67,7 +67,7 @@ def test_sparse_psum_adds_duplicates_and_ignores_padding(mesh):
   val[:, -1] = 1e6                                        # must not land
 
   def f(i, v):
-    return _sparse.sparse_psum(i[0], v[0], size, "data")
+    return _sparse.sparse_psum(v[0], i[0], size, "data")
 
   got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")),
                               out_specs=P()))(idx, val)

@@ -1,7 +1,7 @@
 """Collectives for sparse tensors: sparse psum, gTop-k tree, chunk psum.
 
 * :func:`sparse_psum` -- the sum over devices of fixed-capacity
-  ``(indices, values)`` messages: one invariant all-gather of every device's
+  ``(values, indices)`` messages: one invariant all-gather of every device's
   message, then a scatter-add into the dense result on every device.
 * :func:`gtopk_psum` -- global top-k (Shi et al. 2019): a recursive-doubling
   exchange of ``k`` pairs in ``log2 n`` rounds, re-sparsified to ``k`` after
@@ -53,13 +53,14 @@ def message_words(capacity: int, size: int) -> int:
   return capacity + _core.padded_length(capacity, per) // per
 
 
-def pack_pairs(indices: jax.Array, values: jax.Array, size: int
+def pack_pairs(values: jax.Array, indices: jax.Array, size: int
                ) -> jax.Array:
-  """Packs ``(indices, values)`` into ``uint32`` words for a collective.
+  """Packs ``(values, indices)`` into ``uint32`` words for a collective
+  (the order of ``lax.top_k``'s results, as everywhere in jaxcomm).
 
   Args:
-    indices: ``int32[capacity]`` in ``[0, size]`` (``size``: unused slot).
     values: ``float32[capacity]``.
+    indices: ``int32[capacity]`` in ``[0, size]`` (``size``: unused slot).
     size: the length of the dense vector.
 
   Returns:
@@ -78,13 +79,14 @@ def pack_pairs(indices: jax.Array, values: jax.Array, size: int
 
 def unpack_pairs(words: jax.Array, capacity: int, size: int
                  ) -> tuple[jax.Array, jax.Array]:
-  """Inverse of :func:`pack_pairs` along the last axis (int32 indices)."""
+  """Inverse of :func:`pack_pairs` along the last axis: ``(values,
+  indices)``, int32 indices."""
   values = _core.from_words(words[..., :capacity], jnp.float32)
   idx = _core.from_words(words[..., capacity:], index_dtype(size))
-  return idx[..., :capacity].astype(jnp.int32), values
+  return values, idx[..., :capacity].astype(jnp.int32)
 
 
-def sparse_psum(indices: jax.Array, values: jax.Array, size: int,
+def sparse_psum(values: jax.Array, indices: jax.Array, size: int,
                 axis_name) -> jax.Array:
   """Sum over devices of sparse vectors given as fixed-capacity pairs.
 
@@ -97,9 +99,9 @@ def sparse_psum(indices: jax.Array, values: jax.Array, size: int,
   slots carry the sentinel index ``size`` and are dropped.
 
   Args:
+    values: ``float32[capacity]``.
     indices: ``int32[capacity]`` indices in ``[0, size)``, or ``size`` for an
       unused slot.
-    values: ``float32[capacity]``.
     size: length of the dense vector (static).
     axis_name: the axis to sum over, or None.
 
@@ -108,11 +110,11 @@ def sparse_psum(indices: jax.Array, values: jax.Array, size: int,
 
   Example::
 
-    total = sparse_psum(idx, vals, x.size, "data")   # inside shard_map
+    total = sparse_psum(vals, idx, x.size, "data")   # inside shard_map
   """
   capacity = values.shape[0]
-  words = _core.all_gather(pack_pairs(indices, values, size), axis_name)
-  idx, vals = unpack_pairs(words, capacity, size)
+  words = _core.all_gather(pack_pairs(values, indices, size), axis_name)
+  vals, idx = unpack_pairs(words, capacity, size)
   return jnp.zeros((size,), jnp.float32).at[idx.reshape(-1)].add(
     vals.reshape(-1), mode="drop")
 
@@ -171,7 +173,7 @@ def _member(query: jax.Array, sorted_idx: jax.Array) -> jax.Array:
   return sorted_idx[pos] == query
 
 
-def gtopk_psum(indices: jax.Array, values: jax.Array,
+def gtopk_psum(values: jax.Array, indices: jax.Array,
                bounds: Sequence[int], ks: Sequence[int], axis_name
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Global top-k sum by recursive doubling (Shi et al. 2019).
@@ -196,16 +198,16 @@ def gtopk_psum(indices: jax.Array, values: jax.Array,
   every round: those it has actually sent.
 
   Args:
-    indices: ``int32[K]``, ``K = sum(ks)``: positions in ``[0, L)``
-      (``L = bounds[-1]``), distinct, at most ``ks[j]`` in segment ``j``;
-      ``L`` marks an unused slot.
-    values: ``float32[K]``.
+    values: ``float32[K]``, ``K = sum(ks)``.
+    indices: ``int32[K]``: positions in ``[0, L)`` (``L = bounds[-1]``),
+      distinct, at most ``ks[j]`` in segment ``j``; ``L`` marks an unused
+      slot.
     bounds: static segment boundaries ``0 = b_0 < ... < b_R = L``.
     ks: static pairs kept per segment.
     axis_name: the axis, or None.
 
   Returns:
-    ``(indices, values, delivered)``: the global list (``K`` slots sorted
+    ``(values, indices, delivered)``: the global list (``K`` slots sorted
     by index, ``L`` and 0 in unused slots; identical and invariant on
     every device) and a bool[K] mask over this device's input pairs: True
     where its value is part of the global sum.
@@ -233,9 +235,9 @@ def gtopk_psum(indices: jax.Array, values: jax.Array,
 
   for r in range(int(math.log2(n))):
     perm = [(i, i ^ (1 << r)) for i in range(n)]
-    got = _core.ppermute(pack_pairs(cur_idx, cur_val, total), axis_name,
+    got = _core.ppermute(pack_pairs(cur_val, cur_idx, total), axis_name,
                          perm)
-    other_idx, other_val = unpack_pairs(got, cap, total)
+    other_val, other_idx = unpack_pairs(got, cap, total)
     cur_idx, cur_val = _merge_segments(
       jnp.concatenate([cur_idx, other_idx]),
       jnp.concatenate([cur_val, other_val]), bounds, ks)
@@ -245,14 +247,14 @@ def gtopk_psum(indices: jax.Array, values: jax.Array,
     # Every device holds the same list now; device 0's copy is broadcast
     # through an exact all-reduce (the others add zero words) so that the
     # result is typed invariant.
-    words = pack_pairs(cur_idx, cur_val, total)
+    words = pack_pairs(cur_val, cur_idx, total)
     first = _core.axis_index(axis_name) == 0
     words = _core.psum(jnp.where(first, words, jnp.zeros_like(words)),
                        axis_name)
-    cur_idx, cur_val = unpack_pairs(words, cap, total)
+    cur_val, cur_idx = unpack_pairs(words, cap, total)
   # Back from sorted order to the caller's order of its own pairs.
   delivered = jnp.zeros((cap,), bool).at[order].set(alive)
-  return cur_idx, cur_val, delivered
+  return cur_val, cur_idx, delivered
 
 
 def gtopk_psum_wire(ks: Sequence[int], sizes: Sequence[int], n: int) -> list:

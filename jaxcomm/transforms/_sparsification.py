@@ -96,11 +96,11 @@ def _row_keys(key, ids) -> jax.Array:
     jnp.asarray(ids, jnp.int32))
 
 
-def _sparse_exchange(gi, gv, ctx):
-  """sparse psum of bucket positions ``gi`` (``layout.size``: unused slot)
-  and values ``gv``; returns flat (mean, sent)."""
+def _sparse_exchange(gv, gi, ctx):
+  """sparse psum of values ``gv`` at bucket positions ``gi``
+  (``layout.size``: unused slot); returns flat (mean, sent)."""
   total = ctx.layout.size
-  summed = _sparse.sparse_psum(gi, gv, total, ctx.axis_name)
+  summed = _sparse.sparse_psum(gv, gi, total, ctx.axis_name)
   sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
   return summed / ctx.num_devices, sent
 
@@ -109,13 +109,13 @@ def _sparse_exchange(gi, gv, ctx):
 
 def _local_topk(x, segs, ratio):
   """Each segment's k largest ``|x|``, all segments through
-  :func:`jaxcomm.kernels.topk.topk_abs_groups`: flat (bucket positions,
-  values), segment by segment."""
+  :func:`jaxcomm.kernels.topk.topk_abs_groups`: flat (values, bucket
+  positions), segment by segment."""
   sel = _topk.topk_abs_groups(
     x, [(s.offset, s.count, s.size, num_selected(ratio, s.size))
         for s in segs])
-  return (jnp.concatenate([i.reshape(-1) for _, i in sel]),
-          jnp.concatenate([v.reshape(-1) for v, _ in sel]))
+  return (jnp.concatenate([v.reshape(-1) for v, _ in sel]),
+          jnp.concatenate([i.reshape(-1) for _, i in sel]))
 
 
 def _topk_codec(ratio, granularity) -> _compressor.Codec:
@@ -367,7 +367,7 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
     caps = tuple(num_selected(capacity_ratio, s) for s in sizes)
     words = _topk.threshold_mask(x, value)
     vals, gi, _ = _topk.compact_segments(x, words, bounds, caps)
-    mean, sent = _sparse_exchange(gi, vals, ctx)
+    mean, sent = _sparse_exchange(vals, gi, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(layout, n):
@@ -567,8 +567,8 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   leaves.
 
   Returns:
-    ``(indices, values)``: bucket positions (``layout.size``: unused) and
-    values, ``sum_j k_j`` pairs, leaf by leaf.
+    ``(values, indices)``: values and bucket positions (``layout.size``:
+    unused), ``sum_j k_j`` pairs, leaf by leaf.
   """
   bounds, sizes = _leaf_rows(layout)
   nrows = len(sizes)
@@ -639,7 +639,7 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
                          zip(cend - np.asarray(caps), ks)]) if nrows else \
     np.zeros((0,), np.int64)
   take = jnp.asarray(take, jnp.int32)
-  return gi[take], vals[take]
+  return vals[take], gi[take]
 
 
 def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
@@ -648,11 +648,11 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
   def stage_fn(density):
     def run(x, ctx):
       if exact:
-        gi, gv = _local_topk(x, _segments(ctx.layout), density)
+        gv, gi = _local_topk(x, _segments(ctx.layout), density)
       else:
-        gi, gv = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
+        gv, gi = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
                                         sample_ratio, max_rounds)
-      return _sparse_exchange(gi, gv, ctx)
+      return _sparse_exchange(gv, gi, ctx)
     return run
 
   def apply(x, state, ctx):
@@ -797,12 +797,12 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
 
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
-    gi, gv = _local_topk(x, segs, ratio)
+    gv, gi = _local_topk(x, segs, ratio)
     total = ctx.layout.size
     bounds = [0] + [s.offset + (r + 1) * s.size
                     for s in segs for r in range(s.count)]
     ks = [num_selected(ratio, s.size) for s in segs for _ in range(s.count)]
-    g_idx, g_val, delivered = _sparse.gtopk_psum(gi, gv, bounds, ks,
+    g_val, g_idx, delivered = _sparse.gtopk_psum(gv, gi, bounds, ks,
                                                  ctx.axis_name)
     zeros = jnp.zeros((total,), jnp.float32)
     summed = zeros.at[g_idx].set(g_val, mode="drop")
