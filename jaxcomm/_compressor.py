@@ -388,6 +388,12 @@ def compressed(
                           nonfinite_steps=jnp.zeros([], jnp.int32)),
     )
 
+  opts = _Options(codec=codec, axis_name=axis_name, clip_norm=clip_norm,
+                  lr_schedule=lr_schedule, momentum=momentum,
+                  momentum_masking=momentum_masking,
+                  keep_residual=keep_residual, use_momentum=use_momentum,
+                  start_step=start_step)
+
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     n = _core.check_axis(axis_name, codec.name)
@@ -405,112 +411,24 @@ def compressed(
     g = [_buckets.flatten([leaves[comp[j]] for j in lay.leaves])
          for lay in layouts]
     dense = _buckets.flatten([_as_real(leaves[i]) for i in dense_idx])
-    local_bad = jnp.zeros([], bool)
-    for x in g + [dense]:
-      if x.size:
-        local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
 
-    step = state.count
     key, step_key = jax.random.split(state.key)
     ctx = Context(axis_name=axis_name, num_devices=n,
-                  device_index=_core.axis_index(axis_name), step=step,
+                  device_index=_core.axis_index(axis_name), step=state.count,
                   key=step_key)
-
-    # Local gradient clipping (DGC): threshold scaled by n^-1/2.
-    if clip_norm is not None and g:
-      norm = safe_norm(g)
-      limit = clip_norm / jnp.sqrt(jnp.float32(n))
-      scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
-      g = [x * scale for x in g]
-
-    residual = list(state.residual)
-    if lr_schedule is not None and residual:
-      prev = jnp.asarray(lr_schedule(jnp.maximum(step - 1, 0)), jnp.float32)
-      cur = jnp.asarray(lr_schedule(step), jnp.float32)
-      ratio = jnp.where(step > 0, prev / jnp.where(cur == 0, 1.0, cur), 1.0)
-      residual = [r * ratio for r in residual]
-
-    if use_momentum:
-      u = [momentum * m + x for m, x in zip(state.momentum, g)]
-      xs = [r + m for r, m in zip(residual, u)]
-    elif keep_residual:
-      u = []
-      xs = [r + x for r, x in zip(residual, g)]
-    else:
-      u = []
-      xs = g
-
-    def compress_branch(_):
-      outs = [_apply_codec(codec, lay, x, cs, ctx)
-              for lay, x, cs in zip(layouts, xs, state.codec)]
-      return ([o[0] for o in outs], [o[1] for o in outs],
-              tuple(o[2] for o in outs))
-
-    def dense_branch(_):
-      # Dense phase: exact mean, nothing left behind, codec state untouched.
-      mean = [_core.psum(x, axis_name) / n for x in g]
-      return mean, list(g), state.codec
-
-    if g:
-      if start_step > 0:
-        in_dense = step < start_step
-        # Both branches must agree in type: where the codec makes a state
-        # leaf vary over the axis (a per-device statistic), the dense
-        # branch's unchanged leaf is marked varying too.
-        want = jax.eval_shape(compress_branch, None)[2]
-
-        def dense_typed(_):
-          mean, sent, cs = dense_branch(None)
-          return mean, sent, jax.tree.map(_match_varying, cs, want)
-
-        mean, sent, codec_state = jax.lax.cond(
-          in_dense, dense_typed, compress_branch, None)
-      else:
-        in_dense = jnp.zeros([], bool)
-        mean, sent, codec_state = compress_branch(None)
-    else:
-      in_dense = jnp.zeros([], bool)
-      mean, sent, codec_state = [], [], state.codec
-
-    if keep_residual:
-      new_res = [x - s for x, s in zip(xs, sent)]
-      if start_step > 0:
-        new_res = [jnp.where(in_dense, r, e)
-                   for r, e in zip(residual, new_res)]
-    else:
-      new_res = []
-    # What the compressor made must be finite too (an overflow inside a
-    # codec, a sum over devices past float32's range): it joins the flag
-    # that the fused dense psum carries, so every device decides alike.
-    for m, e in zip(mean, new_res if keep_residual else sent):
-      local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
-        | ~jnp.all(jnp.isfinite(e))
-
-    # One fused psum for every dense leaf plus the non-finite flag. Dense
-    # leaves are divided by n first, so the sum does not overflow where the
-    # mean would not; a mean that still overflows is seen alike on every
-    # device (the psum's result is replicated) and skips the step too.
-    flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
-    summed = _core.psum(flat, axis_name)
-    dense_mean = summed[:-1]
-    any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
-
-    if use_momentum:
-      if momentum_masking:
-        new_u = [jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
-      else:
-        new_u = u
-      if start_step > 0:
-        new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
-    else:
-      new_u = []
+    g, xs, u, residual = accumulate(opts, g, state, n)
+    mean, sent, codec_state, in_dense = exchange(opts, layouts, xs, g,
+                                                 state.codec, ctx)
+    new_res, new_u = update_memory(opts, xs, sent, u, residual, in_dense)
+    any_bad, dense_mean = agree_finite(
+      opts, [x for x in g + [dense] if x.size], mean,
+      new_res if keep_residual else sent, dense, n)
 
     keep = lambda new, old: jax.tree.map(
       lambda a, b: jnp.where(any_bad, b, a), new, old)
     new_res = keep(tuple(new_res), state.residual)
     new_u = keep(tuple(new_u), state.momentum)
     codec_state = keep(tuple(codec_state), state.codec)
-    res_norm = safe_norm(list(new_res))
 
     out = list(leaves)
     nan = jnp.float32(jnp.nan)
@@ -534,7 +452,7 @@ def compressed(
       codec=codec_state,
       key=key,
       stats=CompressStats(
-        residual_norm=res_norm,
+        residual_norm=safe_norm(list(new_res)),
         nonfinite_steps=state.stats.nonfinite_steps
         + any_bad.astype(jnp.int32)),
     )
@@ -542,6 +460,156 @@ def compressed(
 
   return optax.GradientTransformationExtraArgs(
     _Init(init_fn, spec), update_fn)
+
+
+
+# ------------------------------------------------------------- stages ----
+# compressed()'s update in named stages, each a function of static options
+# and arrays (testable alone): accumulate -> exchange -> update_memory ->
+# agree_finite; the update then keeps or rolls back the state and splits
+# the averaged buckets into the leaves.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The static configuration of one :func:`compressed` transform."""
+
+  codec: Codec
+  axis_name: Any
+  clip_norm: float | None
+  lr_schedule: Callable | None
+  momentum: Any
+  momentum_masking: bool
+  keep_residual: bool
+  use_momentum: bool
+  start_step: int
+
+
+def accumulate(opts: _Options, g: list, state: CompressState, n: int):
+  """What the codec compresses this step, per bucket.
+
+  Local clipping (DGC: threshold ``clip_norm / sqrt(n)``), the residual
+  rescaled by ``lr_{t-1} / lr_t``, then ``x = e + g`` (error feedback) or
+  ``u = m u + g; x = e + u`` (momentum correction).
+
+  Returns:
+    ``(g, xs, u, residual)``: the clipped gradients, the codec's inputs,
+    the new momentum (empty without it) and the rescaled residual.
+  """
+  step = state.count
+  if opts.clip_norm is not None and g:
+    norm = safe_norm(g)
+    limit = opts.clip_norm / jnp.sqrt(jnp.float32(n))
+    scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
+    g = [x * scale for x in g]
+  residual = list(state.residual)
+  if opts.lr_schedule is not None and residual:
+    prev = jnp.asarray(opts.lr_schedule(jnp.maximum(step - 1, 0)),
+                       jnp.float32)
+    cur = jnp.asarray(opts.lr_schedule(step), jnp.float32)
+    ratio = jnp.where(step > 0, prev / jnp.where(cur == 0, 1.0, cur), 1.0)
+    residual = [r * ratio for r in residual]
+  if opts.use_momentum:
+    u = [opts.momentum * m + x for m, x in zip(state.momentum, g)]
+    xs = [r + m for r, m in zip(residual, u)]
+  elif opts.keep_residual:
+    u = []
+    xs = [r + x for r, x in zip(residual, g)]
+  else:
+    u = []
+    xs = list(g)
+  return g, xs, u, residual
+
+
+def exchange(opts: _Options, layouts, xs: list, g: list, codec_state,
+             ctx: Context):
+  """The codec on every bucket, or the exact dense mean while
+  ``count < start_step`` (nothing left behind, codec state untouched).
+
+  Returns:
+    ``(mean, sent, codec_state, in_dense)`` per bucket.
+  """
+  n = ctx.num_devices
+
+  def compress_branch(_):
+    outs = [_apply_codec(opts.codec, lay, x, cs, ctx)
+            for lay, x, cs in zip(layouts, xs, codec_state)]
+    return ([o[0] for o in outs], [o[1] for o in outs],
+            tuple(o[2] for o in outs))
+
+  def dense_branch(_):
+    mean = [_core.psum(x, opts.axis_name) / n for x in g]
+    return mean, list(g), codec_state
+
+  if not g:
+    return [], [], codec_state, jnp.zeros([], bool)
+  if opts.start_step <= 0:
+    return (*compress_branch(None), jnp.zeros([], bool))
+  in_dense = ctx.step < opts.start_step
+  # Both branches must agree in type: where the codec makes a state leaf
+  # vary over the axis (a per-device statistic), the dense branch's
+  # unchanged leaf is marked varying too.
+  want = jax.eval_shape(compress_branch, None)[2]
+
+  def dense_typed(_):
+    mean, sent, cs = dense_branch(None)
+    return mean, sent, jax.tree.map(_match_varying, cs, want)
+
+  mean, sent, new_cs = jax.lax.cond(in_dense, dense_typed, compress_branch,
+                                    None)
+  return mean, sent, new_cs, in_dense
+
+
+def update_memory(opts: _Options, xs: list, sent: list, u: list,
+                  residual: list, in_dense):
+  """The new residual ``e' = x - sent`` and momentum (DGC's masking zeroes
+  ``u`` where this device sent); in the dense phase the residual is kept
+  and the momentum cleared.
+
+  Returns:
+    ``(new_residual, new_momentum)``, lists per bucket (empty when off).
+  """
+  new_res = []
+  if opts.keep_residual:
+    new_res = [x - s for x, s in zip(xs, sent)]
+    if opts.start_step > 0:
+      new_res = [jnp.where(in_dense, r, e)
+                 for r, e in zip(residual, new_res)]
+  new_u = []
+  if opts.use_momentum:
+    new_u = ([jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
+             if opts.momentum_masking else list(u))
+    if opts.start_step > 0:
+      new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
+  return new_res, new_u
+
+
+def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
+                 dense: jax.Array, n: int):
+  """One decision, the same on every device: did any device see a NaN or
+  Inf in its gradients (``inputs``) or in what the compressor made of
+  them (``mean``, and ``kept``: the residual, or what was sent)?
+
+  The flag rides in the fused psum of the dense leaves (one more float32,
+  no extra collective). Dense leaves are divided by ``n`` first, so the
+  sum does not overflow where the mean would not; a mean that still
+  overflows is seen alike on every device (the psum's result is
+  replicated) and counts too.
+
+  Returns:
+    ``(any_bad, dense_mean)``.
+  """
+  local_bad = jnp.zeros([], bool)
+  for x in inputs:
+    local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
+  for m, e in zip(mean, kept):
+    local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
+      | ~jnp.all(jnp.isfinite(e))
+  flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
+  summed = _core.psum(flat, opts.axis_name)
+  dense_mean = summed[:-1]
+  any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
+  return any_bad, dense_mean
 
 
 def _check_state(state, layouts, keep_residual, use_momentum, name):

@@ -348,3 +348,50 @@ def test_compress_states_are_found_through_optax_wrappers():
   assert len(found) == 3
   assert all(isinstance(s, jaxcomm.CompressState) for s in found)
   assert len(jaxcomm.stats(wrapped.init(params))) == 3
+
+
+def _opts(**kw):
+  base = dict(codec=None, axis_name=None, clip_norm=None, lr_schedule=None,
+              momentum=None, momentum_masking=True, keep_residual=True,
+              use_momentum=False, start_step=0)
+  base.update(kw)
+  return _compressor._Options(**base)
+
+
+def test_accumulate_stage_against_numpy():
+  """Clipping to clip_norm / sqrt(n), the residual rescaled by
+  lr_{t-1} / lr_t, then momentum correction u = m u + g, x = e + u."""
+  rng = np.random.default_rng(4)
+  g = [rng.normal(size=12).astype(np.float32)]
+  e = [rng.normal(size=12).astype(np.float32)]
+  m = [rng.normal(size=12).astype(np.float32)]
+  state = _compressor.CompressState(
+    count=jnp.asarray(3, jnp.int32), residual=tuple(map(jnp.asarray, e)),
+    momentum=tuple(map(jnp.asarray, m)), codec=((),), key=None, stats=None)
+  opts = _opts(clip_norm=0.5, lr_schedule=lambda s: 1.0 / (1.0 + s),
+               momentum=0.9, use_momentum=True)
+  g2, xs, u, res = _compressor.accumulate(opts, list(map(jnp.asarray, g)),
+                                          state, 4)
+  norm = np.linalg.norm(g[0].astype(np.float64))
+  gc = g[0] * min(1.0, 0.5 / np.sqrt(4) / norm)
+  ratio = (1.0 / 3.0) / (1.0 / 4.0)              # lr_2 / lr_3
+  np.testing.assert_allclose(g2[0], gc, rtol=1e-5)
+  np.testing.assert_allclose(res[0], e[0] * ratio, rtol=1e-5)
+  np.testing.assert_allclose(u[0], 0.9 * m[0] + gc, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(xs[0], e[0] * ratio + 0.9 * m[0] + gc,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_agree_finite_stage_sees_inputs_and_outputs():
+  ok = [jnp.ones(4)]
+  dense = jnp.arange(3.0)
+  bad, mean = _compressor.agree_finite(_opts(), ok, ok, ok, dense, 1)
+  assert not bool(bad)
+  np.testing.assert_array_equal(mean, dense)
+  inf = [jnp.array([1.0, jnp.inf])]
+  for args in ((inf, ok, ok), (ok, inf, ok), (ok, ok, inf)):
+    bad, _ = _compressor.agree_finite(_opts(), *args, dense, 1)
+    assert bool(bad)
+  bad, _ = _compressor.agree_finite(_opts(), ok, ok, ok,
+                                    jnp.array([3e38, 3e38]), 1)
+  assert not bool(bad)
