@@ -169,6 +169,17 @@ def runs(sizes: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
   return tuple(out)
 
 
+def unflatten(flat: jax.Array, shapes: Sequence[Shape]) -> list[jax.Array]:
+  """Inverse of :func:`flatten`: consecutive pieces of ``flat`` in
+  ``shapes`` (a :class:`Layout`'s ``split`` without the layout)."""
+  out, offset = [], 0
+  for shape in shapes:
+    size = int(np.prod(shape, dtype=np.int64))
+    out.append(flat[offset:offset + size].reshape(tuple(shape)))
+    offset += size
+  return out
+
+
 def flatten(leaves: Sequence[jax.Array], dtype=jnp.float32) -> jax.Array:
   """Leaves (in bucket order) into one flat buffer of ``dtype``."""
   flats = [jnp.ravel(x).astype(dtype) for x in leaves]

@@ -131,3 +131,16 @@ def test_per_leaf_scales_match_numpy_on_both_paths(sizes):
   got = np.asarray(_signs._per_leaf(jnp.asarray(vals), jnp.asarray(scales),
                                     sizes))
   np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_flatten_unflatten_round_trip():
+  shapes = [(2, 3), (4,), (), (1, 2, 2)]
+  leaves = [jnp.asarray(np.arange(np.prod(s)).reshape(s) + 10 * i,
+                        jnp.float32) for i, s in enumerate(shapes)]
+  flat = _buckets.flatten(leaves)
+  np.testing.assert_array_equal(
+    flat, np.concatenate([np.ravel(np.asarray(x)) for x in leaves]))
+  back = _buckets.unflatten(flat, shapes)
+  for a, b in zip(back, leaves):
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(a, b)

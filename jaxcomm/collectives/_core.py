@@ -12,6 +12,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxcomm import _buckets
+
 AxisName = str | tuple[str, ...] | None
 
 
@@ -177,13 +179,8 @@ def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,
   leaves = list(leaves)
   if not leaves:
     return []
-  flat = jnp.concatenate([jnp.ravel(l).astype(dtype) for l in leaves])
-  total = psum(flat, axis_name)
-  out, offset = [], 0
-  for l in leaves:
-    out.append(total[offset:offset + l.size].reshape(l.shape))
-    offset += l.size
-  return out
+  total = psum(_buckets.flatten(leaves, dtype), axis_name)
+  return _buckets.unflatten(total, [l.shape for l in leaves])
 
 
 def padded_length(size: int, n: int) -> int:
