@@ -123,13 +123,15 @@ def test_per_leaf_scales_match_numpy_on_both_paths(sizes):
   ends = np.cumsum(sizes)
   parts = np.split(x.astype(np.float64), ends[:-1])
   want = np.asarray([np.sqrt(np.sum(p * p) / p.size) for p in parts])
-  got = np.asarray(_signs.worker_scales(jnp.asarray(x), sizes))
+  blocks = _signs._blocks(sizes)
+  assert (blocks is None) == (sizes == [50, 70, 70, 3])
+  got = np.asarray(_signs.worker_scales(jnp.asarray(x), sizes, blocks))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   vals = rng.normal(size=(2, sum(sizes))).astype(np.float32)
   scales = rng.normal(size=(2, len(sizes))).astype(np.float32)
   want = vals * np.repeat(scales, sizes, axis=1)
   got = np.asarray(_signs._per_leaf(jnp.asarray(vals), jnp.asarray(scales),
-                                    sizes))
+                                    sizes, blocks))
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 

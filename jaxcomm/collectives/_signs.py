@@ -114,18 +114,28 @@ def _leaf_index(positions, sizes: Sequence[int]):
   return jnp.searchsorted(ends, positions, side="right").astype(jnp.int32)
 
 
-def _per_leaf(values, scales, sizes: Sequence[int]):
-  """``values[..., leaf l] * scales[..., l]``: one broadcast per run of
-  equal sizes (:func:`jaxcomm._buckets.runs`), not one per leaf.
+def _blocks(sizes: Sequence[int]):
+  """``(B, leaf id of each block)`` when every leaf is a whole number of
+  blocks of one width and there is more than one run of sizes
+  (:func:`jaxcomm._buckets.leaf_blocks`), else None: per-leaf work then
+  runs once per run of equal sizes."""
+  block = _buckets.leaf_blocks(sizes)
+  if block is None or len(_buckets.runs(sizes)) <= 1:
+    return None
+  return block, _buckets.block_leaf_ids(sizes, block)
+
+
+def _per_leaf(values, scales, sizes: Sequence[int], blocks=None):
+  """``values[..., leaf l] * scales[..., l]``: one broadcast on leaf blocks
+  (``blocks`` from :func:`_blocks`), or one per run of equal sizes
+  (:func:`jaxcomm._buckets.runs`); never one per leaf.
 
   Slices and broadcasts rather than ``jnp.repeat`` with per-leaf counts,
   whose index computation XLA constant-folds (minutes for 10M elements).
   """
   lead = values.shape[:-1]
-  block = _buckets.leaf_blocks(sizes)
-  if block is not None and len(_buckets.runs(sizes)) > 1:
-    # Every leaf a whole number of blocks: one broadcast for all sizes.
-    ids = _buckets.block_leaf_ids(sizes, block)
+  if blocks is not None:
+    block, ids = blocks
     v = values.reshape(lead + (-1, block))
     return (v * scales[..., ids][..., None]).reshape(values.shape)
   out, first = [], 0
@@ -137,14 +147,14 @@ def _per_leaf(values, scales, sizes: Sequence[int]):
   return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
 
 
-def worker_scales(x: jax.Array, sizes: Sequence[int]) -> jax.Array:
-  """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation (one
-  batched reduction per run of equal sizes)."""
-  block = _buckets.leaf_blocks(sizes)
-  if block is not None and len(_buckets.runs(sizes)) > 1:
-    # Block sums of squares, added up per leaf: the same ops for any sizes.
+def worker_scales(x: jax.Array, sizes: Sequence[int],
+                  blocks=None) -> jax.Array:
+  """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation: block
+  sums of squares added up per leaf (``blocks`` from :func:`_blocks`), or
+  one batched reduction per run of equal sizes."""
+  if blocks is not None:
+    block, ids = blocks
     xb = x.reshape(-1, block)
-    ids = _buckets.block_leaf_ids(sizes, block)
     ss = jax.ops.segment_sum(jnp.sum(xb * xb, axis=1), ids,
                              num_segments=len(sizes), indices_are_sorted=True)
     return jnp.sqrt(ss / jnp.asarray(np.asarray(sizes, np.float32)))
@@ -206,8 +216,9 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   idx = _core.axis_index(axis_name)
 
   # Worker stage.
-  scales = worker_scales(x, sizes)                                  # [k]
-  sent = _per_leaf(_sign(x), scales, sizes)
+  blocks = _blocks(sizes)            # leaf ids built once for both uses
+  scales = worker_scales(x, sizes, blocks)                          # [k]
+  sent = _per_leaf(_sign(x), scales, sizes, blocks)
   words = bitpack.pack_signs(jnp.pad(x, (0, n * c - length)))
   msg = jnp.concatenate(
     [words.reshape(n, cw), jnp.broadcast_to(_f32_words(scales), (n, k))],
@@ -279,8 +290,8 @@ def gather_signs(x: jax.Array, scales: jax.Array, sizes: Sequence[int],
   n = rows.shape[0]
   signs = bitpack.unpack_signs(rows[:, :w].reshape(-1), n * w * WORD_BITS)
   signs = signs.reshape(n, w * WORD_BITS)[:, :length]
-  return jnp.sum(_per_leaf(signs, _words_f32(rows[:, w:]), sizes),
-                 axis=0) / n
+  return jnp.sum(_per_leaf(signs, _words_f32(rows[:, w:]), sizes,
+                           _blocks(sizes)), axis=0) / n
 
 
 def gather_signs_wire(sizes: Sequence[int], n: int) -> list:
