@@ -248,6 +248,8 @@ class Config:
   compressor: str = DEFAULT_COMPRESSOR
   compressor_args: str = DEFAULT_COMPRESSOR_ARGS
   optimizer: str = "adam"      # sgd | momentum | nesterov | adam | adamw
+  #                              | lamb | onebit_adam | onebit_lamb
+  optimizer_args: str = ""     # e.g. freeze_step=200 (jaxcomm optimizers)
   lr: float = 3e-3
   momentum: float = 0.9
   weight_decay: float = 0.0
@@ -276,7 +278,8 @@ class Config:
 
   # Fields that must agree between a checkpoint and the run resuming it.
   RESUME_KEYS = ("model", "model_args", "dataset", "text_file", "seq_len",
-                 "compressor", "compressor_args", "optimizer", "lr",
+                 "compressor", "compressor_args", "optimizer",
+                 "optimizer_args", "lr",
                  "momentum", "weight_decay", "schedule", "warmup_steps",
                  "batch_size", "steps", "seed")
 
@@ -315,7 +318,14 @@ def parse_args(argv=None) -> Config:
                  help="factory arguments, e.g. rank=4,start_step=10 "
                  f"(default for {d.compressor}: {d.compressor_args})")
   g.add_argument("--optimizer", default=d.optimizer,
-                 choices=("sgd", "momentum", "nesterov", "adam", "adamw"))
+                 choices=OPTIMIZERS,
+                 help="applied to the compressed mean; onebit_adam and "
+                 "onebit_lamb are whole optimizers that exchange their own "
+                 "1-bit momentum (use them with --compressor dense, the "
+                 "default for them)")
+  g.add_argument("--optimizer-args", default=d.optimizer_args,
+                 help="arguments of a jaxcomm optimizer, e.g. "
+                 "freeze_step=200")
   g.add_argument("--lr", type=float, default=d.lr)
   g.add_argument("--momentum", type=float, default=d.momentum)
   g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -359,6 +369,8 @@ def parse_args(argv=None) -> Config:
   values = vars(ns)
   if values["model_args"] is None:
     values["model_args"] = d.model_args if ns.model == "charlm" else ""
+  if values["compressor"] is None and ns.optimizer in COMM_OPTIMIZERS:
+    values["compressor"] = "dense"
   if values["compressor"] is None:
     values["compressor"] = d.compressor
     if d.compressor not in available_compressors():
@@ -561,6 +573,29 @@ def make_schedule(cfg: Config):
                    "cosine, warmup_cosine, step")
 
 
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb",
+              "onebit_adam", "onebit_lamb")
+# Whole optimizers that exchange their own (1-bit) momentum.
+COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb")
+
+
+def make_comm_optimizer(cfg: Config, schedule):
+  """A jaxcomm optimizer (``--optimizer onebit_adam|onebit_lamb``) with
+  ``--optimizer-args`` (``freeze_step`` defaults to 20% of the steps)."""
+  factory = getattr(jaxcomm, cfg.optimizer)
+  kwargs = parse_kwargs(cfg.optimizer_args)
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params
+             or k in ("learning_rate", "axis_name")]
+  if unknown:
+    valid = [k for k in params if k not in ("learning_rate", "axis_name")]
+    raise ValueError(f"--optimizer {cfg.optimizer} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  kwargs.setdefault("freeze_step", max(cfg.steps // 5, 1))
+  kwargs.setdefault("weight_decay", cfg.weight_decay)
+  return factory(schedule, axis_name=AXIS, **kwargs)
+
+
 def make_optimizer(cfg: Config, schedule):
   """The optimizer applied to the compressed mean gradient."""
   if cfg.optimizer == "sgd":
@@ -573,8 +608,10 @@ def make_optimizer(cfg: Config, schedule):
     return optax.adam(schedule)
   if cfg.optimizer == "adamw":
     return optax.adamw(schedule, weight_decay=cfg.weight_decay)
-  raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: sgd, "
-                   "momentum, nesterov, adam, adamw")
+  if cfg.optimizer == "lamb":
+    return optax.lamb(schedule, weight_decay=cfg.weight_decay)
+  raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: "
+                   f"{', '.join(OPTIMIZERS)}")
 
 
 # ------------------------------------------------------------- checkpoints --
@@ -1000,7 +1037,15 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   loss_fn = models.make_loss_fn(cfg.model, fn.apply)
   comp, _, comp_kwargs = build_compressor(canon, cfg.compressor_args)
   schedule = make_schedule(cfg)
-  tx = optax.chain(comp, make_optimizer(cfg, schedule))
+  if cfg.optimizer in COMM_OPTIMIZERS:
+    if canon != "dense":
+      raise ValueError(
+        f"--optimizer {cfg.optimizer} exchanges its own 1-bit momentum: use "
+        f"--compressor dense (got {canon!r})")
+    # The optimizer is the exchange: its wire is what a step moves.
+    comp = tx = make_comm_optimizer(cfg, schedule)
+  else:
+    tx = optax.chain(comp, make_optimizer(cfg, schedule))
   mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)
   dp = parallel.DataParallel(loss_fn, tx, mesh, AXIS, has_aux=True)
   params, opt_state = dp.init(fn.params)
@@ -1008,12 +1053,16 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
 
   # Bytes per device per step, as the compressor claims (checked against the
   # compiled HLO by the test battery), and the dense psum it replaces.
-  rep = wire.summarize(wire.claimed(comp, fn.params, n), n, fn.params)
-  dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
-                                          fn.params, n), n, fn.params)
+  # Before a start_step (freeze_step) a step moves the dense phase's psum.
   from jaxcomm import _compressor
   start_dense = _compressor.spec_of(comp).start_step
-  bytes_at = lambda s: (dense_rep.total_sent if s < start_dense
+  rep = wire.summarize(wire.claimed(comp, fn.params, n, step=start_dense),
+                       n, fn.params)
+  dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
+                                          fn.params, n), n, fn.params)
+  warm_rep = (wire.summarize(wire.claimed(comp, fn.params, n, step=0), n,
+                             fn.params) if start_dense else rep)
+  bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
                         else rep.total_sent)
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
 
@@ -1132,8 +1181,12 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
 
   final = evaluate(eval_fn, params, test, cfg, dp)
   result = {
-    "model": cfg.model, "dataset": dataset, "compressor": canon,
-    "compressor_args": comp_kwargs, "num_devices": n, "steps": stop,
+    "model": cfg.model, "dataset": dataset,
+    "compressor": (cfg.optimizer if cfg.optimizer in COMM_OPTIMIZERS
+                   else canon),
+    "compressor_args": (parse_kwargs(cfg.optimizer_args)
+                        if cfg.optimizer in COMM_OPTIMIZERS else comp_kwargs),
+    "optimizer": cfg.optimizer, "num_devices": n, "steps": stop,
     "num_params": num_params,
     "train_loss": last.get("loss", float("nan")),
     "train_accuracy": last.get("accuracy", float("nan")),

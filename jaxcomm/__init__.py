@@ -20,6 +20,8 @@ from jaxcomm._compressor import compressed
 from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
+from jaxcomm.transforms import OneBitAdamState
+from jaxcomm.transforms import OneBitLambState
 from jaxcomm.transforms import OneBitState
 from jaxcomm.transforms import PowerSGDState
 from jaxcomm.transforms import SignumState
@@ -32,6 +34,8 @@ from jaxcomm.transforms import int8
 from jaxcomm.transforms import mean_gradients
 from jaxcomm.transforms import natural
 from jaxcomm.transforms import onebit
+from jaxcomm.transforms import onebit_adam
+from jaxcomm.transforms import onebit_lamb
 from jaxcomm.transforms import powersgd
 from jaxcomm.transforms import qsgd
 from jaxcomm.transforms import randomk

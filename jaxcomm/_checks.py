@@ -84,3 +84,18 @@ def choice(name: str, value, options: Sequence) -> Any:
   if value not in options:
     raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
   return value
+
+
+# error_feedback's values: the classic residual, none, or EF21's estimates.
+EF21 = "ef21"
+
+
+def error_feedback(value) -> bool | str:
+  """``True`` (the classic residual), ``False`` (none) or ``"ef21"``
+  (Richtarik et al. 2021: per-device gradient estimates)."""
+  if isinstance(value, bool) or value == EF21:
+    return value
+  raise ValueError(
+    "error_feedback must be True (keep what was not sent and add it to the "
+    "next step), False (none) or 'ef21' (EF21: compress the change of a "
+    f"per-device gradient estimate), got {value!r}")

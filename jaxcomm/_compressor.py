@@ -25,6 +25,14 @@ The data path of one step (per device, inside shard_map or pmap)::
   r  = codec.apply(x)        encode -> exchange -> decode
   u  = r.mean                identical on every device
   e' = x - r.sent            what this device failed to send
+
+With ``error_feedback="ef21"`` (Richtarik et al. 2021) the codec compresses
+the change of a per-device gradient estimate instead::
+
+  x  = g - h_i               what the estimate misses
+  r  = codec.apply(x)
+  h_i' = h_i + r.sent        this device's estimate
+  u  = h' = h + r.mean       the aggregate (= mean_i h_i'), identical
 """
 
 from __future__ import annotations
@@ -154,6 +162,10 @@ class CompressState(NamedTuple):
     codec: the codec's own state, one per bucket (a tuple).
     key: PRNG key data (uint32[2]), split every step, identical everywhere.
     stats: :class:`CompressStats`.
+    estimate: EF21's gradient estimate ``h_i`` per bucket (per device);
+      empty unless ``error_feedback="ef21"``.
+    estimate_mean: EF21's aggregate ``h = mean_i h_i`` per bucket
+      (replicated), the update every step returns; empty unless EF21.
   """
 
   count: jax.Array
@@ -162,6 +174,8 @@ class CompressState(NamedTuple):
   codec: tuple
   key: jax.Array
   stats: CompressStats
+  estimate: tuple = ()
+  estimate_mean: tuple = ()
 
 
 class _Init:
@@ -205,14 +219,30 @@ class Spec:
         out[j] = leaf
     return [out[j] for j in sorted(out)]
 
-  def wire(self, params, n: int) -> list[Collective]:
-    """Collectives one compressed step issues on ``n`` devices."""
+  def wire(self, params, n: int, step: int | None = None
+           ) -> list[Collective]:
+    """Collectives a step issues on ``n`` devices.
+
+    Args:
+      params: the parameters (or gradients, or their shapes).
+      n: the number of devices along the data axis.
+      step: the step counter: the collectives that step moves (the dense
+        phase's psums before ``start_step``, the codec's after). None: every
+        collective the compiled step holds (with ``start_step > 0``, both
+        phases' behind a ``lax.cond``), as the compiled HLO lists them.
+    """
     leaves = jax.tree.leaves(params)
     paths = self.paths(params)
     out = []
+    dense_phase = self.start_step > 0 and (step is None
+                                           or step < self.start_step)
+    codec_phase = step is None or step >= self.start_step
     for lay in self.layouts(params):
-      arg = lay if self.codec.flat else list(lay.shapes)
-      out.extend(self.codec.wire(arg, n))
+      if dense_phase:
+        out.append(("all-reduce", 4 * lay.size))
+      if codec_phase:
+        arg = lay if self.codec.flat else list(lay.shapes)
+        out.extend(self.codec.wire(arg, n))
     dense = sum(_policy.real_size(l) for l in _policy.select(leaves, paths,
                                                     _policy.DENSE))
     # The fused dense psum always carries one extra float32: the flag that
@@ -327,8 +357,13 @@ def compressed(
     codec: the compressor's math and exchange.
     axis_name: the data axis to average over (a name, a tuple of names, or
       None for one device without collectives).
-    error_feedback: keep per device what was not sent and add it to the next
-      step's gradient (Seide et al. 2014; Karimireddy et al. 2019).
+    error_feedback: ``True``: keep per device what was not sent and add it
+      to the next step's gradient (Seide et al. 2014; Karimireddy et al.
+      2019). ``"ef21"``: EF21 (Richtarik et al. 2021): each device keeps a
+      gradient estimate ``h_i`` and sends the compressed change
+      ``C(g_i - h_i)``; the update is the aggregate ``h = mean_i h_i``,
+      kept replicated. For contractive compressors (top-k, signs, low
+      rank); not with ``momentum`` or ``lr_schedule``. ``False``: none.
     momentum: if set, DGC's momentum correction (Lin et al. 2018): the codec
       compresses the accumulated velocity ``v += u``, ``u = m u + g``;
       use a downstream optimizer without momentum. Implies error feedback.
@@ -359,8 +394,18 @@ def compressed(
       "momentum_masking, lr_schedule and seed")
   policy = _policy.as_policy(policy)
   _check_axis_name(axis_name)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
+  ef21 = error_feedback == _checks.EF21
   use_momentum = momentum is not None
+  if ef21 and use_momentum:
+    raise ValueError(
+      f"{codec.name}: error_feedback='ef21' needs momentum=None: momentum "
+      "correction accumulates the velocity in the classic residual "
+      f"(got momentum={momentum!r})")
+  if ef21 and lr_schedule is not None:
+    raise ValueError(
+      f"{codec.name}: error_feedback='ef21' takes no lr_schedule: EF21 keeps "
+      "gradient estimates, not delayed mass to rescale")
   if use_momentum:
     _checks.number("momentum", momentum, 0.0, 1.0)
   if clip_norm is not None:
@@ -368,7 +413,7 @@ def compressed(
   start_step = _checks.integer("start_step", start_step, 0)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
-  keep_residual = error_feedback or use_momentum
+  keep_residual = error_feedback is True or use_momentum
   spec = Spec(codec=codec, policy=policy, axis_name=axis_name,
               start_step=start_step)
 
@@ -386,13 +431,15 @@ def compressed(
       key=jax.random.PRNGKey(seed),
       stats=CompressStats(residual_norm=jnp.zeros([], jnp.float32),
                           nonfinite_steps=jnp.zeros([], jnp.int32)),
+      estimate=zeros if ef21 else (),
+      estimate_mean=zeros if ef21 else (),
     )
 
   opts = _Options(codec=codec, axis_name=axis_name, clip_norm=clip_norm,
                   lr_schedule=lr_schedule, momentum=momentum,
                   momentum_masking=momentum_masking,
                   keep_residual=keep_residual, use_momentum=use_momentum,
-                  start_step=start_step)
+                  start_step=start_step, ef21=ef21)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -403,7 +450,8 @@ def compressed(
     _warn_if_wide(leaves, codec.name)
     paths = spec.paths(updates)
     layouts = spec.layouts(updates)
-    _check_state(state, layouts, keep_residual, use_momentum, codec.name)
+    _check_state(state, layouts, keep_residual, use_momentum, ef21,
+                 codec.name)
     _check_codec_state(state.codec, layouts, codec_init, codec.name)
     comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
     dense_idx = [i for i, p in enumerate(paths) if p == _policy.DENSE]
@@ -420,15 +468,20 @@ def compressed(
     mean, sent, codec_state, in_dense = exchange(opts, layouts, xs, g,
                                                  state.codec, ctx)
     new_res, new_u = update_memory(opts, xs, sent, u, residual, in_dense)
+    new_h, mean = update_estimates(opts, state, g, sent, mean, in_dense)
     any_bad, dense_mean = agree_finite(
       opts, [x for x in g + [dense] if x.size], mean,
-      new_res if keep_residual else sent, dense, n)
+      new_res if keep_residual else new_h if ef21 else sent, dense, n)
 
     keep = lambda new, old: jax.tree.map(
       lambda a, b: jnp.where(any_bad, b, a), new, old)
     new_res = keep(tuple(new_res), state.residual)
     new_u = keep(tuple(new_u), state.momentum)
     codec_state = keep(tuple(codec_state), state.codec)
+    new_h = keep(tuple(new_h), state.estimate)
+    new_hmean = keep(tuple(mean), state.estimate_mean) if ef21 else ()
+    # EF21's statistic: what this device's estimate misses of its gradient.
+    missed = [x - s for x, s in zip(xs, sent)] if ef21 else list(new_res)
 
     out = list(leaves)
     nan = jnp.float32(jnp.nan)
@@ -452,9 +505,11 @@ def compressed(
       codec=codec_state,
       key=key,
       stats=CompressStats(
-        residual_norm=safe_norm(list(new_res)),
+        residual_norm=safe_norm(missed),
         nonfinite_steps=state.stats.nonfinite_steps
         + any_bad.astype(jnp.int32)),
+      estimate=new_h,
+      estimate_mean=new_hmean,
     )
     return jax.tree.unflatten(treedef, out), new_state
 
@@ -483,6 +538,7 @@ class _Options:
   keep_residual: bool
   use_momentum: bool
   start_step: int
+  ef21: bool = False
 
 
 def accumulate(opts: _Options, g: list, state: CompressState, n: int):
@@ -515,6 +571,9 @@ def accumulate(opts: _Options, g: list, state: CompressState, n: int):
   elif opts.keep_residual:
     u = []
     xs = [r + x for r, x in zip(residual, g)]
+  elif opts.ef21:
+    u = []
+    xs = [x - h for x, h in zip(g, state.estimate)]
   else:
     u = []
     xs = list(g)
@@ -584,6 +643,26 @@ def update_memory(opts: _Options, xs: list, sent: list, u: list,
   return new_res, new_u
 
 
+def update_estimates(opts: _Options, state: CompressState, g: list,
+                     sent: list, mean: list, in_dense):
+  """EF21's estimates: ``h_i' = h_i + sent`` per device and the aggregate
+  ``h' = h + mean`` (the update). In the dense phase both are set to the
+  exact gradients (``h_i' = g_i``, ``h' = mean_i g_i``), which starts
+  EF21 from exact estimates.
+
+  Returns:
+    ``(new_estimates, update)`` per bucket; ``([], mean)`` unless EF21.
+  """
+  if not opts.ef21:
+    return [], mean
+  new_h = [h + s for h, s in zip(state.estimate, sent)]
+  new_mean = [h + m for h, m in zip(state.estimate_mean, mean)]
+  if opts.start_step > 0:
+    new_h = [jnp.where(in_dense, x, h) for x, h in zip(g, new_h)]
+    new_mean = [jnp.where(in_dense, m, h) for m, h in zip(mean, new_mean)]
+  return new_h, new_mean
+
+
 def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
                  dense: jax.Array, n: int):
   """One decision, the same on every device: did any device see a NaN or
@@ -612,14 +691,15 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   return any_bad, dense_mean
 
 
-def _check_state(state, layouts, keep_residual, use_momentum, name):
+def _check_state(state, layouts, keep_residual, use_momentum, ef21, name):
   """Names what is wrong when the state does not belong to these grads."""
   if not isinstance(state, CompressState):
     raise ValueError(
       f"{name}: state must be the CompressState this compressor's init "
       f"returned, got {type(state).__name__}")
   want = [(lay.size,) for lay in layouts]
-  for field, on in (("residual", keep_residual), ("momentum", use_momentum)):
+  for field, on in (("residual", keep_residual), ("momentum", use_momentum),
+                    ("estimate", ef21), ("estimate_mean", ef21)):
     got = [tuple(x.shape) for x in getattr(state, field)]
     if on and got != want:
       raise ValueError(

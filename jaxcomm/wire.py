@@ -299,20 +299,25 @@ def report(step: Any, params=None) -> Report:
   return summarize(collectives(step), params=params)
 
 
-def claimed(tx, params, n: int) -> list[tuple[str, int]]:
+def claimed(tx, params, n: int, step: int | None = None
+            ) -> list[tuple[str, int]]:
   """The collectives a jaxcomm compressor says one step issues on n devices.
 
   Args:
-    tx: a compressor from a jaxcomm factory (not a chain around it).
+    tx: a compressor from a jaxcomm factory (not a chain around it), or a
+      jaxcomm optimizer (``onebit_adam``, ``onebit_lamb``).
     params: the parameters (or gradients, or their shapes) it is applied to.
     n: the number of devices along its data axis.
+    step: the step counter, for what that step moves (a dense phase before
+      ``start_step`` / ``freeze_step``); None for every collective the
+      compiled step holds (what the compiled HLO lists).
   """
   from jaxcomm import _compressor  # pylint: disable=import-outside-toplevel
   if n < 1:
     raise ValueError(f"n must be >= 1, got {n}")
   if n == 1:
     return []
-  return _compressor.spec_of(tx).wire(params, n)
+  return _compressor.spec_of(tx).wire(params, n, step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,6 +111,8 @@ def _entry(name, kwargs, *, num_iters=1, warm_start=True, ef=True,
 
 
 _entry("powersgd_r2", {"rank": 2}, bad=_BAD)
+_entry("powersgd_r2_ef21", {"rank": 2, "error_feedback": "ef21"},
+       ef="ef21")
 _entry("powersgd_r1_noef_cold",
        {"rank": 1, "error_feedback": False, "warm_start": False},
        warm_start=False, ef=False)

@@ -78,6 +78,21 @@ registry.register(registry.Entry(
 ))
 
 registry.register(registry.Entry(
+  # EF21 (Richtarik et al. 2021): top-k of the change of each device's
+  # gradient estimate; the update is the aggregate estimate.
+  name="topk_ef21",
+  ref_init=lambda shapes: None,
+  ref_step=_topk_ref(0.05, "leaf"),
+  error_feedback="ef21",
+  factory=jaxcomm.topk,
+  kwargs={"ratio": 0.05, "error_feedback": "ef21"},
+  static_args=("ratio", "granularity", "error_feedback", "policy"),
+  bad_args=[({"error_feedback": "ef22"}, "error_feedback"),
+            ({"error_feedback": 1}, "error_feedback"),
+            ({"lr_schedule": lambda t: 0.1}, "lr_schedule")],
+))
+
+registry.register(registry.Entry(
   name="topk_model_noef",
   ref_init=lambda shapes: None,
   ref_step=_topk_ref(0.02, "model"),

@@ -116,13 +116,19 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
     (mean updates per step as dicts of float64 arrays, final residuals
     ``res[i][j]``, list of sent per step).
   """
+  if entry.numpy_run is not None:
+    return entry.numpy_run(grads_seq, n)
   first = grads_seq[0]
   names = sorted(first)
   comp = [k for k in names if k in COMPRESSED]
   dense = [k for k in names if k in DENSE]
   shapes = [first[k].shape[1:] for k in comp]
   ref_state = entry.ref_init(shapes)
+  # Classic error feedback keeps the residual e_i; EF21 the estimate h_i
+  # (and the aggregate h = mean_i h_i, which is the update).
   res = [[np.zeros(s) for s in shapes] for _ in range(n)]
+  agg = [np.zeros(s) for s in shapes]
+  ef21 = entry.error_feedback == "ef21"
   key = jax.random.PRNGKey(seed)
   out, sent_all = [], []
   for t, grads in enumerate(grads_seq):
@@ -130,10 +136,18 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
     xs = []
     for i in range(n):
       g = [np.asarray(grads[k][i], np.float64) for k in comp]
-      xs.append([r + x for r, x in zip(res[i], g)] if entry.error_feedback
-                else g)
+      if ef21:
+        xs.append([x - h for h, x in zip(res[i], g)])
+      elif entry.error_feedback:
+        xs.append([r + x for r, x in zip(res[i], g)])
+      else:
+        xs.append(g)
     mean, sent, ref_state = entry.ref_step(xs, ref_state, t, sub, n)
-    if entry.error_feedback:
+    if ef21:
+      res = [[h + s for h, s in zip(res[i], sent[i])] for i in range(n)]
+      agg = [a + m for a, m in zip(agg, mean)]
+      mean = agg
+    elif entry.error_feedback:
       res = [[x - s for x, s in zip(xs[i], sent[i])] for i in range(n)]
     upd = {k: np.asarray(m, np.float64) for k, m in zip(comp, mean)}
     for k in dense:
@@ -144,14 +158,16 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
 
 
 def residuals_of(state, params=None) -> list:
-  """The CompressState residuals per compressed leaf (host arrays, leading
-  device axis), split out of the flat buckets (one bucket, equal shapes
-  side by side, as ``jaxcomm._buckets.plan`` lays them)."""
+  """The per-device error-feedback memory per compressed leaf (host arrays,
+  leading device axis): the CompressState's residuals, or EF21's estimates
+  ``h_i``; split out of the flat buckets (one bucket, equal shapes side by
+  side, as ``jaxcomm._buckets.plan`` lays them)."""
   params = battery_params() if params is None else params
   shapes = [tuple(params[k].shape) for k in COMPRESSED]
   found = jaxcomm.compress_states(state)
   assert found, "no CompressState in state"
-  return split_buckets(found[0].residual, shapes)
+  memory = found[0].residual or found[0].estimate
+  return split_buckets(memory, shapes)
 
 
 def split_buckets(buffers, shapes) -> list:

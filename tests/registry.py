@@ -26,6 +26,7 @@ MODULES = [
   "tests.entries_quantization",
   "tests.entries_sparsification",
   "tests.entries_powersgd",
+  "tests.entries_optimizers",
 ]
 
 
@@ -58,6 +59,13 @@ class Entry:
       naming the argument.
     rtol, atol: tolerances for reference equality (float32 vs float64).
     stochastic: draws random numbers (reference gets the same key).
+    numpy_run: for a whole optimizer (whose exchange is not ``x = g + e``
+      of the gradient): ``numpy_run(grads_seq, n) -> (updates, residuals,
+      sent)`` replaces the harness's error-feedback loop around
+      ``ref_step``.
+    dense_baseline: for a whole optimizer, ``() -> GradientTransformation``
+      of the dense mean and the optimizer it replaces (the program-growth
+      test compares with it instead of the bare dense mean).
   """
 
   name: str
@@ -74,6 +82,8 @@ class Entry:
   rtol: float = 1e-4
   atol: float = 1e-5
   stochastic: bool = False
+  numpy_run: Callable[..., tuple] | None = None
+  dense_baseline: Callable[[], Any] | None = None
 
   def __post_init__(self):
     if self.make is None:

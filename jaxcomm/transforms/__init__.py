@@ -2,6 +2,10 @@
 
 from jaxcomm.transforms._dense import cast
 from jaxcomm.transforms._dense import mean_gradients
+from jaxcomm.transforms._optimizers import OneBitAdamState
+from jaxcomm.transforms._optimizers import OneBitLambState
+from jaxcomm.transforms._optimizers import onebit_adam
+from jaxcomm.transforms._optimizers import onebit_lamb
 from jaxcomm.transforms._powersgd import PowerSGDState
 from jaxcomm.transforms._powersgd import powersgd
 from jaxcomm.transforms._quantization import OneBitState

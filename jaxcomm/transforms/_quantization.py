@@ -141,7 +141,7 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     Tang et al, `1-bit Adam: Communication Efficient Large-Scale Training
     with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021.
   """
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
   return _compressor.compressed(_onebit_codec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
@@ -226,7 +226,7 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
     and Fault Tolerant <https://arxiv.org/abs/1810.05291>`_, 2019.
   """
   _checks.number("scale", scale, 0.0, None, lo_open=True)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
   return _compressor.compressed(_vote_codec("signsgd", scale),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -277,7 +277,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
   if not isinstance(beta, jax.core.Tracer) and float(beta) >= 1.0:
     raise ValueError(f"beta must be in [0, 1), got {beta!r}")
   _checks.number("scale", scale, 0.0, None, lo_open=True)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
   return _compressor.compressed(_vote_codec("signum", scale, beta),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
@@ -337,7 +337,7 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     Karimireddy et al, `Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes <https://arxiv.org/abs/1901.09847>`_, 2019.
   """
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
   return _compressor.compressed(_ef_sign_codec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
@@ -601,7 +601,7 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
       "much as float32 and their sums over devices overflow), got "
       f"{levels!r}")
   _checks.integer("bucket_size", bucket_size, 1)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
 
   def stat(xb):
     return jnp.sqrt(jnp.sum(xb * xb, axis=1))
@@ -664,7 +664,7 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
   if clip_sigma is not None:
     _checks.number("clip_sigma", clip_sigma, 0.0, None,
                              lo_open=True)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
 
   prepare = None
   if clip_sigma is not None:
@@ -724,7 +724,7 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
   """
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _checks.integer("bucket_size", bucket_size, 1)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
 
   def quantize(xb, s, u):
     del u
@@ -797,7 +797,7 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
   """
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _checks.integer("bucket_size", bucket_size, 1)
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
 
   def stat(xb):
     return jnp.stack([-jnp.min(xb, axis=1), jnp.max(xb, axis=1)], axis=1)
@@ -909,7 +909,7 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     Horvath et al, `Natural Compression for Distributed Deep Learning
     <https://arxiv.org/abs/1905.10988>`_, 2019.
   """
-  _checks.boolean("error_feedback", error_feedback)
+  _checks.error_feedback(error_feedback)
   return _compressor.compressed(_natural_codec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)

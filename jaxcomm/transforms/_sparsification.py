@@ -773,13 +773,12 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
       f"{warmup_densities!r}") from None
   if not isinstance(exact, bool):
     raise ValueError(f"exact must be a bool, got {exact!r}")
-  if not isinstance(error_feedback, bool):
+  _checks.error_feedback(error_feedback)
+  if error_feedback is not True and momentum is not None:
     raise ValueError(
-      f"error_feedback must be a bool, got {error_feedback!r}")
-  if not error_feedback and momentum is not None:
-    raise ValueError(
-      "error_feedback=False needs momentum=None: DGC's momentum correction "
-      f"accumulates the velocity in the residual (got momentum={momentum!r})")
+      f"error_feedback={error_feedback!r} needs momentum=None: DGC's "
+      "momentum correction accumulates the velocity in the classic residual "
+      f"(got momentum={momentum!r})")
   densities = (dgc_densities(ratio, warm) if warmup_steps_per_stage
                else (ratio,))
   codec = _dgc_codec(ratio, densities, max(warmup_steps_per_stage, 1),

@@ -1,0 +1,509 @@
+"""Communication-efficient optimizers: 1-bit Adam and 1-bit LAMB.
+
+Each is a whole Optax optimizer (not a compressor to chain before one):
+Adam's (or LAMB's) moments and the exchange are one algorithm. Both run in
+two phases on one step counter:
+
+* **warm-up** (``count < freeze_step``): the exact mean gradient
+  ``gbar`` (one fused dense psum) drives plain Adam / LAMB moments
+  ``m = b1 m + (1 - b1) gbar``, ``v = b2 v + (1 - b2) gbar^2``;
+* **compressed** (from ``freeze_step``): the variance is frozen; each
+  device forms its local momentum ``m_i = b1 m + (1 - b1) g_i`` and the
+  devices agree on ``m = mean_i m_i`` through :func:`jaxcomm.onebit`'s
+  exchange (1 bit per element each way, worker error and chunk owners'
+  server error kept in the state).
+
+The exchange is one :func:`jaxcomm.compressed` transform with the onebit
+codec and ``start_step=freeze_step``: its dense branch gives the warm-up's
+exact mean (residuals untouched), its codec branch the compressed momentum,
+so the error feedback, the leaf policy (small leaves in the fused dense
+psum), the non-finite agreement, the wire accounting and
+``parallel.resize_state`` are the ones every compressor uses. The
+optimizer's own state (``mu``, ``nu``) is replicated: every device holds
+the same averaged momentum.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomm import _buckets
+from jaxcomm import _checks
+from jaxcomm import _compressor
+from jaxcomm import _policy
+from jaxcomm.kernels import topk as _topk
+from jaxcomm.transforms import _quantization
+
+
+class OneBitAdamState(NamedTuple):
+  """State of :func:`onebit_adam`.
+
+  The moments are flat float32 buffers over the floating leaves (in
+  ``jax.tree.leaves`` order), so the optimizer's arithmetic is a few ops
+  on one buffer whatever the number of leaves.
+
+  Attributes:
+    mu: the momentum, identical on every device (``float32[F]``).
+    nu: the variance, frozen from ``freeze_step`` (``float32[F]``).
+    nu_count: how many times ``nu`` was updated (its bias correction).
+    exchange: the 1-bit exchange's :class:`jaxcomm.CompressState` (step
+      counter, per-device worker error, per-device server error).
+  """
+
+  mu: jax.Array
+  nu: jax.Array
+  nu_count: jax.Array
+  exchange: _compressor.CompressState
+
+
+class OneBitLambState(NamedTuple):
+  """State of :func:`onebit_lamb`.
+
+  Attributes:
+    mu, nu, nu_count, exchange: as :class:`OneBitAdamState`.
+    nu_fresh: the variance re-estimated after the freeze from the
+      momentum's change (``(m - b1 m_prev) / (1 - b1)``), ``float32[F]``.
+    coeff: per floating leaf (layer), the moving average of LAMB's trust
+      ratio during the warm-up; frozen with the variance.
+    factor: per floating leaf, the last scaling factor of the frozen ratio.
+  """
+
+  mu: jax.Array
+  nu: jax.Array
+  nu_count: jax.Array
+  exchange: _compressor.CompressState
+  nu_fresh: jax.Array
+  coeff: jax.Array
+  factor: jax.Array
+
+
+def _floating(x) -> bool:
+  return _policy.is_float(x)
+
+
+class _Flat(NamedTuple):
+  """The floating leaves of a tree as one float32 buffer (static layout)."""
+
+  index: tuple      # positions of the floating leaves in tree order
+  shapes: tuple
+  bounds: tuple     # 0 = b_0 <= ... <= b_L = F
+
+  @classmethod
+  def of(cls, tree) -> "_Flat":
+    leaves = jax.tree.leaves(tree)
+    index = tuple(i for i, x in enumerate(leaves) if _floating(x))
+    shapes = tuple(tuple(leaves[i].shape) for i in index)
+    bounds = tuple(np.cumsum([0] + [int(np.prod(s)) for s in shapes]))
+    return cls(index, shapes, tuple(int(b) for b in bounds))
+
+  @property
+  def size(self) -> int:
+    return self.bounds[-1]
+
+  def flatten(self, tree) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return _buckets.flatten([leaves[i] for i in self.index])
+
+  def unflatten(self, flat, like):
+    """``flat`` back into ``like``'s tree (non-floating leaves of ``like``
+    kept), each leaf in ``like``'s dtype."""
+    leaves, treedef = jax.tree.flatten(like)
+    out = list(leaves)
+    for i, x in zip(self.index, _buckets.unflatten(flat, self.shapes)):
+      out[i] = x.astype(leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out)
+
+  def segments(self) -> jax.Array:
+    """The leaf of each position (built once, see ``topk.segment_ids``)."""
+    if not self.index:
+      return jnp.zeros((0,), jnp.int32)
+    return _topk.segment_ids(self.bounds)
+
+  def leaf_sum(self, x, ids) -> jax.Array:
+    return jax.ops.segment_sum(x, ids, num_segments=len(self.index),
+                               indices_are_sorted=True)
+
+  def leaf_max(self, x, ids) -> jax.Array:
+    return jax.ops.segment_max(x, ids, num_segments=len(self.index),
+                               indices_are_sorted=True)
+
+
+def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
+                  freeze_step, bias_correction):
+  if not callable(learning_rate):
+    _checks.number("learning_rate", learning_rate, 0.0, None)
+  for arg, value in (("b1", b1), ("b2", b2)):
+    _checks.number(arg, value, 0.0, 1.0)
+    if not isinstance(value, jax.core.Tracer) and float(value) >= 1.0:
+      raise ValueError(f"{name}: {arg} must be in [0, 1), got {value!r}")
+  _checks.number("eps", eps, 0.0, None, lo_open=True)
+  _checks.number("weight_decay", weight_decay, 0.0, None)
+  if isinstance(freeze_step, jax.core.Tracer):
+    raise ValueError(
+      f"{name}: freeze_step decides which exchange the step compiles and "
+      "must be static: list it in optax.inject_hyperparams(static_args=...)")
+  freeze_step = _checks.integer("freeze_step", freeze_step, 0)
+  _checks.boolean("bias_correction", bias_correction)
+  return freeze_step
+
+
+def _check_params(name, updates, params, weight_decay, state):
+  """Gradients must fit the params (when given) and the state's moments:
+  otherwise they would broadcast into the momentum."""
+  if params is not None:
+    _compressor._check_like_params(updates, params, name)
+  for path, x in jax.tree_util.tree_leaves_with_path(updates):
+    if _policy.is_complex(x):
+      raise ValueError(
+        f"{name}: gradient leaf {jax.tree_util.keystr(path)} is complex; "
+        "complex parameters are not supported")
+  # The params decide which leaves are floating (as at init): a clipping
+  # transform before this one may have made an int leaf's update float.
+  flat = _Flat.of(params if params is not None else updates)
+  if (flat.size,) != tuple(jnp.shape(state.mu)):
+    raise ValueError(
+      f"{name}: the gradients do not match the state: their floating "
+      f"leaves hold {flat.size} elements, the state's momentum "
+      f"{tuple(jnp.shape(state.mu))} (gradients of other params than "
+      "init's?)")
+  if params is None and not (isinstance(weight_decay, (int, float))
+                             and weight_decay == 0):
+    raise ValueError(f"{name}: weight_decay needs params: call "
+                     "tx.update(grads, state, params)")
+  return flat
+
+
+class _Phase(NamedTuple):
+  """One step of the shared two-phase momentum exchange (flat buffers)."""
+
+  count: jax.Array      # the step counter before this step
+  warm: jax.Array       # bool: still in the warm-up
+  gbar: jax.Array       # the exact mean gradient (meaningful when warm)
+  mu: jax.Array         # the new momentum, identical on every device
+  bad: jax.Array        # some device saw a non-finite value: skip
+  exchange: _compressor.CompressState
+
+
+def _momentum_exchange(ex, flat, freeze_step, b1, updates, state, params):
+  """Warm-up: the exact mean ``gbar`` and ``m = b1 m + (1 - b1) gbar``;
+  then: ``m = mean_i (b1 m + (1 - b1) g_i)`` by the 1-bit exchange.
+
+  The exchange's input is chosen per phase by a select (``g_i`` or the
+  local momentum), so one ``compressed`` transform with
+  ``start_step=freeze_step`` does both: its dense branch averages
+  exactly, its codec branch compresses with error feedback.
+  """
+  count = state.exchange.count
+  warm = (count < freeze_step) if freeze_step > 0 else jnp.zeros([], bool)
+  g = flat.flatten(updates)
+  x_in = jnp.where(warm, g, b1 * state.mu + (1.0 - b1) * g)
+  as_f32 = jax.tree.map(
+    lambda u: u.astype(jnp.float32) if _floating(u) else u, updates)
+  r, ex_state = ex.update(flat.unflatten(x_in, as_f32), state.exchange,
+                          params)
+  r = flat.flatten(r)
+  mu = jnp.where(warm, b1 * state.mu + (1.0 - b1) * r, r)
+  bad = ~jnp.all(jnp.isfinite(r))
+  return _Phase(count=count, warm=warm, gbar=r, mu=mu, bad=bad,
+                exchange=ex_state)
+
+
+def _variance(b2, ph, nu):
+  return jnp.where(ph.warm, b2 * nu + (1.0 - b2) * jnp.square(ph.gbar), nu)
+
+
+def _corrections(count, nu_count, b1, b2, bias_correction):
+  """Adam's bias corrections of ``m`` and ``v`` (``v``'s counts its own
+  updates: it stops at the freeze)."""
+  if not bias_correction:
+    return jnp.float32(1.0), jnp.float32(1.0)
+  c1 = 1.0 - b1 ** (count + 1).astype(jnp.float32)
+  c2 = jnp.where(nu_count > 0, 1.0 - b2 ** nu_count.astype(jnp.float32),
+                 1.0)
+  return c1, c2
+
+
+def _learning_rate(learning_rate, count):
+  lr = learning_rate(count) if callable(learning_rate) else learning_rate
+  return jnp.asarray(lr, jnp.float32)
+
+
+def _output(flat, step, updates, bad):
+  """The update in the gradients' dtypes; non-floating leaves pass through;
+  a skipped step is NaN everywhere (``optax.apply_if_finite`` after it
+  skips on every device alike)."""
+  step = jnp.where(bad, jnp.float32(jnp.nan), step)
+  return flat.unflatten(step, updates)
+
+
+def _keep(bad, new, old):
+  return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)
+
+
+def _exchange(axis_name, policy, freeze_step, seed):
+  """The 1-bit momentum exchange, dense (exact) before ``freeze_step``."""
+  return _quantization.onebit(axis_name=axis_name, policy=policy,
+                              start_step=freeze_step, seed=seed)
+
+
+def onebit_adam(
+  learning_rate: float | Callable[[jax.Array], jax.Array],
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  *,
+  freeze_step: int,
+  bias_correction: bool = True,
+  axis_name="data",
+  policy=None,
+  seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """1-bit Adam (Tang et al. 2021): Adam whose momentum travels as signs.
+
+  Warm-up (``count < freeze_step``): Adam on the exact mean gradient
+  (one fused dense psum). From ``freeze_step`` the variance is frozen and
+  the devices exchange the momentum instead of the gradient, compressed
+  to 1 bit per element with worker and server error compensation:
+
+  .. math::
+    m_i = \\beta_1 m + (1 - \\beta_1) g_i, \\quad
+    m = \\operatorname{onebit}(m_i), \\quad
+    x \\leftarrow x - \\eta_t \\Big(\\frac{\\hat m}{\\sqrt{\\hat v_T} + \\epsilon}
+      + \\lambda x\\Big)
+
+  (``onebit``: :func:`jaxcomm.onebit`'s two-phase exchange, about 2 bits
+  sent per element per device whatever the device count; ``v_T`` the
+  variance at the freeze). Weight decay is decoupled (AdamW, as
+  DeepSpeed's ``OnebitAdam``). With ``bias_correction`` the moments are
+  corrected as ``optax.adam`` does (the variance by the number of its
+  updates), so the warm-up equals ``optax.adam`` on the mean gradient.
+
+  With a static ``freeze_step=0`` the compiled step holds only the
+  compressed exchange (no dense warm-up collective). The variance then
+  comes from the state: restore the state of a warm-up run (same
+  structure) and continue it with ``freeze_step=0``, which drops the
+  warm-up's psum from the program. Every error buffer is per-device
+  state: orbax saves all of them and ``parallel.resize_state`` moves them
+  to another device count without losing error mass.
+
+  Args:
+    learning_rate: a number or an optax schedule of the step.
+    b1, b2: Adam's moment decays, in ``[0, 1)``.
+    eps: added to ``sqrt(v_hat)``.
+    weight_decay: decoupled weight decay (needs ``params`` in ``update``).
+    freeze_step: warm-up steps (static): the variance freezes and the
+      1-bit exchange starts at this step. DeepSpeed suggests about 15-25%
+      of training.
+    bias_correction: correct the moments' initial bias as Adam does.
+    axis_name: the data axis (a name, a tuple of names, or None).
+    policy: a :class:`jaxcomm.LeafPolicy`: small leaves travel in the
+      fused dense psum, exactly.
+    seed: the exchange's PRNG seed (unused by its deterministic codec;
+      kept for a uniform state).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`OneBitAdamState`.
+
+  Example::
+
+    tx = jaxcomm.onebit_adam(1e-3, freeze_step=1000)
+
+  References:
+    Tang et al, `1-bit Adam: Communication Efficient Large-Scale Training
+    with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_,
+    2021.
+  """
+  name = "onebit_adam"
+  freeze_step = _check_common(name, learning_rate, b1, b2, eps, weight_decay,
+                              freeze_step, bias_correction)
+  ex = _exchange(axis_name, policy, freeze_step, seed)
+
+  def init_fn(params):
+    zeros = jnp.zeros((_Flat.of(params).size,), jnp.float32)
+    return OneBitAdamState(mu=zeros, nu=zeros,
+                           nu_count=jnp.zeros([], jnp.int32),
+                           exchange=ex.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if not isinstance(state, OneBitAdamState):
+      raise ValueError(f"{name}: state must be the OneBitAdamState this "
+                       f"optimizer's init returned, got "
+                       f"{type(state).__name__}")
+    flat = _check_params(name, updates, params, weight_decay, state)
+    ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
+                            params)
+    nu = _variance(b2, ph, state.nu)
+    bad = ph.bad | (ph.warm & ~jnp.all(jnp.isfinite(nu)))
+    nu_count = state.nu_count + ph.warm.astype(jnp.int32)
+    c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
+    u = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)
+    if params is not None:
+      u = u + weight_decay * flat.flatten(params)
+    step = -_learning_rate(learning_rate, ph.count) * u
+    new = OneBitAdamState(
+      mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
+      nu_count=jnp.where(bad, state.nu_count, nu_count),
+      exchange=ph.exchange)
+    return _output(flat, step, updates, bad), new
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, _compressor.spec_of(ex)), update_fn)
+
+
+def onebit_lamb(
+  learning_rate: float | Callable[[jax.Array], jax.Array],
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-6,
+  weight_decay: float = 0.0,
+  *,
+  freeze_step: int,
+  bias_correction: bool = True,
+  max_coeff: float = 10.0,
+  min_coeff: float = 0.01,
+  coeff_beta: float = 0.9,
+  factor_max: float = 4.0,
+  factor_min: float = 0.5,
+  factor_threshold: float = 0.1,
+  axis_name="data",
+  policy=None,
+  seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """1-bit LAMB (Li et al. 2021): LAMB whose momentum travels as signs.
+
+  Warm-up (``count < freeze_step``): LAMB on the exact mean gradient: per
+  leaf (layer) the Adam direction ``u = m_hat / (sqrt(v_hat) + eps) +
+  lambda x`` is scaled by the trust ratio ``c = clip(||x|| / ||u||,
+  min_coeff, max_coeff)`` (1 where a norm is 0), and a moving average
+  ``c_bar = coeff_beta c_bar + (1 - coeff_beta) c`` is kept. From
+  ``freeze_step`` the variance and ``c_bar`` are frozen and the momentum
+  is exchanged by the 1-bit exchange as in :func:`onebit_adam`. Because
+  the frozen variance goes stale, the paper rescales the frozen ratio per
+  layer by how much the variance has since changed: a fresh variance is
+  re-estimated from the momentum's change, ``g~ = (m - b1 m_prev) / (1 -
+  b1)``, ``v~ = b2 v~ + (1 - b2) g~^2`` (starting from ``v`` at the
+  freeze), and
+
+  .. math::
+    f = \\max_j \\frac{\\sqrt{\\hat v_j} + \\epsilon}{\\sqrt{\\tilde v_j}
+      + \\epsilon}
+
+  (with weight decay blended by ``r = min(1, ||u - lambda x|| / ||u||)``:
+  ``f r + 1 - r``), clipped to ``[factor_min, factor_max]`` and to within
+  ``factor_threshold`` of the previous step's ``f``; the step is
+  ``-lr c_bar f u``.
+
+  Args:
+    learning_rate: a number or an optax schedule of the step.
+    b1, b2, eps, weight_decay, freeze_step, bias_correction: as
+      :func:`onebit_adam` (``eps`` 1e-6 as ``optax.lamb``).
+    max_coeff, min_coeff: bounds of the trust ratio.
+    coeff_beta: decay of the trust ratio's moving average.
+    factor_max, factor_min: bounds of the frozen ratio's rescaling.
+    factor_threshold: largest relative change of the rescaling per step.
+    axis_name, policy, seed: as :func:`onebit_adam`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`OneBitLambState`.
+
+  Example::
+
+    tx = jaxcomm.onebit_lamb(1e-3, freeze_step=1000, weight_decay=0.01)
+
+  References:
+    Li et al, `1-bit LAMB: Communication Efficient Large-Scale
+    Large-Batch Training with LAMB's Convergence Speed
+    <https://arxiv.org/abs/2104.06069>`_, 2021.
+    You et al, `Large Batch Optimization for Deep Learning: Training BERT
+    in 76 minutes <https://arxiv.org/abs/1904.00962>`_, 2020.
+  """
+  name = "onebit_lamb"
+  freeze_step = _check_common(name, learning_rate, b1, b2, eps, weight_decay,
+                              freeze_step, bias_correction)
+  _checks.number("min_coeff", min_coeff, 0.0, None, lo_open=True)
+  _checks.number("max_coeff", max_coeff, 0.0, None, lo_open=True)
+  _checks.number("coeff_beta", coeff_beta, 0.0, 1.0)
+  _checks.number("factor_min", factor_min, 0.0, None, lo_open=True)
+  _checks.number("factor_max", factor_max, 0.0, None, lo_open=True)
+  _checks.number("factor_threshold", factor_threshold, 0.0, None)
+  for lo, hi in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+    a, b = locals()[lo], locals()[hi]
+    if not any(isinstance(v, jax.core.Tracer) for v in (a, b)) and a > b:
+      raise ValueError(f"{name}: {lo} ({a}) must be <= {hi} ({b})")
+  ex = _exchange(axis_name, policy, freeze_step, seed)
+
+  def init_fn(params):
+    flat = _Flat.of(params)
+    zeros = jnp.zeros((flat.size,), jnp.float32)
+    ones = jnp.ones((len(flat.index),), jnp.float32)
+    return OneBitLambState(
+      mu=zeros, nu=zeros, nu_count=jnp.zeros([], jnp.int32),
+      exchange=ex.init(params), nu_fresh=zeros, coeff=ones, factor=ones)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if not isinstance(state, OneBitLambState):
+      raise ValueError(f"{name}: state must be the OneBitLambState this "
+                       f"optimizer's init returned, got "
+                       f"{type(state).__name__}")
+    flat = _check_params(name, updates, params, weight_decay, state)
+    if params is None:
+      raise ValueError(f"{name}: LAMB's trust ratio needs params: call "
+                       "tx.update(grads, state, params)")
+    ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
+                            params)
+    warm = ph.warm
+    nu = _variance(b2, ph, state.nu)
+    bad = ph.bad | (warm & ~jnp.all(jnp.isfinite(nu)))
+    nu_count = state.nu_count + warm.astype(jnp.int32)
+    c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
+    p = flat.flatten(params)
+    d = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)       # Adam's direction
+    u = d + weight_decay * p
+    # Per-leaf (layer) norms and maxima: segment reductions of the buffer.
+    ids = flat.segments()
+    leaf_norm = lambda x: jnp.sqrt(flat.leaf_sum(jnp.square(x), ids))
+    pn, un, dn = leaf_norm(p), leaf_norm(u), leaf_norm(d)
+    # Warm-up: LAMB's trust ratio and its moving average.
+    ratio = jnp.where((pn > 0) & (un > 0), pn / jnp.where(un > 0, un, 1.0),
+                      1.0)
+    ratio = jnp.clip(ratio, min_coeff, max_coeff)
+    coeff_warm = coeff_beta * state.coeff + (1.0 - coeff_beta) * ratio
+    # Compressed: the fresh variance from the momentum's change, and the
+    # frozen ratio's rescaling by how far the frozen variance has drifted.
+    g_rec = (ph.mu - b1 * state.mu) / (1.0 - b1)
+    fresh = b2 * state.nu_fresh + (1.0 - b2) * jnp.square(g_rec)
+    fresh = jnp.where(jnp.isfinite(fresh), fresh, state.nu_fresh)
+    drift = (jnp.sqrt(nu / c2) + eps) / (jnp.sqrt(fresh / c2) + eps)
+    fac = flat.leaf_max(drift, ids)
+    blend = jnp.where(un > 0, jnp.minimum(1.0, dn / jnp.where(
+      un > 0, un, 1.0)), 1.0)
+    fac = fac * blend + (1.0 - blend)
+    fac = jnp.clip(fac, factor_min, factor_max)
+    fac = jnp.clip(fac, state.factor * (1.0 - factor_threshold),
+                   state.factor * (1.0 + factor_threshold))
+    scale = jnp.where(warm, ratio, state.coeff * fac)
+    step = -_learning_rate(learning_rate, ph.count) * scale[ids] * u
+    new = OneBitLambState(
+      mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
+      nu_count=jnp.where(bad, state.nu_count, nu_count),
+      exchange=ph.exchange,
+      # While warm the fresh variance follows v, so it starts from v_T.
+      nu_fresh=_keep(bad, jnp.where(warm, nu, fresh), state.nu_fresh),
+      coeff=_keep(bad, jnp.where(warm, coeff_warm, state.coeff),
+                  state.coeff),
+      factor=_keep(bad, jnp.where(warm, state.factor, fac), state.factor))
+    return _output(flat, step, updates, bad), new
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, _compressor.spec_of(ex)), update_fn)
