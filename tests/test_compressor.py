@@ -233,6 +233,8 @@ _REQUIRED = {
   "qsgd": {}, "terngrad": {}, "natural": {}, "int8": {}, "uint8": {},
   "onebit": {}, "signsgd": {}, "signum": {}, "ef_signsgd": {},
   "csc": {"chunk_size": 16, "ratio": 0.25},
+  "onebit_adam": {"learning_rate": 0.1, "freeze_step": 1},
+  "onebit_lamb": {"learning_rate": 0.1, "freeze_step": 1},
 }
 
 
