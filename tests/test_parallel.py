@@ -181,6 +181,30 @@ def test_resize_state_conserves_residual_mass(mesh):
       parallel.resize_state(host, dp.layout, bad)
 
 
+def test_resize_state_keeps_ef21_aggregate_the_mean_of_estimates(mesh):
+  """EF21's per-device estimates are not delayed mass: resizing averages
+  merged devices and copies to new ones, so ``h = mean_i h_i`` still
+  holds (summing them, as residuals are, would break it)."""
+  tx = optax.chain(jaxcomm.topk(0.1, error_feedback="ef21",
+                                policy=jaxcomm.LeafPolicy(min_size=16)),
+                   optax.sgd(0.1))
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  params, state = dp.init(_params())
+  for t in range(2):
+    params, state, _ = dp.step(params, state, _batch(t))
+  host = jax.device_get(state)
+  agg = host[0].estimate_mean[0]
+  np.testing.assert_allclose(host[0].estimate[0].mean(axis=0), agg,
+                             rtol=1e-5, atol=1e-6)
+  assert np.abs(agg).max() > 0
+  for n in (4, 16):
+    resized = parallel.resize_state(host, dp.layout, n)
+    assert resized[0].estimate[0].shape == (n, 64)
+    np.testing.assert_array_equal(resized[0].estimate_mean[0], agg)
+    np.testing.assert_allclose(resized[0].estimate[0].mean(axis=0), agg,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="model"):
     parallel.make_mesh(model=0)

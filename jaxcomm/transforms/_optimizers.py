@@ -246,10 +246,10 @@ def _keep(bad, new, old):
   return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)
 
 
-def _exchange(axis_name, policy, freeze_step, seed):
+def _exchange(axis_name, policy, freeze_step):
   """The 1-bit momentum exchange, dense (exact) before ``freeze_step``."""
   return _quantization.onebit(axis_name=axis_name, policy=policy,
-                              start_step=freeze_step, seed=seed)
+                              start_step=freeze_step)
 
 
 def onebit_adam(
@@ -263,7 +263,6 @@ def onebit_adam(
   bias_correction: bool = True,
   axis_name="data",
   policy=None,
-  seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam (Tang et al. 2021): Adam whose momentum travels as signs.
 
@@ -305,8 +304,6 @@ def onebit_adam(
     axis_name: the data axis (a name, a tuple of names, or None).
     policy: a :class:`jaxcomm.LeafPolicy`: small leaves travel in the
       fused dense psum, exactly.
-    seed: the exchange's PRNG seed (unused by its deterministic codec;
-      kept for a uniform state).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -324,7 +321,7 @@ def onebit_adam(
   name = "onebit_adam"
   freeze_step = _check_common(name, learning_rate, b1, b2, eps, weight_decay,
                               freeze_step, bias_correction)
-  ex = _exchange(axis_name, policy, freeze_step, seed)
+  ex = _exchange(axis_name, policy, freeze_step)
 
   def init_fn(params):
     zeros = jnp.zeros((_Flat.of(params).size,), jnp.float32)
@@ -376,7 +373,6 @@ def onebit_lamb(
   factor_threshold: float = 0.1,
   axis_name="data",
   policy=None,
-  seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """1-bit LAMB (Li et al. 2021): LAMB whose momentum travels as signs.
 
@@ -410,7 +406,7 @@ def onebit_lamb(
     coeff_beta: decay of the trust ratio's moving average.
     factor_max, factor_min: bounds of the frozen ratio's rescaling.
     factor_threshold: largest relative change of the rescaling per step.
-    axis_name, policy, seed: as :func:`onebit_adam`.
+    axis_name, policy: as :func:`onebit_adam`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -436,11 +432,11 @@ def onebit_lamb(
   _checks.number("factor_min", factor_min, 0.0, None, lo_open=True)
   _checks.number("factor_max", factor_max, 0.0, None, lo_open=True)
   _checks.number("factor_threshold", factor_threshold, 0.0, None)
-  for lo, hi in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
-    a, b = locals()[lo], locals()[hi]
+  for lo, a, hi, b in (("min_coeff", min_coeff, "max_coeff", max_coeff),
+                       ("factor_min", factor_min, "factor_max", factor_max)):
     if not any(isinstance(v, jax.core.Tracer) for v in (a, b)) and a > b:
       raise ValueError(f"{name}: {lo} ({a}) must be <= {hi} ({b})")
-  ex = _exchange(axis_name, policy, freeze_step, seed)
+  ex = _exchange(axis_name, policy, freeze_step)
 
   def init_fn(params):
     flat = _Flat.of(params)
