@@ -94,6 +94,10 @@ METHODS = [
   # LAMB.
   _m("LAMB (dense)", "dense", "", LAMB, "LAMB"),
   _m("1-bit LAMB", "dense", "", ("onebit_lamb", FREEZE, 3e-2), "LAMB"),
+  # 3e-2, the best at 400 steps, was unstable for dense LAMB over 1600.
+  _m("LAMB 1e-2 (dense)", "dense", "", ("lamb", "", 1e-2), "LAMB 1e-2"),
+  _m("1-bit LAMB 1e-2", "dense", "", ("onebit_lamb", FREEZE, 1e-2),
+     "LAMB 1e-2"),
   # Momentum SGD: the sparsifiers', PowerSGD's and signSGD's papers.
   _m("momentum SGD (dense)", "dense", "", MSGD, "momentum SGD"),
   _m("top-k 0.01 + EF", "topk", "ratio=0.01", MSGD, "momentum SGD"),
@@ -102,6 +106,17 @@ METHODS = [
   _m("top-k 0.001 + EF", "topk", "ratio=0.001", MSGD, "momentum SGD"),
   _m("top-k 0.001 + EF21", "topk", "ratio=0.001,error_feedback=ef21", MSGD,
      "momentum SGD"),
+  # EF21's step-size bound shrinks with the compression ratio: the same
+  # rows at lower rates.
+  _m("top-k 0.01 + EF21, lr 1", "topk", "ratio=0.01,error_feedback=ef21",
+     ("momentum", "", 1.0), "momentum SGD"),
+  _m("top-k 0.001 + EF21, lr 1", "topk", "ratio=0.001,error_feedback=ef21",
+     ("momentum", "", 1.0), "momentum SGD"),
+  _m("top-k 0.001 + EF21, lr 0.3", "topk",
+     "ratio=0.001,error_feedback=ef21", ("momentum", "", 0.3),
+     "momentum SGD"),
+  _m("top-k 0.001 + EF, lr 0.3", "topk", "ratio=0.001",
+     ("momentum", "", 0.3), "momentum SGD"),
   _m("top-k 0.001, no EF", "topk", "ratio=0.001,error_feedback=False", MSGD,
      "momentum SGD"),
   _m("DGC 0.001 -> SGD", "dgc", "ratio=0.001", SGD, "momentum SGD"),

@@ -195,3 +195,49 @@ def test_errors_name_the_argument():
   c = {"z": jnp.zeros((4,), jnp.complex64)}
   with pytest.raises(ValueError, match=r"\['z'\] is complex"):
     tx.update(c, tx.init(c), c)
+
+
+def test_params_sharded_over_a_model_axis_compress_over_data_only():
+  """On a (data=4, model=2) mesh with ``w`` and ``b`` split over ``model``,
+  1-bit Adam with ``axis_name="data"`` runs inside ``shard_map``
+  (``check_vma`` on) and each model shard gets exactly what a 4-device
+  data-parallel run on that shard alone gets; every collective in the
+  compiled step spans the 4 data devices, none crosses the model axis."""
+  from jax.sharding import PartitionSpec as P
+  mesh2 = jax.make_mesh((4, 2), ("data", "model"),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  r = np.random.RandomState(3)
+  params = {"b": jnp.asarray(r.randn(48) * 0.1, jnp.float32),
+            "w": jnp.asarray(r.randn(64, 48) * 0.1, jnp.float32)}
+  grads = [{"b": r.randn(4, 48).astype(np.float32),
+            "w": r.randn(4, 64, 48).astype(np.float32)} for _ in range(3)]
+  pspec = {"b": P("model"), "w": P(None, "model")}
+  gspec = {"b": P("data", "model"), "w": P("data", None, "model")}
+  make = lambda: jaxcomm.onebit_adam(0.01, freeze_step=1, axis_name="data")
+
+  def run(params, gs):
+    tx = make()
+    state = tx.init(params)
+    out = []
+    for g in gs:
+      g = jax.tree.map(lambda x: x[0], g)
+      upd, state = tx.update(g, state, params)
+      out.append(upd)
+    return out
+
+  fn = jax.jit(jax.shard_map(run, mesh=mesh2, in_specs=(pspec, [gspec] * 3),
+                             out_specs=[pspec] * 3))
+  got = jax.device_get(fn(params, grads))
+  groups = {c.group for c in jaxcomm.wire.collectives(
+    fn.lower(params, grads).compile())}
+  assert groups == {4}, groups
+  half = 24
+  for m in range(2):
+    cut = lambda x, m=m: x[..., m * half:(m + 1) * half]
+    want, _, _ = harness.device_run(
+      make(), _submesh(4), [jax.tree.map(cut, g) for g in grads],
+      params=jax.tree.map(cut, params))
+    for t in range(3):
+      for k in ("b", "w"):
+        np.testing.assert_allclose(cut(got[t][k]), want[t][k], rtol=1e-6,
+                                   atol=1e-8, err_msg=f"shard {m} {k} {t}")
