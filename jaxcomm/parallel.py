@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import _checks
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _signs
+from jaxcomm.transforms import _local
 
 # ----------------------------------------------------------------- meshes --
 
@@ -132,8 +133,17 @@ def _abstract(tree):
     lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
 
 
+def local_params(tx: optax.GradientTransformation, params) -> bool:
+  """Whether ``tx`` lets params differ between devices (a local-update
+  optimizer: :func:`jaxcomm.local_sgd`, :func:`jaxcomm.diloco`, ...), so
+  that :class:`DataParallel` keeps them per device."""
+  from jaxcomm.transforms import _local  # pylint: disable=import-outside-toplevel
+  return bool(_local.local_states(jax.eval_shape(tx.init,
+                                                 _abstract(params))))
+
+
 def state_layout(tx: optax.GradientTransformation, params, mesh,
-                 axis_name: str = "data"):
+                 axis_name: str = "data", *, per_device_params=None):
   """Which leaves of ``tx``'s state are per device (a pytree of bools).
 
   Found by tracing ``tx.update`` in shard_map (no computation runs): a leaf
@@ -147,8 +157,13 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     params: the parameters (arrays or ShapeDtypeStructs).
     mesh: the mesh; ``axis_name`` must be one of its axes.
     axis_name: the data axis.
+    per_device_params: whether params differ per device (default:
+      :func:`local_params`); then the probe's params vary over the axis and
+      it passes the loss as ``value``.
   """
   n = _data_size(mesh, axis_name)
+  if per_device_params is None:
+    per_device_params = local_params(tx, params)
   rep = NamedSharding(mesh, P())
   dev = NamedSharding(mesh, P(axis_name))
   params_abs = _abstract(params)
@@ -168,7 +183,11 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     def probe(params, state, grads, layout=layout, found=found):
       grads = jax.tree.map(lambda g: g[0], grads)
       state = to_local(state, layout)
-      _, new_state = tx.update(grads, state, params)
+      extra = {}
+      if per_device_params:
+        params = jax.tree.map(lambda g: g[0], params)
+        extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
+      _, new_state = tx.update(grads, state, params, **extra)
       found[:] = [axis_name in _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
       return jnp.zeros([], jnp.float32)
@@ -178,9 +197,12 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       jax.ShapeDtypeStruct((n,) + tuple(l.shape), l.dtype, sharding=dev)
       if b else jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=rep)
       for l, b in zip(leaves, per_device)])
-    fn = jax.shard_map(probe, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
+    p_spec = P(axis_name) if per_device_params else P()
+    fn = jax.shard_map(probe, mesh=mesh,
+                       in_specs=(p_spec, specs, P(axis_name)),
                        out_specs=P())
-    jax.eval_shape(fn, params_abs, stacked, grads_abs)
+    jax.eval_shape(fn, grads_abs if per_device_params else params_abs,
+                   stacked, grads_abs)
     new = [a or b for a, b in zip(per_device, found)]
     if new == per_device:
       break
@@ -265,6 +287,7 @@ class DataParallel:
     self.has_aux = has_aux
     self.donate = donate
     self.layout = None
+    self.per_device_params = False
     self._step = None
 
   @property
@@ -282,10 +305,35 @@ class DataParallel:
           "differentiates every params leaf, and only floating (or complex) "
           "leaves have gradients; keep integer state (counters, indices) "
           "out of params, e.g. in the batch or closed over by loss_fn")
-    self.layout = state_layout(self.tx, params, self.mesh, self.axis_name)
+    self.per_device_params = local_params(self.tx, params)
+    self.layout = state_layout(self.tx, params, self.mesh, self.axis_name,
+                               per_device_params=self.per_device_params)
     state = init_state(self.tx, params, self.mesh, self.axis_name,
                        self.layout)
-    return replicate(jax.device_get(params), self.mesh), state
+    host = jax.device_get(params)
+    if self.per_device_params:
+      return self.place_params(jax.tree.map(
+        lambda x: np.broadcast_to(np.asarray(x)[None],
+                                  (self.num_devices,) + np.shape(x)),
+        host)), state
+    return replicate(host, self.mesh), state
+
+  def place_params(self, host_params):
+    """Host params as this step's inputs: per device (leading axis of size
+    n over the data axis) for a local-update optimizer, else replicated."""
+    if self.per_device_params:
+      dev = NamedSharding(self.mesh, P(self.axis_name))
+      return jax.tree.map(lambda x: _global(x, dev), host_params)
+    return replicate(host_params, self.mesh)
+
+  def synchronized(self, params):
+    """The model to evaluate or export: ``params`` themselves when they are
+    replicated; with per-device params (local-update optimizers) their
+    device average, replicated (exactly the common value when every device
+    holds the same one, as right after a sync)."""
+    if not self.per_device_params:
+      return params
+    return synchronized(params, self.mesh)
 
   def shard_batch(self, batch):
     """This process's slice of a batch as global arrays (see shard_batch)."""
@@ -295,23 +343,31 @@ class DataParallel:
     axis, layout, tx = self.axis_name, self.layout, self.tx
     loss_fn, has_aux = self.loss_fn, self.has_aux
 
+    per_device = self.per_device_params
+
     def step(params, state, batch):
       local = to_local(state, layout)
+      if per_device:
+        params = jax.tree.map(lambda x: x[0], params)
       varying = _core.pvary(params, axis)
       grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
       out, grads = grad_fn(varying, batch)
       loss, aux = out if has_aux else (out, {})
-      updates, new_local = tx.update(grads, local, params)
-      new_params = optax.apply_updates(params, updates)
+      extra = {"value": loss} if per_device else {}
+      updates, new_local = tx.update(grads, local, params, **extra)
+      new_params = _local.apply_updates(params, updates, new_local)
+      if per_device:
+        new_params = jax.tree.map(lambda x: x[None], new_params)
       metrics = {"loss": jax.lax.pmean(loss, axis)}
       if has_aux:
         metrics["aux"] = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
       return new_params, to_global(new_local, layout), metrics
 
     specs = state_specs(layout, axis)
+    p_spec = P(axis) if per_device else P()
     mapped = jax.shard_map(step, mesh=self.mesh,
-                           in_specs=(P(), specs, P(axis)),
-                           out_specs=(P(), specs, P()))
+                           in_specs=(p_spec, specs, P(axis)),
+                           out_specs=(p_spec, specs, P()))
     return jax.jit(mapped, donate_argnums=(0, 1) if self.donate else ())
 
   def step(self, params, state, batch):
@@ -340,6 +396,21 @@ class DataParallel:
     return self._step.lower(params, state, batch)
 
 
+def synchronized(params, mesh):
+  """Per-device params (leading device axis) -> their device average,
+  replicated on ``mesh``; where every device holds the same value, that
+  value exactly (a mean of equal floats may round)."""
+  rep = NamedSharding(mesh, P())
+
+  def one(x):
+    first = x[0]
+    same = jnp.all(x == first[None])
+    mean = jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
+    return jnp.where(same, first, mean)
+
+  return jax.jit(lambda p: jax.tree.map(one, p), out_shardings=rep)(params)
+
+
 def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                     axis_name: str = "data", *, has_aux: bool = False):
   """The same train step through legacy ``jax.pmap``.
@@ -350,8 +421,9 @@ def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
   def step(params, state, batch):
     out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
     loss = out[0] if has_aux else out
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    extra = ({"value": loss} if _local.local_states(state) else {})
+    updates, state = tx.update(grads, state, params, **extra)
+    params = _local.apply_updates(params, updates, state)
     return params, state, {"loss": jax.lax.pmean(loss, axis_name)}
 
   mapped = jax.pmap(step, axis_name=axis_name)
@@ -471,7 +543,11 @@ def resize_state(state, layout, num_devices: int):
       out.append(_rechunk(x, new))
     elif old % new == 0:
       g = x.reshape((new, old // new) + x.shape[1:])
-      out.append(g.sum(axis=1) if add else g.mean(axis=1).astype(x.dtype))
+      if add:
+        out.append(g.sum(axis=1))
+      else:  # a group holding one value keeps it exactly
+        same = np.all(g == g[:, :1], axis=1)
+        out.append(np.where(same, g[:, 0], g.mean(axis=1)).astype(x.dtype))
     elif new % old == 0:
       rep = np.repeat(x, new // old, axis=0)
       out.append((rep / (new // old)).astype(x.dtype) if add else rep)
@@ -480,6 +556,15 @@ def resize_state(state, layout, num_devices: int):
         f"cannot resize a state from {old} to {new} devices: the sizes must "
         "divide one another")
   return jax.tree.unflatten(treedef, out)
+
+
+def resize_params(params, num_devices: int):
+  """Per-device params (host arrays, leading device axis, as a local-update
+  optimizer's :class:`DataParallel` holds them) on ``num_devices`` devices:
+  averaged over groups of old devices when shrinking, copied when growing,
+  so the device average (the synchronised model) is kept."""
+  layout = jax.tree.map(lambda _: True, params)
+  return resize_state(params, layout, num_devices)
 
 
 # ------------------------------------------------------------ multi-host --

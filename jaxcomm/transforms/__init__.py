@@ -2,6 +2,14 @@
 
 from jaxcomm.transforms._dense import cast
 from jaxcomm.transforms._dense import mean_gradients
+from jaxcomm.transforms._local import AdaCommSchedule
+from jaxcomm.transforms._local import LocalState
+from jaxcomm.transforms._local import adacomm
+from jaxcomm.transforms._local import apply_updates
+from jaxcomm.transforms._local import diloco
+from jaxcomm.transforms._local import local_sgd
+from jaxcomm.transforms._local import local_states
+from jaxcomm.transforms._local import overlap_local_sgd
 from jaxcomm.transforms._optimizers import OneBitAdamState
 from jaxcomm.transforms._optimizers import OneBitLambState
 from jaxcomm.transforms._optimizers import onebit_adam

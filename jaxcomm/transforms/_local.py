@@ -1,0 +1,720 @@
+"""Local-update training: talk less often instead of sending less.
+
+Every method here is a whole Optax optimizer around an ``inner`` one that
+each device runs on its own gradients. Between synchronisations the devices'
+params differ, so they live per device (``DataParallel`` lays them out with
+a leading axis over the data axis, as it does per-device state). At a sync
+the devices meet again:
+
+* :func:`local_sgd` (Stich 2018; post-local SGD, Lin et al. 2020): average
+  the params every ``period`` steps (every step before ``start_step``);
+* :func:`adacomm` (Wang & Joshi 2019): the same with a period that follows
+  the training loss, ``tau = ceil(sqrt(F_now / F_0) tau_0)``;
+* :func:`overlap_local_sgd` (Wang, Liang & Joshi 2020): pull each model
+  towards an anchor, ``x_i <- (1 - alpha) x_i + alpha z``, and average the
+  pulled models into the next anchor, which is first used one period later
+  (so that average can travel while the next period computes);
+* :func:`diloco` (Douillard et al. 2023; Streaming DiLoCo 2025): average the
+  pseudo-gradient ``anchor - x_i`` (optionally through any jaxcomm
+  compressor, whose error feedback spans syncs) and apply it to the anchor
+  with an ``outer`` optimizer; ``fragments`` sync parts of the model in
+  turn, ``overlap_steps`` applies a fragment's result that many steps later.
+
+One engine runs them all (:func:`_local_engine`): the local step, the
+non-finite guard, the sync schedule and a ``lax.switch`` whose branches hold
+the collectives, so a step that does not sync issues none. The state keeps
+``anchor``, the last synchronised model (replicated), and ``synced``, which
+leaves every device holds equal to ``anchor`` after this step;
+:func:`apply_updates` uses it so devices agree bit for bit after a sync.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomm import _checks
+from jaxcomm import _compressor
+from jaxcomm.collectives import _core
+
+
+class LocalState(NamedTuple):
+  """State of a local-update optimizer (:func:`local_sgd`, :func:`diloco`…).
+
+  Attributes:
+    count: steps taken (``int32``, the same on every device).
+    anchor: the last synchronised model, params-shaped, the same on every
+      device (DiLoCo's global params, Overlap Local SGD's anchor).
+    synced: params-shaped booleans: which leaves every device set to
+      ``anchor`` in this step (read by :func:`apply_updates`).
+    inner: the inner optimizer's state (per device).
+    skipped: local steps this device skipped because its gradient or its
+      updated params were not finite (``int32``, per device).
+    outer: DiLoCo: one outer-optimizer state per fragment (replicated).
+    compress: DiLoCo: one compressor state per fragment.
+    schedule: ADACOMM: an :class:`AdaCommSchedule`.
+  """
+
+  count: jax.Array
+  anchor: Any
+  synced: Any
+  inner: Any
+  skipped: jax.Array
+  outer: Any = ()
+  compress: Any = ()
+  schedule: Any = ()
+
+
+class AdaCommSchedule(NamedTuple):
+  """ADACOMM's adaptive period.
+
+  Attributes:
+    period: the current period ``tau``.
+    next_sync: the step count at which the next sync happens.
+    next_update: the step count from which the next sync recomputes tau.
+    loss0: the device-averaged loss of the first period (``F_0``); NaN
+      until the first sync.
+    loss_sum: this device's sum of finite losses since the last sync.
+    loss_steps: how many losses ``loss_sum`` holds (per device).
+  """
+
+  period: jax.Array
+  next_sync: jax.Array
+  next_update: jax.Array
+  loss0: jax.Array
+  loss_sum: jax.Array
+  loss_steps: jax.Array
+
+
+def local_states(opt_state) -> list[LocalState]:
+  """Every :class:`LocalState` in an optimizer state, in order."""
+  found = []
+
+  def visit(x):
+    if isinstance(x, LocalState):
+      found.append(x)
+    elif isinstance(x, (tuple, list)):
+      for y in x:
+        visit(y)
+    elif isinstance(x, collections.abc.Mapping):
+      for y in x.values():
+        visit(y)
+
+  visit(opt_state)
+  return found
+
+
+def apply_updates(params, updates, opt_state):
+  """``optax.apply_updates``, then every leaf a local-update optimizer
+  synchronised in this step set to its anchor exactly.
+
+  ``params + (anchor - params)`` rounds differently on devices whose params
+  differ, so after a sync they would agree only to float rounding; this
+  makes them agree bit for bit. Without a :class:`LocalState` in
+  ``opt_state`` it is ``optax.apply_updates``.
+  """
+  new = optax.apply_updates(params, updates)
+  states = local_states(opt_state)
+  if not states:
+    return new
+  if len(states) > 1:
+    raise ValueError(
+      f"opt_state holds {len(states)} local-update optimizer states; use one "
+      "local-update optimizer (local_sgd, adacomm, overlap_local_sgd, "
+      "diloco) per train step")
+  st = states[0]
+  return jax.tree.map(
+    lambda p, a, s: jnp.where(s, a.astype(p.dtype), p), new, st.anchor,
+    st.synced)
+
+
+# ------------------------------------------------------------ the engine --
+
+def _join_vma(outs: Sequence[Any]) -> Any:
+  """Per leaf, the union of the varying axes of several branches' outputs
+  (abstract values from ``jax.eval_shape``)."""
+  def union(*leaves):
+    axes = set()
+    for l in leaves:
+      mat = getattr(l, "manual_axis_type", None)
+      axes |= set(mat.varying) if mat is not None else set(
+        getattr(l, "vma", ()))
+    return frozenset(axes)
+  return jax.tree.map(union, *outs)
+
+
+def switch(index, branches: Sequence[Callable], operand):
+  """``lax.switch`` whose branches may differ in which outputs vary over
+  the data axis: every output is marked varying where any branch's is."""
+  if len(branches) == 1:
+    return branches[0](operand)
+  shapes = [jax.eval_shape(b, operand) for b in branches]
+  want = _join_vma(shapes)
+
+  def wrap(b):
+    def run(op):
+      out = b(op)
+      return jax.tree.map(
+        lambda x, axes: (jax.lax.pcast(
+          x, tuple(sorted(axes - _core.varying_axes(x))), to="varying")
+          if axes - _core.varying_axes(x) else x), out, want)
+    return run
+
+  return jax.lax.switch(index, [wrap(b) for b in branches], operand)
+
+
+def _all_finite(leaves) -> jax.Array:
+  ok = jnp.array(True)
+  for x in leaves:
+    ok = ok & jnp.all(jnp.isfinite(x))
+  return ok
+
+
+def _where(c, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
+
+
+def mean_leaves(leaves, axis_name):
+  """The device average of ``leaves`` (one fused float32 psum), each back
+  in its own dtype."""
+  n = _core.axis_size(axis_name)
+  tot = _core.fused_psum(leaves, axis_name)
+  return [(t / n).astype(l.dtype) for t, l in zip(tot, leaves)]
+
+
+def fragment_leaves(params, fragments: int) -> list[list[int]]:
+  """Leaf indices (``jax.tree.leaves`` order) of each fragment: contiguous
+  runs of leaves of about equal size (leaves in tree order follow the
+  model's layers, so a fragment is a block of layers, as Streaming DiLoCo
+  syncs blocks of layers)."""
+  sizes = [int(np.size(l)) for l in jax.tree.leaves(params)]
+  if fragments > len(sizes):
+    raise ValueError(
+      f"fragments={fragments} but params have {len(sizes)} leaves: use at "
+      f"most {len(sizes)} fragments")
+  total = sum(sizes)
+  groups, cur, acc = [], [], 0
+  for j, s in enumerate(sizes):
+    left_leaves = len(sizes) - j
+    left_groups = fragments - len(groups)
+    # Close the group once it reaches its share, keeping one leaf for each
+    # group still to fill.
+    if cur and (left_leaves < left_groups
+                or (acc >= total * (len(groups) + 1) / fragments
+                    and left_groups > 1)):
+      groups.append(cur)
+      cur = []
+    cur.append(j)
+    acc += s
+  groups.append(cur)
+  while len(groups) < fragments:  # pragma: no cover (guarded above)
+    groups.append([])
+  return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSpec:
+  """Static description of a local-update optimizer (wire accounting).
+
+  ``wire(params, n, step)`` lists the collectives step ``step`` (0-based)
+  moves; ``step=None`` every collective the compiled step holds (each
+  sync branch once), as the HLO lists them.
+  """
+
+  method: str
+  period: int
+  start_step: int = 0
+  fragments: int = 1
+  compressor: Any = None
+  extra_floats: int = 0
+  adaptive: bool = False
+
+  def offsets(self) -> list[int]:
+    return [((f + 1) * self.period) // self.fragments
+            for f in range(self.fragments)]
+
+  def syncing(self, count: int) -> list[int]:
+    """Fragments that sync at step count ``count`` (1-based)."""
+    if count <= self.start_step:
+      return list(range(self.fragments))
+    return [f for f, off in enumerate(self.offsets())
+            if count >= off and (count - off) % self.period == 0]
+
+  def _fragment_wire(self, frag_params, n: int, sync_index) -> list:
+    if self.compressor is not None:
+      spec = _compressor.spec_of(self.compressor)
+      return list(spec.wire(frag_params, n, sync_index))
+    size = sum(int(np.size(l)) for l in jax.tree.leaves(frag_params))
+    return [("all-reduce", 4 * (size + self.extra_floats))]
+
+  def wire(self, params, n: int, step: int | None = None) -> list:
+    leaves = jax.tree.leaves(params)
+    groups = fragment_leaves(params, self.fragments)
+    if step is None:
+      out = []
+      for g in groups:
+        out.extend(self._fragment_wire([leaves[j] for j in g], n, None))
+      return out
+    if self.adaptive:
+      raise ValueError(
+        "adacomm's sync steps follow the training loss: pass step=None for "
+        "the collectives of one sync")
+    count = step + 1
+    out = []
+    for f in self.syncing(count):
+      done = sum(1 for c in range(1, count) if f in self.syncing(c))
+      out.extend(self._fragment_wire([leaves[j] for j in groups[f]], n,
+                                     done))
+    return out
+
+  def bytes_per_step(self, params, n: int, steps: int) -> float:
+    """Average bytes sent per device per step over ``steps`` steps."""
+    from jaxcomm import wire as _wire  # pylint: disable=import-outside-toplevel
+    total = 0.0
+    for s in range(steps):
+      total += _wire.summarize(self.wire(params, n, s), n).total_sent
+    return total / max(steps, 1)
+
+
+def _local_engine(inner, *, method: str, axis_name, period: int,
+                  start_step: int = 0, fragments: int = 1,
+                  sync_fns=None, init_extra=None, schedule_fn=None,
+                  merge=None, spec: LocalSpec):
+  """The shared machinery; see the module docstring.
+
+  Args:
+    inner: the local optimizer.
+    sync_fns: ``sync_fns[f](x_leaves, anchor_leaves, state) -> (anchor
+      leaves, x leaves, outer, compress)`` for fragment ``f``'s leaves; the
+      branch that holds the collectives.
+    init_extra: ``(params) -> dict`` of extra state fields.
+    schedule_fn: ``(count, state, value) -> (do_sync: [F] bool, schedule,
+      extra_scalar or None)``; None: the fixed period schedule.
+    merge: ``(count, x_leaves, anchor_leaves) -> (x_leaves, synced)`` run
+      after the switch (Streaming DiLoCo's delayed merge); None: replace.
+  """
+  inner = optax.with_extra_args_support(inner)
+  offsets = spec.offsets()
+
+  def init_fn(params):
+    extra = init_extra(params) if init_extra is not None else {}
+    return LocalState(
+      count=jnp.zeros([], jnp.int32),
+      anchor=jax.tree.map(jnp.asarray, params),
+      synced=jax.tree.map(lambda _: jnp.array(False), params),
+      inner=inner.init(params),
+      skipped=jnp.zeros([], jnp.int32),
+      **extra)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"jaxcomm.{method} needs params: call "
+                       "tx.update(grads, state, params)")
+    if not isinstance(state, LocalState):
+      raise ValueError(
+        f"jaxcomm.{method}: state must be the LocalState its init returned, "
+        f"got {type(state).__name__}")
+    _core.check_axis(axis_name, f"jaxcomm.{method}")
+    treedef = jax.tree.structure(params)
+    p_leaves = jax.tree.leaves(params)
+    # The local step: each device on its own gradient, nothing sent.
+    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+    x = jax.tree.leaves(optax.apply_updates(params, u))
+    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(x)
+    x = [jnp.where(ok, a, p) for a, p in zip(x, p_leaves)]
+    inner_new = _where(ok, inner_new, state.inner)
+    skipped = state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
+    count = state.count + 1
+
+    schedule = state.schedule
+    value = extra_args.get("value")
+    if schedule_fn is None:
+      do = [(count <= start_step) | ((count >= off)
+                                     & ((count - off) % period == 0))
+            for off in offsets]
+    else:
+      do, schedule = schedule_fn(count, state, value, ok)
+    groups = fragment_leaves(params, fragments)
+    anchor = jax.tree.leaves(state.anchor)
+
+    # Which branch: fragment f syncs (the first that does; offsets are
+    # distinct modulo the period), or none (index F, no collective).
+    index = jnp.int32(fragments)
+    for f in reversed(range(fragments)):
+      index = jnp.where(do[f], f, index)
+
+    def run_fragment(f):
+      def branch(op):
+        x_l, a_l, outer, comp, sched = op
+        xs = [x_l[j] for j in groups[f]]
+        as_ = [a_l[j] for j in groups[f]]
+        new_a, new_x, outer, comp, sched = sync_fns[f](
+          xs, as_, outer, comp, sched)
+        a_l, x_l = list(a_l), list(x_l)
+        for k, j in enumerate(groups[f]):
+          a_l[j], x_l[j] = new_a[k], new_x[k]
+        return x_l, a_l, outer, comp, sched
+      return branch
+
+    def no_sync(op):
+      return op
+
+    branches = [run_fragment(f) for f in range(fragments)] + [no_sync]
+    x, anchor, outer, comp, schedule = switch(
+      index, branches, (x, anchor, state.outer, state.compress, schedule))
+
+    frag_of = {j: f for f, g in enumerate(groups) for j in g}
+    if merge is not None:
+      x, synced_l = merge(count, x, anchor, frag_of)
+    else:
+      synced_l = [do[frag_of[j]] for j in range(len(x))]
+    new_params = jax.tree.unflatten(treedef, x)
+    out = jax.tree.map(lambda n_, p: (n_ - p).astype(p.dtype), new_params,
+                       params)
+    new_state = LocalState(
+      count=count, anchor=jax.tree.unflatten(treedef, anchor),
+      synced=jax.tree.unflatten(treedef, list(synced_l)), inner=inner_new,
+      skipped=skipped, outer=outer, compress=comp, schedule=schedule)
+    return out, new_state
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, spec), update_fn)
+
+
+def _check_inner(name: str, tx) -> None:
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise ValueError(
+      f"{name} must be an optax GradientTransformation (e.g. "
+      f"optax.sgd(0.1)), got {type(tx).__name__}")
+
+
+# -------------------------------------------------------------- factories --
+
+def _average_sync(axis_name):
+  def sync(xs, anchors, outer, comp, sched):
+    new = mean_leaves(xs, axis_name)
+    return new, new, outer, comp, sched
+  return sync
+
+
+def local_sgd(inner: optax.GradientTransformation, period: int, *,
+              start_step: int = 0, axis_name="data"
+              ) -> optax.GradientTransformationExtraArgs:
+  """Local SGD: each device runs ``inner`` alone; params are averaged every
+  ``period`` steps.
+
+  .. math::
+    x_i \\leftarrow x_i + \\mathrm{inner}(g_i), \\qquad
+    x_i \\leftarrow \\frac{1}{n} \\sum_j x_j \\ \\text{every } H \\text{ steps}
+
+  (Stich 2018; Lin et al. 2020.) With ``start_step > 0`` it is post-local
+  SGD: synchronous (params averaged every step) up to step ``start_step``,
+  local after. Each device keeps its own ``inner`` state (its own momentum,
+  as in the papers). A sync is one fused all-reduce of the params (float32,
+  ``4 P`` bytes); steps between syncs issue no collective. With
+  ``period=1`` and a linear ``inner`` (SGD, momentum SGD) it follows
+  synchronous data-parallel training to float rounding.
+
+  Use it as the whole optimizer of a :class:`jaxcomm.parallel.DataParallel`
+  step (params are then laid out per device), or in a hand-written
+  ``shard_map`` step with params per device and
+  :func:`jaxcomm.apply_updates`.
+
+  Args:
+    inner: the optimizer each device runs on its local gradient.
+    period: steps between syncs (``H``), an int >= 1.
+    start_step: steps of synchronous training first (post-local SGD).
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Example::
+
+    tx = jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), period=8)
+  """
+  _check_inner("inner", inner)
+  period = _checks.integer("period", period, 1)
+  start_step = _checks.integer("start_step", start_step, 0)
+  _compressor._check_axis_name(axis_name)
+  spec = LocalSpec("local_sgd", period, start_step=start_step)
+  return _local_engine(inner, method="local_sgd", axis_name=axis_name,
+                       period=period, start_step=start_step,
+                       sync_fns=[_average_sync(axis_name)], spec=spec)
+
+
+def adacomm(inner: optax.GradientTransformation, period: int, *,
+            interval: int | None = None, max_period: int | None = None,
+            learning_rate: Callable | None = None, axis_name="data"
+            ) -> optax.GradientTransformationExtraArgs:
+  """ADACOMM: local SGD whose period follows the training loss.
+
+  .. math::
+    \\tau_l = \\left\\lceil \\sqrt{\\frac{F(x_{l})}{F(x_0)}
+    \\frac{\\eta_0}{\\eta_l}}\\; \\tau_0 \\right\\rceil
+
+  (Wang & Joshi 2019, eq. 17/18.) The period starts at ``tau_0 = period``
+  and is recomputed at the first sync after every ``interval`` steps (the
+  paper's wall-clock interval ``T0``, in steps), from ``F(x_l)``, the
+  device-averaged training loss since the last sync, and ``F(x_0)``, that of
+  the first period. With ``learning_rate`` (a schedule) the ratio also
+  carries ``eta_0 / eta_l``, the paper's rule for a decaying rate. The loss
+  reaches the optimizer as ``value`` (``tx.update(g, s, p, value=loss)``,
+  as :class:`~jaxcomm.parallel.DataParallel` passes it); it travels in the
+  sync's fused all-reduce as one more float.
+
+  Args:
+    inner: the optimizer each device runs locally.
+    period: the first period ``tau_0``.
+    interval: steps between period updates (default ``10 * period``).
+    max_period: the largest period allowed (default ``period``: the period
+      only shrinks as the loss falls, as in the paper's experiments).
+    learning_rate: the inner learning-rate schedule, for the
+      ``eta_0 / eta_l`` factor (optional).
+    axis_name: the data axis.
+  """
+  _check_inner("inner", inner)
+  period = _checks.integer("period", period, 1)
+  interval = _checks.integer("interval", interval if interval is not None
+                             else 10 * period, 1)
+  max_period = _checks.integer("max_period", max_period if max_period
+                               is not None else period, 1)
+  if learning_rate is not None and not callable(learning_rate):
+    raise ValueError("learning_rate must be a schedule (a callable of the "
+                     f"step) or None, got {learning_rate!r}")
+  _compressor._check_axis_name(axis_name)
+
+  def init_extra(params):
+    del params
+    i32 = lambda v: jnp.asarray(v, jnp.int32)
+    return {"schedule": AdaCommSchedule(
+      period=i32(period), next_sync=i32(period), next_update=i32(interval),
+      loss0=jnp.asarray(jnp.nan, jnp.float32),
+      loss_sum=jnp.zeros([], jnp.float32), loss_steps=i32(0))}
+
+  def schedule_fn(count, state, value, ok):
+    if value is None:
+      raise ValueError(
+        "jaxcomm.adacomm needs the training loss: call tx.update(grads, "
+        "state, params, value=loss) (DataParallel passes it)")
+    s = state.schedule
+    v = jnp.asarray(value, jnp.float32).reshape(())
+    good = ok & jnp.isfinite(v)
+    s = s._replace(loss_sum=s.loss_sum + jnp.where(good, v, 0.0),
+                   loss_steps=s.loss_steps + good.astype(jnp.int32))
+    return [count == s.next_sync], s
+
+  def sync(xs, anchors, outer, comp, s):
+    del anchors
+    n = _core.axis_size(axis_name)
+    local = s.loss_sum / jnp.maximum(s.loss_steps, 1).astype(jnp.float32)
+    tot = _core.fused_psum(list(xs) + [local], axis_name)
+    new = [(t / n).astype(x.dtype) for t, x in zip(tot[:-1], xs)]
+    loss = tot[-1] / n
+    count = s.next_sync
+    loss0 = jnp.where(jnp.isnan(s.loss0), loss, s.loss0)
+    ratio = loss / jnp.maximum(loss0, 1e-12)
+    if learning_rate is not None:
+      ratio = ratio * (jnp.asarray(learning_rate(0), jnp.float32)
+                       / jnp.maximum(jnp.asarray(learning_rate(count),
+                                                 jnp.float32), 1e-30))
+    tau = jnp.ceil(jnp.sqrt(jnp.maximum(ratio, 0.0)) * period)
+    tau = jnp.clip(jnp.where(jnp.isfinite(tau), tau, period), 1,
+                   max_period).astype(jnp.int32)
+    renew = count >= s.next_update
+    new_period = jnp.where(renew, tau, s.period)
+    s = AdaCommSchedule(
+      period=new_period, next_sync=count + new_period,
+      next_update=jnp.where(renew, s.next_update + interval, s.next_update),
+      loss0=loss0, loss_sum=jnp.zeros_like(s.loss_sum),
+      loss_steps=jnp.zeros_like(s.loss_steps))
+    return new, new, outer, comp, s
+
+  spec = LocalSpec("adacomm", period, extra_floats=1, adaptive=True)
+  return _local_engine(inner, method="adacomm", axis_name=axis_name,
+                       period=period, sync_fns=[sync],
+                       init_extra=init_extra, schedule_fn=schedule_fn,
+                       spec=spec)
+
+
+def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
+                      alpha: float = 0.5, axis_name="data"
+                      ) -> optax.GradientTransformationExtraArgs:
+  """Overlap Local SGD: local steps pulled towards a one-period-old anchor.
+
+  .. math::
+    x_i \\leftarrow (1 - \\alpha) x_i + \\alpha z, \\qquad
+    z \\leftarrow \\frac{1}{n} \\sum_j x_j
+
+  (Wang, Liang & Joshi 2020.) Every ``period`` steps each device pulls its
+  model towards the anchor ``z`` and the pulled models are averaged into
+  the next anchor. That average is first read one period later, at the
+  next pull: it can travel while the next period computes (nothing in the
+  sync step consumes it), the delay the paper's algorithm tolerates. The
+  devices' models stay apart (``alpha < 1``); evaluate their average
+  (:func:`jaxcomm.parallel.synchronized`). The paper's optional slow
+  momentum on the anchor is not included.
+
+  Args:
+    inner: the optimizer each device runs locally.
+    period: steps between pulls (``tau``).
+    alpha: the pull towards the anchor, in ``(0, 1]``.
+    axis_name: the data axis.
+  """
+  _check_inner("inner", inner)
+  period = _checks.integer("period", period, 1)
+  alpha = float(_checks.number("alpha", alpha, 0.0, 1.0, lo_open=True))
+  _compressor._check_axis_name(axis_name)
+
+  def sync(xs, anchors, outer, comp, sched):
+    pulled = [((1 - alpha) * x + alpha * a.astype(x.dtype)).astype(x.dtype)
+              for x, a in zip(xs, anchors)]
+    return mean_leaves(pulled, axis_name), pulled, outer, comp, sched
+
+  def merge(count, x, anchor, frag_of):
+    del anchor, frag_of
+    synced = jnp.array(False)
+    return x, [synced] * len(x)
+
+  spec = LocalSpec("overlap_local_sgd", period)
+  return _local_engine(inner, method="overlap_local_sgd",
+                       axis_name=axis_name, period=period,
+                       sync_fns=[sync], merge=merge, spec=spec)
+
+
+def diloco(inner: optax.GradientTransformation,
+           outer: optax.GradientTransformation, period: int, *,
+           compressor: optax.GradientTransformation | None = None,
+           fragments: int = 1, overlap_steps: int = 0,
+           alpha: float | None = None, axis_name="data"
+           ) -> optax.GradientTransformationExtraArgs:
+  """DiLoCo: local inner steps, an outer optimizer on the averaged
+  pseudo-gradient.
+
+  .. math::
+    \\Delta = \\frac{1}{n}\\sum_i (\\theta - x_i), \\qquad
+    \\theta \\leftarrow \\theta + \\mathrm{outer}(\\Delta), \\qquad
+    x_i \\leftarrow \\theta
+
+  (Douillard et al. 2023: ``inner`` AdamW, ``outer`` Nesterov SGD with lr
+  0.7 and momentum 0.9, ``period`` H = 500.) ``theta`` is the state's
+  ``anchor``, the global model; devices agree with it exactly after each
+  sync.
+
+  * ``compressor``: any jaxcomm compressor (``jaxcomm.topk(0.02)``,
+    ``jaxcomm.int8()``, …) averages the pseudo-gradients instead of a dense
+    all-reduce; its error feedback carries over from sync to sync
+    (SparseLoCo is top-k with error feedback on the pseudo-gradient; with
+    ``compressor`` set, an outer ``optax.sgd(1.0)`` applies its mean as is).
+  * ``fragments > 1`` (Streaming DiLoCo): the leaves are cut into that many
+    contiguous blocks of about equal size; block ``f`` syncs at steps
+    ``(f + 1) H / F + k H``, so each step moves at most one block, and each
+    block has its own outer state (and compressor state).
+  * ``overlap_steps = tau > 0``: a block's new global values are merged
+    into the local params ``tau`` steps after its sync, ``x <- alpha x +
+    (1 - alpha) theta`` (``alpha`` default 0.5; with ``alpha=0`` the devices
+    agree exactly after the merge), so the sync's traffic has ``tau``
+    steps of compute to hide behind.
+
+  Args:
+    inner: the optimizer each device runs locally (AdamW in the paper).
+    outer: the optimizer applied to the averaged pseudo-gradient.
+    period: inner steps between syncs of a fragment (``H``).
+    compressor: a jaxcomm compressor for the pseudo-gradient, or None.
+    fragments: blocks synced in turn (Streaming DiLoCo), ``<= period``.
+    overlap_steps: steps between a block's sync and its merge, ``< period``.
+    alpha: the merge's weight on the local params (only with
+      ``overlap_steps > 0``).
+    axis_name: the data axis.
+
+  Example::
+
+    tx = jaxcomm.diloco(optax.adamw(4e-4), optax.sgd(0.7, momentum=0.9,
+                        nesterov=True), period=50)
+  """
+  _check_inner("inner", inner)
+  _check_inner("outer", outer)
+  period = _checks.integer("period", period, 1)
+  fragments = _checks.integer("fragments", fragments, 1, period)
+  overlap_steps = _checks.integer("overlap_steps", overlap_steps, 0,
+                                  period - 1)
+  if alpha is not None and overlap_steps == 0:
+    raise ValueError("alpha weighs the local params in a delayed merge; it "
+                     "needs overlap_steps > 0")
+  alpha = float(_checks.number("alpha", 0.5 if alpha is None else alpha,
+                               0.0, 1.0))
+  if compressor is not None:
+    _compressor.spec_of(compressor)  # a jaxcomm compressor, named if not
+    if getattr(_compressor.spec_of(compressor), "axis_name", axis_name) \
+        != axis_name:
+      raise ValueError(
+        f"compressor averages over axis_name="
+        f"{_compressor.spec_of(compressor).axis_name!r} but diloco's "
+        f"axis_name is {axis_name!r}: build both on the same data axis")
+  _compressor._check_axis_name(axis_name)
+  outer = optax.with_extra_args_support(outer)
+
+  groups_of = {}
+
+  def groups(params):
+    key = jax.tree.structure(params), tuple(
+      int(np.size(l)) for l in jax.tree.leaves(params))
+    if key not in groups_of:
+      groups_of[key] = fragment_leaves(params, fragments)
+    return groups_of[key]
+
+  def init_extra(params):
+    leaves = jax.tree.leaves(params)
+    gs = groups(params)
+    frag = [[jnp.asarray(leaves[j]) for j in g] for g in gs]
+    return {
+      "outer": tuple(outer.init(f) for f in frag),
+      "compress": (tuple(compressor.init(f) for f in frag)
+                   if compressor is not None else ())}
+
+  def make_sync(f):
+    def sync(xs, anchors, outer_s, comp_s, sched):
+      delta = [(a.astype(jnp.float32) - x.astype(jnp.float32)).astype(
+        x.dtype) for a, x in zip(anchors, xs)]
+      if compressor is not None:
+        mean, c = compressor.update(delta, comp_s[f], anchors)
+        comp_s = tuple(c if k == f else s for k, s in enumerate(comp_s))
+      else:
+        mean = mean_leaves(delta, axis_name)
+      # The pseudo-gradient points like a gradient: theta - x_i.
+      u, o = outer.update(list(mean), outer_s[f], list(anchors))
+      outer_s = tuple(o if k == f else s for k, s in enumerate(outer_s))
+      new = [optax.apply_updates(a, du) for a, du in zip(anchors, u)]
+      x_new = xs if overlap_steps else new
+      return new, x_new, outer_s, comp_s, sched
+    return sync
+
+  spec = LocalSpec("diloco", period, fragments=fragments,
+                   compressor=compressor)
+  offsets = spec.offsets()
+
+  merge = None
+  if overlap_steps:
+    def merge(count, x, anchor, frag_of):
+      due = [(count - overlap_steps >= off)
+             & ((count - overlap_steps - off) % period == 0)
+             for off in offsets]
+      out, synced = [], []
+      for j, (xj, aj) in enumerate(zip(x, anchor)):
+        d = due[frag_of[j]]
+        mixed = (alpha * xj + (1 - alpha) * aj.astype(xj.dtype)).astype(
+          xj.dtype)
+        out.append(jnp.where(d, mixed, xj))
+        synced.append(d & (alpha == 0.0))
+      return out, synced
+
+  # Fragments are cut from the params at init; the engine re-cuts them the
+  # same way from the params it is given (same structure and sizes).
+  return _local_engine(inner, method="diloco", axis_name=axis_name,
+                       period=period, fragments=fragments,
+                       sync_fns=[make_sync(f) for f in range(fragments)],
+                       init_extra=init_extra, merge=merge, spec=spec)
