@@ -250,6 +250,9 @@ class Config:
   optimizer: str = "adam"      # sgd | momentum | nesterov | adam | adamw
   #                              | lamb | onebit_adam | onebit_lamb
   optimizer_args: str = ""     # e.g. freeze_step=200 (jaxcomm optimizers)
+  local: str = "none"          # none | local_sgd | adacomm |
+  #                              overlap_local_sgd | diloco
+  local_args: str = ""         # e.g. period=50,outer_lr=0.7 (see --local)
   lr: float = 3e-3
   momentum: float = 0.9
   weight_decay: float = 0.0
@@ -279,7 +282,7 @@ class Config:
   # Fields that must agree between a checkpoint and the run resuming it.
   RESUME_KEYS = ("model", "model_args", "dataset", "text_file", "seq_len",
                  "compressor", "compressor_args", "optimizer",
-                 "optimizer_args", "lr",
+                 "optimizer_args", "local", "local_args", "lr",
                  "momentum", "weight_decay", "schedule", "warmup_steps",
                  "batch_size", "steps", "seed")
 
@@ -326,6 +329,17 @@ def parse_args(argv=None) -> Config:
   g.add_argument("--optimizer-args", default=d.optimizer_args,
                  help="arguments of a jaxcomm optimizer, e.g. "
                  "freeze_step=200")
+  g.add_argument("--local", default=d.local, choices=("none",)
+                 + LOCAL_METHODS,
+                 help="local-update training: each device runs --optimizer "
+                 "alone and the devices sync every `period` steps (diloco: "
+                 "an outer Nesterov SGD on the averaged pseudo-gradient, "
+                 "compressed by --compressor when it is not dense)")
+  g.add_argument("--local-args", default=d.local_args,
+                 help="arguments of --local, e.g. period=8 (local_sgd: "
+                 "start_step; adacomm: interval, max_period; "
+                 "overlap_local_sgd: alpha; diloco: outer_lr=0.7, "
+                 "outer_momentum=0.9, fragments, overlap_steps, alpha)")
   g.add_argument("--lr", type=float, default=d.lr)
   g.add_argument("--momentum", type=float, default=d.momentum)
   g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -369,7 +383,8 @@ def parse_args(argv=None) -> Config:
   values = vars(ns)
   if values["model_args"] is None:
     values["model_args"] = d.model_args if ns.model == "charlm" else ""
-  if values["compressor"] is None and ns.optimizer in COMM_OPTIMIZERS:
+  if values["compressor"] is None and (ns.optimizer in COMM_OPTIMIZERS
+                                      or ns.local != "none"):
     values["compressor"] = "dense"
   if values["compressor"] is None:
     values["compressor"] = d.compressor
@@ -594,6 +609,47 @@ def make_comm_optimizer(cfg: Config, schedule):
   kwargs.setdefault("freeze_step", max(cfg.steps // 5, 1))
   kwargs.setdefault("weight_decay", cfg.weight_decay)
   return factory(schedule, axis_name=AXIS, **kwargs)
+
+
+LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco")
+
+
+def make_local_optimizer(cfg: Config, inner, compressor, schedule):
+  """``--local METHOD --local-args ...`` around the inner optimizer;
+  diloco's outer optimizer is SGD with ``outer_lr`` (0.7),
+  ``outer_momentum`` (0.9) and ``outer_nesterov`` (True), as in the paper;
+  ``compressor`` (None for dense) compresses its pseudo-gradients."""
+  kwargs = parse_kwargs(cfg.local_args)
+  factory = getattr(jaxcomm, cfg.local)
+  if "period" not in kwargs:
+    raise ValueError(f"--local {cfg.local} needs --local-args period=H "
+                     "(steps between syncs)")
+  if compressor is not None and cfg.local != "diloco":
+    raise ValueError(
+      f"--local {cfg.local} averages params with a dense all-reduce; "
+      "--compressor applies to diloco's pseudo-gradients only (use "
+      "--compressor dense)")
+  extra = {}
+  if cfg.local == "diloco":
+    lr = kwargs.pop("outer_lr", 0.7)
+    mom = kwargs.pop("outer_momentum", 0.9)
+    nesterov = kwargs.pop("outer_nesterov", True)
+    extra["outer"] = optax.sgd(lr, momentum=mom or None,
+                               nesterov=bool(nesterov and mom))
+    extra["compressor"] = compressor
+  if cfg.local == "adacomm":
+    kwargs.setdefault("learning_rate", schedule)
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params
+             or k in ("inner", "outer", "compressor", "axis_name")]
+  if unknown:
+    valid = [k for k in params if k not in ("inner", "outer", "compressor",
+                                            "axis_name")]
+    if cfg.local == "diloco":
+      valid += ["outer_lr", "outer_momentum", "outer_nesterov"]
+    raise ValueError(f"--local {cfg.local} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  return factory(inner, axis_name=AXIS, **extra, **kwargs)
 
 
 def make_optimizer(cfg: Config, schedule):
@@ -874,8 +930,9 @@ class Checkpoints:
 
 
 def check_compatible(meta: dict, cfg: Config, params, state, layout,
-                     path: str) -> None:
-  """Raises :class:`CheckpointError` naming every mismatch."""
+                     path: str, *, per_device_params: bool = False) -> None:
+  """Raises :class:`CheckpointError` naming every mismatch (per-device
+  params, of local-update runs, are compared without their device axis)."""
   problems = []
   saved_cfg = meta.get("config", {})
   for key in Config.RESUME_KEYS:
@@ -893,6 +950,8 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
       "...)")
   else:
     for (k, a), (_, b) in zip(p_now, p_then):
+      if per_device_params:
+        a, b = a[1:], b[1:]
       if a != b:
         problems.append(f"params{k}: checkpoint shape {b}, model shape {a}")
   s_now = jax.tree.leaves(state)
@@ -918,10 +977,13 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
 
 # ------------------------------------------------------------------- run --
 
-def _identical_across_devices(tree) -> bool:
-  """Whether every addressable copy of every replicated leaf is equal."""
+def _identical_across_devices(tree, per_device: bool = False) -> bool:
+  """Whether every addressable copy of every replicated leaf is equal (with
+  ``per_device``: every device's row of the per-device params)."""
   for x in jax.tree.leaves(tree):
     shards = [np.asarray(s.data) for s in x.addressable_shards]
+    if per_device:
+      shards = [row for s in shards for row in s]
     if any(not np.array_equal(shards[0], s) for s in shards[1:]):
       return False
   return True
@@ -954,8 +1016,15 @@ def evaluate(eval_fn, params, test, cfg: Config, dp) -> dict[str, float]:
 
 
 def _scalar(x) -> float:
-  return float(np.asarray(x.addressable_shards[0].data).reshape(-1)[0]
-               if isinstance(x, jax.Array) else x)
+  """A metric as a float: a replicated scalar, or the mean of a per-device
+  one (local-update steps) over this process's devices."""
+  if not isinstance(x, jax.Array):
+    return float(x)
+  vals = [np.asarray(s.data, np.float64).reshape(-1)
+          for s in x.addressable_shards]
+  if x.ndim == 0:
+    return float(vals[0][0])
+  return float(np.mean(np.concatenate(vals)))
 
 
 def _stats(opt_state) -> dict[str, float]:
@@ -1037,7 +1106,18 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   loss_fn = models.make_loss_fn(cfg.model, fn.apply)
   comp, _, comp_kwargs = build_compressor(canon, cfg.compressor_args)
   schedule = make_schedule(cfg)
-  if cfg.optimizer in COMM_OPTIMIZERS:
+  local_tx = None
+  if cfg.local != "none":
+    if cfg.optimizer in COMM_OPTIMIZERS:
+      raise ValueError(f"--local {cfg.local} runs --optimizer on each "
+                       f"device alone; {cfg.optimizer} exchanges its own "
+                       "momentum every step: pick sgd, momentum, nesterov, "
+                       "adam, adamw or lamb")
+    local_tx = make_local_optimizer(
+      cfg, make_optimizer(cfg, schedule),
+      None if canon == "dense" else comp, schedule)
+    comp = tx = local_tx
+  elif cfg.optimizer in COMM_OPTIMIZERS:
     if canon != "dense":
       raise ValueError(
         f"--optimizer {cfg.optimizer} exchanges its own 1-bit momentum: use "
@@ -1055,15 +1135,38 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   # compiled HLO by the test battery), and the dense psum it replaces.
   # Before a start_step (freeze_step) a step moves the dense phase's psum.
   from jaxcomm import _compressor
-  start_dense = _compressor.spec_of(comp).start_step
-  rep = wire.summarize(wire.claimed(comp, fn.params, n, step=start_dense),
-                       n, fn.params)
   dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
                                           fn.params, n), n, fn.params)
-  warm_rep = (wire.summarize(wire.claimed(comp, fn.params, n, step=0), n,
-                             fn.params) if start_dense else rep)
-  bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
-                        else rep.total_sent)
+  if local_tx is not None:
+    # A local-update step moves bytes only when it syncs: the summary's
+    # bytes per step are the average over the run's steps, and each
+    # logged step records what it moved.
+    lspec = _compressor.spec_of(local_tx)
+    sync_bytes = (wire.summarize(lspec.wire(fn.params, n), n).total_sent
+                  if n > 1 else 0.0)
+    if lspec.adaptive:
+      bytes_at = None  # read from the state: the period follows the loss
+      per_step = float("nan")
+    else:
+      per_step_cache = {}
+
+      def bytes_at(s):
+        if s not in per_step_cache:
+          per_step_cache[s] = (wire.summarize(wire.claimed(local_tx,
+                               fn.params, n, step=s), n).total_sent
+                               if n > 1 else 0.0)
+        return per_step_cache[s]
+      per_step = (sum(bytes_at(s) for s in range(cfg.steps)) / cfg.steps)
+    start_dense = 0
+  else:
+    start_dense = _compressor.spec_of(comp).start_step
+    rep = wire.summarize(wire.claimed(comp, fn.params, n, step=start_dense),
+                         n, fn.params)
+    warm_rep = (wire.summarize(wire.claimed(comp, fn.params, n, step=0), n,
+                               fn.params) if start_dense else rep)
+    bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
+                          else rep.total_sent)
+    per_step = rep.total_sent
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
 
   meta_cfg = {k: v for k, v in dataclasses.asdict(cfg).items()}
@@ -1074,7 +1177,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       meta, p_leaves, s_leaves, start = ckpts.read(path)
     except CheckpointError as e:
       raise CheckpointError(f"{e}{ckpts.fallback_hint(path)}") from None
-    check_compatible(meta, cfg, params, opt_state, dp.layout, path)
+    check_compatible(meta, cfg, params, opt_state, dp.layout, path,
+                     per_device_params=dp.per_device_params)
     treedef_p = jax.tree.structure(params)
     treedef_s = jax.tree.structure(opt_state)
     host_state = jax.tree.unflatten(treedef_s, s_leaves)
@@ -1084,8 +1188,10 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       if main_proc:
         print(f"resumed a {old_n}-device checkpoint on {n} devices "
               "(residuals resized, total preserved)")
-    params = parallel.replicate(jax.tree.unflatten(treedef_p, p_leaves),
-                                mesh)
+    host_params = jax.tree.unflatten(treedef_p, p_leaves)
+    if dp.per_device_params and old_n != n:
+      host_params = parallel.resize_params(host_params, n)
+    params = dp.place_params(host_params)
     opt_state = _place_state(host_state, dp.layout, mesh)
     if main_proc:
       print(f"resumed from {path} at step {start}")
@@ -1124,7 +1230,16 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     from tqdm import tqdm
     bar = tqdm(total=stop, initial=start, desc=f"{canon} n={n}",
                dynamic_ncols=True, file=sys.stderr)
-  cum_bytes = sum(bytes_at(s) for s in range(start))
+  if bytes_at is not None:
+    cum_bytes = sum(bytes_at(s) for s in range(start))
+  else:  # adacomm: what the run logged so far
+    cum_bytes = float(history[-1].get("bytes_total", 0.0)) if history else 0.0
+
+  def step_bytes(step, opt_state):
+    if bytes_at is not None:
+      return bytes_at(step)
+    synced = jax.tree.leaves(jaxcomm.local_states(opt_state)[0].synced)[0]
+    return sync_bytes if _scalar(synced) else 0.0
   t_loop = time.time()
   t_last, steps_since, rate = time.time(), 0, 0.0
   last = {}
@@ -1136,7 +1251,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
         batch = mdata.local_slice(batch, pid, nproc)
       params, opt_state, m = dp.step(params, opt_state, dp.shard_batch(batch))
       done = step + 1
-      cum_bytes += bytes_at(step)
+      moved = step_bytes(step, opt_state)
+      cum_bytes += moved
       steps_since += 1
       if done % cfg.log_every == 0 or done == stop:
         now = time.time()
@@ -1145,11 +1261,12 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
         last = {"step": done, "loss": _scalar(m["loss"]),
                 "accuracy": _scalar(m["aux"]["accuracy"]),
                 "lr": float(schedule(step)),
-                "bytes_per_step": bytes_at(step), "bytes_total": cum_bytes,
+                "bytes_per_step": moved, "bytes_total": cum_bytes,
                 "steps_per_s": rate, "time": now - t_start}
         last.update(_stats(opt_state))
         if cfg.eval_every and done % cfg.eval_every == 0 and done != stop:
-          last.update(evaluate(eval_fn, params, test, cfg, dp))
+          last.update(evaluate(eval_fn, dp.synchronized(params), test, cfg,
+                               dp))
         if log is not None:
           log.write(json.dumps(last) + "\n")
           log.flush()
@@ -1179,10 +1296,14 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     last = next((h for h in reversed(history) if "loss" in h), {})
     before = _previous_result(out_dir, stop) if main_proc else {}
 
-  final = evaluate(eval_fn, params, test, cfg, dp)
+  final = evaluate(eval_fn, dp.synchronized(params), test, cfg, dp)
+  if bytes_at is None:  # adacomm: the average of what the steps moved
+    per_step = cum_bytes / max(stop, 1)
   result = {
     "model": cfg.model, "dataset": dataset,
-    "compressor": (cfg.optimizer if cfg.optimizer in COMM_OPTIMIZERS
+    "compressor": (cfg.local + ("" if canon == "dense" else f"+{canon}")
+                   if local_tx is not None
+                   else cfg.optimizer if cfg.optimizer in COMM_OPTIMIZERS
                    else canon),
     "compressor_args": (parse_kwargs(cfg.optimizer_args)
                         if cfg.optimizer in COMM_OPTIMIZERS else comp_kwargs),
@@ -1191,17 +1312,18 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     "train_loss": last.get("loss", float("nan")),
     "train_accuracy": last.get("accuracy", float("nan")),
     **final,
-    "bytes_per_step": rep.total_sent,
+    "bytes_per_step": per_step,
     "dense_bytes_per_step": dense_rep.total_sent,
-    "compression_ratio": (dense_rep.total_sent / rep.total_sent
-                          if rep.total_sent else math.inf),
+    "compression_ratio": (dense_rep.total_sent / per_step
+                          if per_step else math.inf),
     "bytes_total": cum_bytes,
     "steps_per_s": (steps_run / train_time if steps_run
                     else before.get("steps_per_s", 0.0)),
     "train_time_s": train_time if steps_run else before.get("train_time_s",
                                                             0.0),
     "wall_time_s": time.time() - t_start,
-    "identical_params": _identical_across_devices(params),
+    "identical_params": _identical_across_devices(params,
+                                                  dp.per_device_params),
     "out_dir": out_dir,
   }
   result.update(_stats(opt_state))

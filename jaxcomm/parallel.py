@@ -265,6 +265,14 @@ class DataParallel:
     params, opt_state = dp.init(params)
     params, opt_state, metrics = dp.step(params, opt_state, batch)
 
+  With a local-update optimizer (:func:`jaxcomm.local_sgd`,
+  :func:`jaxcomm.adacomm`, :func:`jaxcomm.overlap_local_sgd`,
+  :func:`jaxcomm.diloco`) params differ between devices between syncs:
+  ``init`` returns them per device (a leading axis of size n sharded over
+  the data axis, like per-device state; ``per_device_params`` is True), the
+  step passes each device its own row and the loss as ``value``, and
+  :meth:`synchronized` gives the model to evaluate or export.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
       ``has_aux``) on the device's local batch.
@@ -358,21 +366,27 @@ class DataParallel:
       new_params = _local.apply_updates(params, updates, new_local)
       if per_device:
         new_params = jax.tree.map(lambda x: x[None], new_params)
-      metrics = {"loss": jax.lax.pmean(loss, axis)}
+      # Local-update steps send nothing between syncs, not even the loss:
+      # their metrics stay per device (a leading axis of size n).
+      reduce = ((lambda a: jnp.asarray(a)[None]) if per_device
+                else (lambda a: jax.lax.pmean(a, axis)))
+      metrics = {"loss": reduce(loss)}
       if has_aux:
-        metrics["aux"] = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
+        metrics["aux"] = jax.tree.map(reduce, aux)
       return new_params, to_global(new_local, layout), metrics
 
     specs = state_specs(layout, axis)
     p_spec = P(axis) if per_device else P()
     mapped = jax.shard_map(step, mesh=self.mesh,
                            in_specs=(p_spec, specs, P(axis)),
-                           out_specs=(p_spec, specs, P()))
+                           out_specs=(p_spec, specs, p_spec))
     return jax.jit(mapped, donate_argnums=(0, 1) if self.donate else ())
 
   def step(self, params, state, batch):
     """One step: ``(params, state, metrics)``; batch from :meth:`shard_batch`
-    (plain host arrays are sharded here)."""
+    (plain host arrays are sharded here). Metrics are device averages; with
+    a local-update optimizer (``per_device_params``) they are per device
+    (leading axis n), since those steps send nothing between syncs."""
     if self.layout is None:
       raise ValueError("call DataParallel.init(params) before step()")
     for name, tree in (("params", params), ("state", state)):

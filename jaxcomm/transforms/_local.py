@@ -269,10 +269,19 @@ class LocalSpec:
     count = step + 1
     out = []
     for f in self.syncing(count):
-      done = sum(1 for c in range(1, count) if f in self.syncing(c))
       out.extend(self._fragment_wire([leaves[j] for j in groups[f]], n,
-                                     done))
+                                     self._syncs_before(f, count)))
     return out
+
+  def _syncs_before(self, f: int, count: int) -> int:
+    """How many times fragment ``f`` synced at step counts below
+    ``count`` (the compressor's own step counter at this sync)."""
+    early = min(count - 1, self.start_step)
+    off = self.offsets()[f]
+    lo = max(self.start_step + 1, off)   # first count past the sync phase
+    first = off + -(-(lo - off) // self.period) * self.period
+    later = 0 if first >= count else (count - 1 - first) // self.period + 1
+    return early + later
 
   def bytes_per_step(self, params, n: int, steps: int) -> float:
     """Average bytes sent per device per step over ``steps`` steps."""
