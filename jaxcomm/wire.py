@@ -167,12 +167,57 @@ def _as_text(step: Any) -> str:
     f"object, got {type(step).__name__}")
 
 
-def collectives(step: Any) -> list[Op]:
+_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_BRANCH_RE = re.compile(
+  r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)"
+  r"|false_computation=%?([\w.\-]+))")
+_CALL_RE = re.compile(
+  r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
+
+
+def _unconditional_lines(text: str) -> list[str]:
+  """The instruction lines of the computations every run executes: ENTRY
+  and what it calls, except through a conditional's branches."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    m = _COMP_RE.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(2)
+      comps[cur] = []
+      if m.group(1):
+        entry = cur
+      continue
+    if cur is not None:
+      comps[cur].append(line)
+  if entry is None:
+    return text.splitlines()
+  seen, todo = set(), [entry]
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for line in comps[c]:
+      branch = set()
+      for b in _BRANCH_RE.finditer(line):
+        for g in b.groups():
+          if g:
+            branch |= {x.strip().lstrip("%") for x in g.split(",")}
+      for call in _CALL_RE.finditer(line):
+        if call.group(1) not in branch:
+          todo.append(call.group(1))
+  return [l for c in seen for l in comps[c]]
+
+
+def collectives(step: Any, *, outside_branches: bool = False) -> list[Op]:
   """The collectives of a lowered/compiled step (or its HLO text).
 
   Args:
     step: ``jax.jit(f).lower(*args)`` (compiled here), its ``.compile()``,
       or HLO text.
+    outside_branches: only those every execution runs: not inside a
+      conditional's branches (``lax.cond``/``lax.switch``), such as the
+      sync of a local-update step or a dense warm-up phase.
 
   Returns:
     One :class:`Op` per collective instruction in the optimized module.
@@ -180,7 +225,9 @@ def collectives(step: Any) -> list[Op]:
   text = _as_text(step)
   n_dev = _num_devices(text)
   ops = []
-  for line in text.splitlines():
+  lines = (_unconditional_lines(text) if outside_branches
+           else text.splitlines())
+  for line in lines:
     line = re.sub(r"/\*.*?\*/", "", line)
     m = _OP_RE.search(line)
     if not m:

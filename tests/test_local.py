@@ -1,0 +1,469 @@
+"""Local-update training (local SGD, post-local SGD, ADACOMM, Overlap Local
+SGD, DiLoCo / Streaming DiLoCo) on the 8-device CPU mesh.
+
+A linear least-squares model whose gradients numpy computes in closed form
+lets every method be replayed by plain numpy code: 8 workers, each with its
+own batches, running the papers' update rules. The step's compiled HLO is
+read to check that nothing crosses the wire between syncs.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm import parallel
+from jaxcomm import wire
+from jaxcomm.transforms import _local
+from tests import harness
+
+N = 8
+B = 4          # examples per device per step
+D_IN, D_OUT = 24, 16   # w: 384 elements (compressed by the default policy)
+
+
+def _params():
+  r = np.random.RandomState(0)
+  return {"b": jnp.asarray(r.randn(D_OUT) * 0.1, jnp.float32),
+          "w": jnp.asarray(r.randn(D_IN, D_OUT) * 0.1, jnp.float32)}
+
+
+def _batches(steps, seed=1, n=N):
+  r = np.random.RandomState(seed)
+  w_true = r.randn(D_IN, D_OUT) * 0.3
+  out = []
+  for _ in range(steps):
+    x = r.randn(n * B, D_IN).astype(np.float32)
+    y = (x @ w_true + 0.1 * r.randn(n * B, D_OUT)).astype(np.float32)
+    out.append((x, y))
+  return out
+
+
+def loss_fn(p, batch):
+  x, y = batch
+  return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def np_grad(p, x, y):
+  """Closed-form gradient of the mean squared error (float64)."""
+  r = x @ p["w"] + p["b"] - y
+  scale = 2.0 / r.size
+  return {"b": scale * r.sum(0), "w": scale * x.T @ r}
+
+
+def _np_params():
+  return {k: np.asarray(v, np.float64) for k, v in _params().items()}
+
+
+def _rows(x):
+  return np.asarray(jax.device_get(x))
+
+
+def _run(tx, steps, batches=None, mesh=None, n=N):
+  mesh = mesh if mesh is not None else parallel.make_mesh(n)
+  dp = parallel.DataParallel(loss_fn, tx, mesh, donate=False)
+  p, s = dp.init(_params())
+  history = []
+  for t in range(steps):
+    p, s, m = dp.step(p, s, (batches or _batches(steps, n=n))[t])
+    jax.block_until_ready(p)
+    history.append((jax.tree.map(_rows, p), s, m))
+  return dp, p, s, history
+
+
+def _device_slices(x, y, n=N):
+  return [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(n)]
+
+
+def _agree(tree) -> bool:
+  return all(np.array_equal(v[0], v[i]) for v in jax.tree.leaves(tree)
+             for i in range(1, v.shape[0]))
+
+
+# ------------------------------------------------------- numpy references --
+
+def np_local_sgd(steps, lr, momentum, period, start_step=0):
+  """Each worker: ``t = g + m t``, ``x -= lr t``; average the params at
+  steps ``<= start_step`` and every ``period``-th step."""
+  batches = _batches(steps)
+  xs = [_np_params() for _ in range(N)]
+  ts = [{k: np.zeros_like(v) for k, v in xs[0].items()} for _ in range(N)]
+  out = []
+  for step, (x, y) in enumerate(batches):
+    for i, (xi, yi) in enumerate(_device_slices(x, y)):
+      g = np_grad(xs[i], xi, yi)
+      for k in g:
+        ts[i][k] = g[k] + momentum * ts[i][k]
+        xs[i][k] = xs[i][k] - lr * ts[i][k]
+    c = step + 1
+    if c <= start_step or c % period == 0:
+      avg = {k: np.mean([xi[k] for xi in xs], 0) for k in xs[0]}
+      xs = [{k: v.copy() for k, v in avg.items()} for _ in range(N)]
+    out.append({k: np.stack([xi[k] for xi in xs]) for k in xs[0]})
+  return out
+
+
+def np_diloco(steps, lr, period, outer_lr, outer_m):
+  """Inner SGD per worker; every ``period`` steps the mean pseudo-gradient
+  ``theta - x_i`` drives Nesterov SGD (optax's form: ``t = d + m t``,
+  ``theta -= lr (d + m t)``) and every worker restarts from theta."""
+  batches = _batches(steps)
+  theta = _np_params()
+  tr = {k: np.zeros_like(v) for k, v in theta.items()}
+  xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
+  out = []
+  for step, (x, y) in enumerate(batches):
+    for i, (xi, yi) in enumerate(_device_slices(x, y)):
+      g = np_grad(xs[i], xi, yi)
+      for k in g:
+        xs[i][k] = xs[i][k] - lr * g[k]
+    if (step + 1) % period == 0:
+      for k in theta:
+        d = np.mean([theta[k] - xi[k] for xi in xs], 0)
+        tr[k] = d + outer_m * tr[k]
+        theta[k] = theta[k] - outer_lr * (d + outer_m * tr[k])
+      xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
+    out.append({k: np.stack([xi[k] for xi in xs]) for k in xs[0]})
+  return out
+
+
+def np_overlap_local_sgd(steps, lr, period, alpha):
+  """Inner SGD; every ``period`` steps ``x_i <- (1-a) x_i + a z`` and
+  ``z <- mean_i x_i`` (of the pulled models)."""
+  batches = _batches(steps)
+  z = _np_params()
+  xs = [{k: v.copy() for k, v in z.items()} for _ in range(N)]
+  out = []
+  for step, (x, y) in enumerate(batches):
+    for i, (xi, yi) in enumerate(_device_slices(x, y)):
+      g = np_grad(xs[i], xi, yi)
+      for k in g:
+        xs[i][k] = xs[i][k] - lr * g[k]
+    if (step + 1) % period == 0:
+      xs = [{k: (1 - alpha) * xi[k] + alpha * z[k] for k in xi} for xi in xs]
+      z = {k: np.mean([xi[k] for xi in xs], 0) for k in z}
+    out.append({k: np.stack([xi[k] for xi in xs]) for k in xs[0]})
+  return out
+
+
+def _close(got, want, rtol=2e-5, atol=2e-6):
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol,
+                               err_msg=k)
+
+
+# ------------------------------------------------------------------ tests --
+
+def test_local_sgd_matches_numpy_and_agrees_exactly_after_syncs():
+  steps, period = 7, 3
+  tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
+  _, _, _, hist = _run(tx, steps)
+  ref = np_local_sgd(steps, 0.05, 0.9, period)
+  for t, (p, _, _) in enumerate(hist):
+    _close(p, ref[t])
+    synced = (t + 1) % period == 0
+    assert _agree(p) == synced, (t, synced)
+
+
+def test_period_one_follows_synchronous_training():
+  """period=1 with momentum SGD is synchronous momentum SGD on the mean
+  gradient (local momenta stay equal: their inputs average linearly)."""
+  steps = 6
+  batches = _batches(steps)
+  _, _, _, local = _run(jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 1),
+                        steps, batches)
+  mesh = parallel.make_mesh(N)
+  dp = parallel.DataParallel(
+    loss_fn, optax.chain(jaxcomm.mean_gradients(), optax.sgd(
+      0.05, momentum=0.9)), mesh, donate=False)
+  p, s = dp.init(_params())
+  for t in range(steps):
+    p, s, _ = dp.step(p, s, batches[t])
+    for k in ("b", "w"):
+      np.testing.assert_allclose(local[t][0][k], np.broadcast_to(
+        np.asarray(p[k]), local[t][0][k].shape), rtol=1e-6, atol=1e-7)
+
+
+def test_post_local_sgd_is_synchronous_until_start_step():
+  steps, start, period = 7, 3, 4
+  tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period,
+                         start_step=start)
+  _, _, _, hist = _run(tx, steps)
+  ref = np_local_sgd(steps, 0.05, 0.9, period, start_step=start)
+  for t, (p, _, _) in enumerate(hist):
+    _close(p, ref[t])
+    c = t + 1
+    assert _agree(p) == (c <= start or c % period == 0), c
+
+
+def test_diloco_matches_numpy_outer_nesterov():
+  steps, period = 7, 3
+  tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7, momentum=0.9,
+                                                 nesterov=True), period)
+  _, _, s, hist = _run(tx, steps)
+  ref = np_diloco(steps, 0.05, period, 0.7, 0.9)
+  for t, (p, st, _) in enumerate(hist):
+    _close(p, ref[t])
+    assert _agree(p) == ((t + 1) % period == 0)
+    if (t + 1) % period == 0:  # every device holds the global model
+      for k in p:
+        np.testing.assert_array_equal(p[k][0], _rows(st.anchor[k]))
+
+
+def test_diloco_compressor_keeps_error_mass_across_syncs():
+  """Top-k with error feedback on the pseudo-gradients: at every sync,
+  ``sum_i (delta_i + e_i) = n * mean + sum_i e_i'`` element for element
+  (with an outer SGD(1), ``mean = theta_old - theta_new``)."""
+  period, steps = 2, 6
+  tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(1.0), period,
+                      compressor=jaxcomm.topk(0.05))
+  _, _, _, hist = _run(tx, steps)
+  shapes = [(D_IN, D_OUT)]
+  e_old = np.zeros((N, D_IN, D_OUT))
+  theta = _rows(_params()["w"])
+  for t, (_, st, _) in enumerate(hist):
+    if (t + 1) % period:
+      continue
+    e_new = harness.split_buckets(st.compress[0].residual, shapes)[0]
+    theta_new = _rows(st.anchor["w"])
+    mean = theta - theta_new
+    deltas = theta[None] - _replay_inner_w(t, hist)
+    np.testing.assert_allclose(mean * N + e_new.sum(0),
+                               deltas.sum(0) + e_old.sum(0),
+                               rtol=1e-4, atol=1e-5)
+    assert np.count_nonzero(e_new) > 0   # something was held back
+    e_old, theta = e_new, theta_new
+
+
+def _replay_inner_w(t, hist):
+  """Local ``w`` of every device after step ``t``'s inner SGD update (lr
+  0.05), before the sync, in float64 from the previous params."""
+  batches = _batches(len(hist))
+  prev = (hist[t - 1][0] if t > 0 else
+          {k: np.broadcast_to(_rows(v), (N,) + v.shape)
+           for k, v in _params().items()})
+  x, y = batches[t]
+  out = []
+  for i, (xi, yi) in enumerate(_device_slices(x, y)):
+    p = {k: np.asarray(prev[k][i], np.float64) for k in prev}
+    out.append(p["w"] - 0.05 * np_grad(p, xi, yi)["w"])
+  return np.stack(out)
+
+
+def test_overlap_local_sgd_matches_numpy():
+  steps, period, alpha = 7, 2, 0.6
+  tx = jaxcomm.overlap_local_sgd(optax.sgd(0.05), period, alpha=alpha)
+  dp, p, _, hist = _run(tx, steps)
+  ref = np_overlap_local_sgd(steps, 0.05, period, alpha)
+  for t, (pt, _, _) in enumerate(hist):
+    _close(pt, ref[t])
+  assert not _agree(hist[-1][0])
+  sync = dp.synchronized(p)
+  for k in ("b", "w"):
+    np.testing.assert_allclose(np.asarray(sync[k]), ref[-1][k].mean(0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_diloco_syncs_fragments_in_turn():
+  """fragments=2: ``b`` and ``w`` (two blocks) sync at steps 2, 6, ... and
+  4, 8, ...; each step's HLO branch moves one block, as wire claims."""
+  period = 4
+  tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7, momentum=0.9,
+                                                 nesterov=True), period,
+                      fragments=2)
+  dp, p, s, hist = _run(tx, 8)
+  for t, (pt, _, _) in enumerate(hist):
+    c = t + 1
+    assert _agree({"b": pt["b"]}) == (c % period == 2), c
+    assert _agree({"w": pt["w"]}) == (c % period == 0), c
+  params = _params()
+  assert wire.claimed(tx, params, N, step=1) == [("all-reduce", 4 * D_OUT)]
+  assert wire.claimed(tx, params, N, step=3) == [
+    ("all-reduce", 4 * D_IN * D_OUT)]
+  assert wire.claimed(tx, params, N, step=0) == []
+
+
+def test_diloco_overlap_merges_tau_steps_later():
+  """overlap_steps=1, alpha=0: a sync's result replaces the local params
+  one step after the sync; the devices agree exactly from then."""
+  period = 3
+  tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7), period,
+                      overlap_steps=1, alpha=0.0)
+  _, _, _, hist = _run(tx, 8)
+  for t, (pt, st, _) in enumerate(hist):
+    c = t + 1
+    assert _agree(pt) == (c > period and (c - 1) % period == 0), c
+    if _agree(pt):
+      for k in pt:
+        np.testing.assert_array_equal(pt[k][0], _rows(st.anchor[k]))
+
+
+def _methods():
+  sgd = optax.sgd(0.05)
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  return {
+    "local_sgd": jaxcomm.local_sgd(sgd, 4),
+    "post_local_sgd": jaxcomm.local_sgd(sgd, 4, start_step=2),
+    "adacomm": jaxcomm.adacomm(sgd, 4),
+    "overlap_local_sgd": jaxcomm.overlap_local_sgd(sgd, 4),
+    "diloco": jaxcomm.diloco(optax.adamw(1e-3), outer, 4),
+    "diloco_topk": jaxcomm.diloco(sgd, optax.sgd(1.0), 4,
+                                  compressor=jaxcomm.topk(0.05)),
+    "streaming": jaxcomm.diloco(sgd, outer, 4, fragments=2,
+                                overlap_steps=1),
+  }
+
+
+@pytest.mark.parametrize("name", list(_methods()))
+def test_no_collective_outside_the_sync_branch(name):
+  """The compiled step holds collectives only inside the conditional's
+  sync branches (a step that does not sync moves nothing), and they are
+  what ``wire.claimed`` lists for one sync of every fragment."""
+  tx = _methods()[name]
+  mesh = parallel.make_mesh(N)
+  dp = parallel.DataParallel(loss_fn, tx, mesh, donate=False)
+  p, s = dp.init(_params())
+  compiled = dp.lower(p, s, dp.shard_batch(_batches(1)[0])).compile()
+  assert wire.collectives(compiled, outside_branches=True) == []
+  got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
+  assert got == sorted(wire.claimed(tx, _params(), N)), got
+
+
+def test_nan_on_one_device_between_syncs_is_skipped_there():
+  """Device 3's gradient is NaN at step 2: it keeps its params and inner
+  state for that step and counts it; the others train on; the sync at step
+  4 averages finite params and every device agrees."""
+  steps, period = 4, 4
+  batches = _batches(steps)
+  x, y = batches[1]
+  x = x.copy()
+  x[3 * B] = np.nan
+  batches[1] = (x, y)
+  tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
+  _, _, s, hist = _run(tx, steps, batches)
+  skipped = _rows(s.skipped)
+  assert skipped.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+  p1, p2 = hist[0][0], hist[1][0]
+  for k in p1:
+    np.testing.assert_array_equal(p2[k][3], p1[k][3])
+    assert not np.array_equal(p2[k][2], p1[k][2])
+  last = hist[-1][0]
+  assert _agree(last) and all(np.isfinite(v).all() for v in last.values())
+
+
+def test_resize_keeps_the_average_model():
+  """Between syncs, 8 devices -> 4: per-device params and inner momenta are
+  averaged in pairs (the device average is kept), and training goes on."""
+  tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 8)
+  dp, p, s, _ = _run(tx, 3)
+  host_p = jax.tree.map(_rows, p)
+  host_s = jax.tree.map(_rows, jax.device_get(s))
+  new_p = parallel.resize_params(host_p, 4)
+  new_s = parallel.resize_state(host_s, dp.layout, 4)
+  for k in host_p:
+    assert new_p[k].shape[0] == 4
+    np.testing.assert_allclose(new_p[k].mean(0), host_p[k].mean(0),
+                               rtol=1e-6, atol=1e-7)
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                        axis_types=(jax.sharding.AxisType.Auto,))
+  dp4 = parallel.DataParallel(loss_fn, tx, mesh4, donate=False)
+  dp4.init(_params())
+  p4 = dp4.place_params(new_p)
+  s4 = jax.tree.map(
+    lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
+      mesh4, jax.sharding.PartitionSpec("data") if b
+      else jax.sharding.PartitionSpec())), new_s, dp4.layout)
+  for t in range(5):  # count 4 -> 8: a sync at 8
+    p4, s4, _ = dp4.step(p4, s4, _batches(5, seed=7, n=4)[t])
+  assert _agree(jax.tree.map(_rows, p4))
+
+
+def test_adacomm_period_follows_the_loss():
+  """tau = ceil(sqrt(F_l / F_0) tau_0) at the first sync after each
+  interval, F the device-averaged loss since the last sync (recomputed
+  here from the per-device losses the step reports)."""
+  tau0, interval, steps = 4, 4, 24
+  tx = jaxcomm.adacomm(optax.sgd(0.5), tau0, interval=interval)
+  _, _, _, hist = _run(tx, steps)
+  losses = [float(np.mean(_rows(m["loss"]))) for _, _, m in hist]
+  period, next_sync, next_update, f0, since = tau0, tau0, interval, None, []
+  syncs = 0
+  for t, (_, st, _) in enumerate(hist):
+    c = t + 1
+    since.append(losses[t])
+    if c == next_sync:
+      f = float(np.mean(since))
+      f0 = f if f0 is None else f0
+      if c >= next_update:
+        period = min(max(math.ceil(math.sqrt(f / f0) * tau0), 1), tau0)
+        next_update += interval
+      next_sync = c + period
+      since = []
+      syncs += 1
+    assert int(st.schedule.period) == period, (c, int(st.schedule.period))
+    assert int(st.schedule.next_sync) == next_sync, c
+  assert period < tau0 and syncs >= 5   # the loss fell: syncs got closer
+
+
+def test_synchronized_is_exact_when_devices_agree():
+  mesh = parallel.make_mesh(N)
+  x = np.tile(np.float32([1 / 3, 0.1, 7e-8])[None], (N, 1))
+  dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  got = parallel.synchronized({"a": parallel._global(x, dev)}, mesh)
+  np.testing.assert_array_equal(np.asarray(got["a"]), x[0])
+  y = x.copy()
+  y[0, 0] += 1.0
+  got = parallel.synchronized({"a": parallel._global(y, dev)}, mesh)
+  np.testing.assert_allclose(np.asarray(got["a"]), y.mean(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make,match", [
+  (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 0), "period"),
+  (lambda: jaxcomm.local_sgd("sgd", 4), "inner"),
+  (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 4, start_step=-1),
+   "start_step"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), None, 4), "outer"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 4, fragments=5),
+   "fragments"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 4,
+                          overlap_steps=4), "overlap_steps"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 4, alpha=0.5),
+   "alpha"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 4,
+                          compressor=optax.sgd(1.0)), "compressor"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 4,
+                          compressor=jaxcomm.topk(0.1, axis_name="x")),
+   "axis_name"),
+  (lambda: jaxcomm.overlap_local_sgd(optax.sgd(0.1), 4, alpha=0.0),
+   "alpha"),
+  (lambda: jaxcomm.adacomm(optax.sgd(0.1), 4, interval=0), "interval"),
+  (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 4, axis_name=3), "axis_name"),
+])
+def test_bad_arguments_are_named(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_adacomm_without_the_loss_says_so():
+  tx = jaxcomm.adacomm(optax.sgd(0.1), 2, axis_name=None)
+  p = _params()
+  with pytest.raises(ValueError, match="value=loss"):
+    tx.update(p, tx.init(p), p)
+
+
+def test_one_device_without_collectives():
+  """axis_name=None: one worker; a sync is the identity on its params."""
+  tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(1.0), 2, axis_name=None)
+  p = _params()
+  s = tx.init(p)
+  x, y = _batches(1, n=1)[0]
+  for _ in range(2):
+    g = jax.grad(loss_fn)(p, (x, y))
+    u, s = tx.update(g, s, p)
+    p = jaxcomm.apply_updates(p, u, s)
+  for k in p:
+    np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(s.anchor[k]))
