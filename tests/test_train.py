@@ -317,3 +317,76 @@ def test_one_device_summary_says_nothing_crosses_the_wire():
   r.update(num_devices=8, bytes_per_step=100, dense_bytes_per_step=1000,
            compression_ratio=10.0)
   assert "| 10.0x |" in train.summary_table([r])
+
+
+LOCAL_RUNS = [
+  ("local_sgd", ["--local", "local_sgd", "--local-args", "period=4",
+                 "--optimizer", "momentum", "--lr", 0.5]),
+  ("diloco_topk", ["--local", "diloco", "--local-args", "period=4",
+                   "--optimizer", "adamw", "--lr", 0.01, "--compressor",
+                   "topk", "--compressor-args", "ratio=0.05"]),
+  ("adacomm", ["--local", "adacomm", "--local-args", "period=2,interval=2",
+               "--optimizer", "momentum", "--lr", 0.5]),
+]
+
+
+@pytest.mark.parametrize("name,args", LOCAL_RUNS,
+                         ids=[r[0] for r in LOCAL_RUNS])
+def test_local_update_runs_resume_bit_identical_across_a_sync(name, args,
+                                                              tmp_path):
+  """A local-update run split at step 3 (between syncs: per-device params
+  differ in the checkpoint) and resumed equals the straight run, through
+  the sync at step 4, bit for bit; bytes move on sync steps only."""
+  full = _run(tmp_path, *args, "--steps", 6, "--checkpoint-every", 0,
+              name="full")
+  _run(tmp_path, *args, "--steps", 6, "--stop-after", 3, name="split")
+  resumed = _run(tmp_path, *args, "--steps", 6, "--resume", name="split")
+  for x, y in zip(jax.tree.leaves(jax.device_get(full["params"])),
+                  jax.tree.leaves(jax.device_get(resumed["params"])),
+                  strict=True):
+    assert x.shape[0] == 8          # per device
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(_host_state(full)),
+                  jax.tree.leaves(_host_state(resumed)), strict=True):
+    np.testing.assert_array_equal(x, y)
+  moved = [h["bytes_per_step"] for h in full["history"]]
+  if name != "adacomm":
+    assert [m > 0 for m in moved] == [False, False, False, True, False,
+                                      False], moved
+    assert full["identical_params"] is False  # step 6: between syncs
+  else:
+    assert moved[1] > 0 and 0 < sum(m > 0 for m in moved) < 6, moved
+  assert full["bytes_per_step"] == pytest.approx(sum(moved) / 6)
+  assert full["bytes_per_step"] < full["dense_bytes_per_step"]
+
+
+def test_local_sgd_checkpoint_resumes_on_4_devices(tmp_path):
+  args = ["--local", "local_sgd", "--local-args", "period=4", "--optimizer",
+          "momentum", "--lr", 0.5]
+  r8 = _run(tmp_path, *args, "--steps", 8, "--stop-after", 2, name="r")
+  mean8 = [np.asarray(x).mean(0) for x in
+           jax.tree.leaves(jax.device_get(r8["params"]))]
+  r4 = _run(tmp_path, *args, "--steps", 8, "--stop-after", 2, "--resume",
+            "--num-devices", 4, name="r")
+  for x, m in zip(jax.tree.leaves(jax.device_get(r4["params"])), mean8,
+                  strict=True):
+    assert x.shape[0] == 4
+    np.testing.assert_allclose(x.mean(0), m, rtol=1e-5, atol=1e-6)
+  r = _run(tmp_path, *args, "--steps", 8, "--stop-after", 4, "--resume",
+           "--num-devices", 4, name="r")
+  assert r["num_devices"] == 4 and r["identical_params"]  # synced at 4
+
+
+def test_local_flags_are_checked(tmp_path):
+  with pytest.raises(ValueError, match="period=H"):
+    _run(tmp_path, "--local", "local_sgd", "--steps", 2)
+  with pytest.raises(ValueError, match="pseudo-gradients only"):
+    _run(tmp_path, "--local", "local_sgd", "--local-args", "period=2",
+         "--compressor", "topk", "--compressor-args", "ratio=0.1",
+         "--steps", 2)
+  with pytest.raises(ValueError, match="valid: .*outer_lr"):
+    _run(tmp_path, "--local", "diloco", "--local-args", "period=2,nosuch=1",
+         "--steps", 2)
+  with pytest.raises(ValueError, match="exchanges its own"):
+    _run(tmp_path, "--local", "diloco", "--local-args", "period=2",
+         "--optimizer", "onebit_adam", "--steps", 2)
