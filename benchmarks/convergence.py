@@ -77,10 +77,13 @@ class Method:
   optimizer_args: str
   lr: float
   group: str
+  local: str = "none"
+  local_args: str = ""
 
 
-def _m(label, comp, comp_args, opt, group):
-  return Method(label, comp, comp_args, opt[0], opt[1], opt[2], group)
+def _m(label, comp, comp_args, opt, group, local="none", local_args=""):
+  return Method(label, comp, comp_args, opt[0], opt[1], opt[2], group,
+                local, local_args)
 
 
 METHODS = [
@@ -124,6 +127,23 @@ METHODS = [
   _m("PowerSGD r2 + EF21", "powersgd", "rank=2,error_feedback=ef21", MSGD,
      "momentum SGD"),
   _m("signum -> SGD", "signum", "", SIGNUM_SGD, "momentum SGD"),
+  # Local updates: talk every H steps (each device runs the optimizer on
+  # its own batches; the Adam rows' dense baseline is AdamW without decay).
+  _m("local SGD H=8", "dense", "", MSGD, "momentum SGD", "local_sgd",
+     "period=8"),
+  _m("post-local SGD H=8 from 320", "dense", "", MSGD, "momentum SGD",
+     "local_sgd", "period=8,start_step=320"),
+  _m("ADACOMM tau0=8", "dense", "", MSGD, "momentum SGD", "adacomm",
+     "period=8,interval=160"),
+  _m("Overlap local SGD H=8", "dense", "", MSGD, "momentum SGD",
+     "overlap_local_sgd", "period=8"),
+  _m("DiLoCo H=50", "dense", "", ADAM, "Adam", "diloco", "period=50"),
+  _m("DiLoCo H=50 + top-k 0.02 (EF)", "topk", "ratio=0.02", ADAM, "Adam",
+     "diloco", "period=50"),
+  _m("DiLoCo H=50 + top-k 0.02, 2-bit (EF)", "topk",
+     "ratio=0.02,value_bits=2", ADAM, "Adam", "diloco", "period=50"),
+  _m("Streaming DiLoCo H=50, 4 fragments, tau=5", "dense", "", ADAM, "Adam",
+     "diloco", "period=50,fragments=4,overlap_steps=5"),
 ]
 QUICK_METHODS = ("Adam (dense)", "1-bit Adam", "momentum SGD (dense)",
                  "top-k 0.01 + EF", "top-k 0.01 + EF21")
@@ -178,7 +198,8 @@ def main(argv=None, *, set_devices: bool = True) -> list[dict]:
   if args.methods:
     want = {w.strip() for w in args.methods.split(";")}
     methods = [m for m in METHODS if m.label in want or m.compressor in want
-               or m.optimizer in want or m.group in want]
+               or m.optimizer in want or m.group in want
+               or m.local in want]
   if set_devices:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", max(workers))
@@ -200,6 +221,7 @@ def main(argv=None, *, set_devices: bool = True) -> list[dict]:
         train.Config(), compressor=m.compressor,
         compressor_args=m.compressor_args, num_devices=n, seed=args.seed,
         optimizer=m.optimizer, optimizer_args=m.optimizer_args, lr=m.lr,
+        local=m.local, local_args=m.local_args,
         schedule="cosine", checkpoint_every=0, progress=False, plot=False,
         overwrite=True, out_dir=os.path.join(args.out_dir, f"{slug}-n{n}"),
         **size)

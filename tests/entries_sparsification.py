@@ -64,6 +64,28 @@ def _topk_ref(ratio, granularity):
   return step
 
 
+def _topk_quantized_ref(ratio, bits):
+  """Top-k per leaf, each leaf's selected values on ``2^bits`` levels over
+  ``[-s, s]`` (``s`` the largest selected ``|value|``, nearest level)."""
+  top = 2 ** bits - 1
+
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, "leaf"):
+        s = np.zeros_like(x)
+        sel = _largest(np.abs(x), _k(ratio, x.size))
+        v = x[sel]
+        scale = np.abs(v).max()
+        q = np.clip(np.round((v / scale + 1) * 0.5 * top), 0, top)
+        s[sel] = (q * 2.0 / top - 1.0) * scale if scale > 0 else 0.0
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
 _RATIO_BAD = [({"ratio": 0.0}, "ratio"), ({"ratio": 1.5}, "ratio"),
               ({"ratio": float("nan")}, "ratio")]
 
@@ -90,6 +112,20 @@ registry.register(registry.Entry(
   bad_args=[({"error_feedback": "ef22"}, "error_feedback"),
             ({"error_feedback": 1}, "error_feedback"),
             ({"lr_schedule": lambda t: 0.1}, "lr_schedule")],
+))
+
+registry.register(registry.Entry(
+  # SparseLoCo's message: top-k values in 2 bits, error feedback keeping
+  # both what was not selected and the rounding of what was.
+  name="topk_2bit",
+  ref_init=lambda shapes: None,
+  ref_step=_topk_quantized_ref(0.05, 2),
+  factory=jaxcomm.topk,
+  kwargs={"ratio": 0.05, "value_bits": 2},
+  static_args=("ratio", "granularity", "value_bits", "error_feedback",
+               "policy"),
+  bad_args=[({"value_bits": 3}, "value_bits"),
+            ({"value_bits": 16}, "value_bits")],
 ))
 
 registry.register(registry.Entry(

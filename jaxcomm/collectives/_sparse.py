@@ -124,6 +124,104 @@ def sparse_psum_wire(capacity: int, size: int, n: int) -> list:
   return [("all-gather", 4 * n * message_words(capacity, size))]
 
 
+# ------------------------------------------------- low-bit values --------
+
+VALUE_BITS = (1, 2, 4, 8)
+
+
+def quantize_values(values: jax.Array, scale: jax.Array, bits: int
+                    ) -> jax.Array:
+  """Codes in ``[0, 2^bits)`` of ``values`` on ``2^bits`` evenly spaced
+  levels over ``[-scale, scale]`` (nearest level; ``scale`` broadcasts)."""
+  top = 2 ** bits - 1
+  safe = jnp.where(scale > 0, scale, 1.0)
+  q = jnp.round((values / safe + 1.0) * 0.5 * top)
+  return jnp.clip(q, 0, top).astype(jnp.uint32)
+
+
+def dequantize_values(codes: jax.Array, scale: jax.Array, bits: int
+                      ) -> jax.Array:
+  """The levels :func:`quantize_values` codes stand for (0 where the scale
+  is 0)."""
+  top = 2 ** bits - 1
+  level = codes.astype(jnp.float32) * (2.0 / top) - 1.0
+  return jnp.where(scale > 0, level * scale, 0.0)
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+  """``uint32`` codes of ``bits`` bits each -> ``32 // bits`` per word."""
+  per = 32 // bits
+  n = codes.shape[-1]
+  c = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1)
+              + [(0, _core.padded_length(n, per) - n)])
+  c = c.reshape(c.shape[:-1] + (-1, per))
+  shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)
+  return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def unpack_codes(words: jax.Array, count: int, bits: int) -> jax.Array:
+  """Inverse of :func:`pack_codes`: the first ``count`` codes."""
+  per = 32 // bits
+  shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)
+  c = (words[..., None] >> shifts) & jnp.uint32(2 ** bits - 1)
+  return c.reshape(c.shape[:-2] + (-1,))[..., :count]
+
+
+def quantized_message_words(capacity: int, size: int, rows: int,
+                            bits: int) -> int:
+  """uint32 words of a :func:`sparse_psum_quantized` message."""
+  per = _per_word(size)
+  return (rows + _core.padded_length(capacity, 32 // bits) * bits // 32
+          + _core.padded_length(capacity, per) // per)
+
+
+def sparse_psum_quantized(values: jax.Array, indices: jax.Array,
+                          rows: jax.Array, num_rows: int, size: int,
+                          bits: int, axis_name
+                          ) -> tuple[jax.Array, jax.Array]:
+  """:func:`sparse_psum` with each value sent in ``bits`` bits.
+
+  Slot ``c`` belongs to row ``rows[c]`` (a leaf); each row's values are
+  coded on ``2^bits`` levels over ``[-s, s]``, ``s`` the row's largest
+  ``|value|`` (one float32 per row on the wire), codes packed ``32 //
+  bits`` to a word. Every device's message is gathered and decoded, then
+  scatter-added as in :func:`sparse_psum`.
+
+  Returns:
+    ``(sum, own)``: the ``float32[capacity]`` values this device's message
+    decodes to (what it sent, for error feedback) and the
+    ``float32[size]`` sum over devices (typed invariant).
+  """
+  capacity = values.shape[0]
+  scale = jax.ops.segment_max(jnp.abs(values), rows, num_segments=num_rows)
+  scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 0.0)
+  codes = quantize_values(values, scale[rows], bits)
+  own = dequantize_values(codes, scale[rows], bits)
+  per = _per_word(size)
+  idx = jnp.pad(indices.astype(jnp.int32),
+                (0, _core.padded_length(capacity, per) - capacity),
+                constant_values=size).astype(index_dtype(size))
+  msg = jnp.concatenate([_core.to_words(scale), pack_codes(codes, bits),
+                         _core.to_words(idx)], axis=-1)
+  words = _core.all_gather(msg, axis_name)
+  n_code = _core.padded_length(capacity, 32 // bits) * bits // 32
+  scales = _core.from_words(words[..., :num_rows], jnp.float32)
+  got = unpack_codes(words[..., num_rows:num_rows + n_code], capacity, bits)
+  gidx = _core.from_words(words[..., num_rows + n_code:], index_dtype(size))
+  gidx = gidx[..., :capacity].astype(jnp.int32)
+  vals = dequantize_values(got, jnp.take(scales, rows, axis=-1), bits)
+  total = jnp.zeros((size,), jnp.float32).at[gidx.reshape(-1)].add(
+    vals.reshape(-1), mode="drop")
+  return total, own
+
+
+def sparse_psum_quantized_wire(capacity: int, size: int, rows: int,
+                               bits: int, n: int) -> list:
+  """Collectives of :func:`sparse_psum_quantized`: one all-gather."""
+  return [("all-gather",
+           4 * n * quantized_message_words(capacity, size, rows, bits))]
+
+
 # ------------------------------------------------------------- gTop-k ----
 
 def _merge_segments(idx: jax.Array, val: jax.Array, bounds, ks

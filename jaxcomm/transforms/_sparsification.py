@@ -118,23 +118,51 @@ def _local_topk(x, segs, ratio):
           jnp.concatenate([i.reshape(-1) for _, i in sel]))
 
 
-def _topk_codec(ratio, granularity) -> _compressor.Codec:
+def _slot_rows(segs, ratio) -> np.ndarray:
+  """Per selected slot (in :func:`_local_topk`'s order), its row (leaf)
+  among all segments' rows."""
+  out, base = [], 0
+  for s in segs:
+    k = num_selected(ratio, s.size)
+    out.append(base + np.repeat(np.arange(s.count), k))
+    base += s.count
+  return np.concatenate(out).astype(np.int32)
+
+
+def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
 
   def apply(x, state, ctx):
     segs = _segments(ctx.layout, granularity)
-    mean, sent = _sparse_exchange(*_local_topk(x, segs, ratio), ctx)
+    vals, idx = _local_topk(x, segs, ratio)
+    if value_bits is None:
+      mean, sent = _sparse_exchange(vals, idx, ctx)
+    else:
+      rows = _slot_rows(segs, ratio)
+      total, own = _sparse.sparse_psum_quantized(
+        vals, idx, jnp.asarray(rows), sum(s.count for s in segs),
+        ctx.layout.size, value_bits, ctx.axis_name)
+      mean = total / ctx.num_devices
+      sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+        own, mode="drop")
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(layout, n):
-    k = _num_pairs(_segments(layout, granularity), ratio)
-    return _sparse.sparse_psum_wire(k, layout.size, n)
+    segs = _segments(layout, granularity)
+    k = _num_pairs(segs, ratio)
+    if value_bits is None:
+      return _sparse.sparse_psum_wire(k, layout.size, n)
+    return _sparse.sparse_psum_quantized_wire(
+      k, layout.size, sum(s.count for s in segs), value_bits, n)
 
-  return _compressor.Codec(name=f"topk({ratio})", init=lambda layout: (),
+  name = f"topk({ratio})" if value_bits is None else (
+    f"topk({ratio}, {value_bits}-bit)")
+  return _compressor.Codec(name=name, init=lambda layout: (),
                            apply=apply, wire=wire, flat=True)
 
 
 @_compressor.shared_options
-def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
+def topk(ratio: float, *, granularity: str = "leaf",
+         value_bits: int | None = None, axis_name="data",
          error_feedback: bool = True, policy=None, seed: int = 0,
          **options):
   """Top-k sparsification: each device sends its k largest coordinates.
@@ -156,6 +184,12 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     ratio: fraction of coordinates sent, in ``(0, 1]`` (static).
     granularity: ``"leaf"`` (k per leaf) or ``"model"`` (one k over all
       compressed leaves flattened together).
+    value_bits: None (values in float32) or 1, 2, 4, 8: each selected value
+      is sent as the nearest of ``2^b`` evenly spaced levels over ``[-s,
+      s]``, ``s`` its leaf's largest selected ``|value|`` (one float32 per
+      leaf), codes packed ``32 / b`` to a word; error feedback keeps the
+      rounding error too. ``value_bits=2`` with error feedback is
+      SparseLoCo's message (Sarfi et al. 2025).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent coordinates (Stich et al. 2018).
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -179,7 +213,9 @@ def topk(ratio: float, *, granularity: str = "leaf", axis_name="data",
   """
   ratio = _checks.ratio("ratio", ratio)
   _checks.choice("granularity", granularity, _GRANULARITIES)
-  return _compressor.compressed(_topk_codec(ratio, granularity),
+  if value_bits is not None:
+    _checks.choice("value_bits", value_bits, _sparse.VALUE_BITS)
+  return _compressor.compressed(_topk_codec(ratio, granularity, value_bits),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
