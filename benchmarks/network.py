@@ -111,6 +111,19 @@ METHODS = {
   "dgc0.1%": ("dgc", lambda jc, jnp: jc.dgc(0.001)),
   "onebit": ("onebit", lambda jc, jnp: jc.onebit()),
 }
+# Local-update optimizers (whole optimizers, not chained before SGD) and
+# their period: a sync every H steps, so they are timed over a whole
+# number of periods and reported as the mean step time.
+LOCAL_METHODS = {
+  "localsgd8": ("local_sgd", 8, lambda jc, optax: jc.local_sgd(
+    optax.sgd(1e-4, momentum=0.9), 8)),
+  "diloco50": ("diloco", 50, lambda jc, optax: jc.diloco(
+    optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50)),
+  "diloco50+topk2%2bit": ("diloco", 50, lambda jc, optax: jc.diloco(
+    optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50,
+    compressor=jc.topk(0.02, value_bits=2))),
+}
+METHODS.update({k: (v[0], None) for k, v in LOCAL_METHODS.items()})
 
 
 def _append(path, record):
@@ -171,8 +184,13 @@ def _jax_worker(a) -> int:
                       f"jaxcomm.{attr} does not exist in this checkout"})
       continue
     try:
-      comp = build(jaxcomm, jnp)
-      tx = optax.chain(comp, optax.sgd(1e-4))
+      period = 1
+      if method in LOCAL_METHODS:
+        _, period, make = LOCAL_METHODS[method]
+        comp = tx = make(jaxcomm, optax)
+      else:
+        comp = build(jaxcomm, jnp)
+        tx = optax.chain(comp, optax.sgd(1e-4))
       dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
       params, state = dp.init(params0)
       batch = dp.shard_batch(local)
@@ -182,7 +200,10 @@ def _jax_worker(a) -> int:
       first = time.perf_counter() - t0
       abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
       ops = jaxcomm.wire.claimed(comp, abstract, n)
-      sent = jaxcomm.wire.summarize(ops, n).total_sent
+      # Bytes per step: a local-update step sends one sync's bytes every
+      # `period` steps.
+      sent = jaxcomm.wire.summarize(ops, n).total_sent / period
+      timed = -(-max(a.steps, period) // period) * period
       for ri in range(a.nrates):
         # The driver sets rate ri on the loopback, then says go.
         if out:
@@ -193,7 +214,7 @@ def _jax_worker(a) -> int:
           params, state, _ = dp.step(params, state, batch)
           jax.block_until_ready((params, state))
         times = []
-        for _ in range(a.steps):
+        for _ in range(timed):
           t0 = time.perf_counter()
           params, state, _ = dp.step(params, state, batch)
           jax.block_until_ready((params, state))
@@ -203,7 +224,7 @@ def _jax_worker(a) -> int:
         if out:
           _append(out, {"method": method, "ri": ri, "times": times,
                         "first_step": first, "ops": ops, "sent": sent,
-                        "devices": n, "finite": finite})
+                        "devices": n, "finite": finite, "period": period})
     except Exception as e:  # pylint: disable=broad-except
       if out:
         _append(out, {"method": method,
@@ -450,7 +471,13 @@ def _rate_label(rate) -> str:
 
 
 def _median(r):
-  return statistics.median(r["times"]) if r.get("times") else math.nan
+  """The median step time; for a local-update method (``period > 1``) the
+  mean over whole periods, which is what its syncs cost per step."""
+  if not r.get("times"):
+    return math.nan
+  if r.get("period", 1) > 1:
+    return statistics.fmean(r["times"])
+  return statistics.median(r["times"])
 
 
 def _predictions(r, rate, latency_us):
@@ -460,10 +487,11 @@ def _predictions(r, rate, latency_us):
     return math.nan, math.nan
   n = r["devices"]
   ops = [tuple(o) for o in r["ops"]]
+  period = r.get("period", 1)
   link = jaxcomm.wire.CostModel.link(rate, latency_us).predict(ops, n)
   shared = jaxcomm.wire.CostModel.link(rate / r["procs"],
                                        latency_us).predict(ops, n)
-  return link, shared
+  return link / period, shared / period
 
 
 def _fmt(x, digits=3):
@@ -474,7 +502,8 @@ def _fmt(x, digits=3):
 def table(rows, latency_us) -> str:
   """The markdown table of all rows."""
   lines = [
-    "| shapes | procs | link | method | step s (median) | vs dense "
+    "| shapes | procs | link | method | step s (median; local: mean) "
+    "| vs dense "
     "| MB sent/device | model: per-host links s | model: shared loopback s "
     "| note |",
     "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
