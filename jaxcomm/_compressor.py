@@ -832,10 +832,16 @@ def compress_states(opt_state) -> list[CompressState]:
   """Every :class:`CompressState` in an optimizer state, in order: inside
   ``optax.chain``, ``inject_hyperparams``, ``MultiSteps``, ``masked`` or any
   nesting of tuples, named tuples, lists and mappings."""
+  return states_of(opt_state, CompressState)
+
+
+def states_of(opt_state, cls) -> list:
+  """Every node of type ``cls`` in an optimizer state, in order (the one
+  state walker: tuples, named tuples, lists and mappings)."""
   found = []
 
   def visit(x):
-    if isinstance(x, CompressState):
+    if isinstance(x, cls):
       found.append(x)
     elif isinstance(x, (tuple, list)):
       for y in x:

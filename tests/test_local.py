@@ -107,6 +107,14 @@ def np_local_sgd(steps, lr, momentum, period, start_step=0):
   return out
 
 
+def _np_inner_sgd(xs, batch, lr):
+  """Every worker's plain SGD step on its own slice of ``batch``."""
+  for i, (xi, yi) in enumerate(_device_slices(*batch)):
+    g = np_grad(xs[i], xi, yi)
+    for k in g:
+      xs[i][k] = xs[i][k] - lr * g[k]
+
+
 def np_diloco(steps, lr, period, outer_lr, outer_m):
   """Inner SGD per worker; every ``period`` steps the mean pseudo-gradient
   ``theta - x_i`` drives Nesterov SGD (optax's form: ``t = d + m t``,
@@ -116,11 +124,8 @@ def np_diloco(steps, lr, period, outer_lr, outer_m):
   tr = {k: np.zeros_like(v) for k, v in theta.items()}
   xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
   out = []
-  for step, (x, y) in enumerate(batches):
-    for i, (xi, yi) in enumerate(_device_slices(x, y)):
-      g = np_grad(xs[i], xi, yi)
-      for k in g:
-        xs[i][k] = xs[i][k] - lr * g[k]
+  for step, batch in enumerate(batches):
+    _np_inner_sgd(xs, batch, lr)
     if (step + 1) % period == 0:
       for k in theta:
         d = np.mean([theta[k] - xi[k] for xi in xs], 0)
@@ -138,11 +143,8 @@ def np_overlap_local_sgd(steps, lr, period, alpha):
   z = _np_params()
   xs = [{k: v.copy() for k, v in z.items()} for _ in range(N)]
   out = []
-  for step, (x, y) in enumerate(batches):
-    for i, (xi, yi) in enumerate(_device_slices(x, y)):
-      g = np_grad(xs[i], xi, yi)
-      for k in g:
-        xs[i][k] = xs[i][k] - lr * g[k]
+  for step, batch in enumerate(batches):
+    _np_inner_sgd(xs, batch, lr)
     if (step + 1) % period == 0:
       xs = [{k: (1 - alpha) * xi[k] + alpha * z[k] for k in xi} for xi in xs]
       z = {k: np.mean([xi[k] for xi in xs], 0) for k in z}

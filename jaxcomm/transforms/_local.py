@@ -30,7 +30,6 @@ leaves every device holds equal to ``anchor`` after this step;
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import math
 from typing import Any, Callable, NamedTuple, Sequence
@@ -95,20 +94,7 @@ class AdaCommSchedule(NamedTuple):
 
 def local_states(opt_state) -> list[LocalState]:
   """Every :class:`LocalState` in an optimizer state, in order."""
-  found = []
-
-  def visit(x):
-    if isinstance(x, LocalState):
-      found.append(x)
-    elif isinstance(x, (tuple, list)):
-      for y in x:
-        visit(y)
-    elif isinstance(x, collections.abc.Mapping):
-      for y in x.values():
-        visit(y)
-
-  visit(opt_state)
-  return found
+  return _compressor.states_of(opt_state, LocalState)
 
 
 def apply_updates(params, updates, opt_state):
