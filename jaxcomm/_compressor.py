@@ -341,6 +341,7 @@ def compressed(
   momentum_masking: bool = True,
   clip_norm: float | None = None,
   lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
+  residual_decay: float = 1.0,
   start_step: int = 0,
   policy: _policy.LeafPolicy | None = None,
   seed: int = 0,
@@ -375,6 +376,13 @@ def compressed(
     lr_schedule: if given, the residual is rescaled by ``lr_{t-1} / lr_t``
       each step, so that mass delayed across a learning-rate change moves
       the parameters as much as it would have when it was computed.
+    residual_decay: ``beta`` in ``x = beta e + g``: the residual decays by
+      this factor each step before the gradient is added (SparseLoCo's
+      error-feedback decay, Sarfi et al. 2025: with pseudo-gradients that
+      repeat a direction sync after sync, an undecayed residual sends it
+      many times over). ``1.0`` (the default) keeps every residual whole;
+      below 1 the decayed part is dropped by design. Needs
+      ``error_feedback=True`` (or ``momentum``).
     start_step: exchange dense means (no compression, residual untouched)
       while ``count < start_step``.
     policy: which leaves to compress and how to bucket them
@@ -391,7 +399,7 @@ def compressed(
     raise ValueError(
       f"{codec.name}: unknown option(s) {', '.join(sorted(unknown))}; the "
       "options every compressor takes are start_step, clip_norm, momentum, "
-      "momentum_masking, lr_schedule and seed")
+      "momentum_masking, lr_schedule, residual_decay and seed")
   policy = _policy.as_policy(policy)
   _check_axis_name(axis_name)
   _checks.error_feedback(error_feedback)
@@ -414,6 +422,14 @@ def compressed(
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
   keep_residual = error_feedback is True or use_momentum
+  residual_decay = _checks.number("residual_decay", residual_decay, 0.0,
+                                  1.0)
+  if not isinstance(residual_decay, jax.core.Tracer) and \
+      float(residual_decay) != 1.0 and not keep_residual:
+    raise ValueError(
+      f"{codec.name}: residual_decay={residual_decay!r} decays the "
+      "error-feedback residual, which needs error_feedback=True (or "
+      f"momentum); got error_feedback={error_feedback!r}")
   spec = Spec(codec=codec, policy=policy, axis_name=axis_name,
               start_step=start_step)
 
@@ -439,7 +455,8 @@ def compressed(
                   lr_schedule=lr_schedule, momentum=momentum,
                   momentum_masking=momentum_masking,
                   keep_residual=keep_residual, use_momentum=use_momentum,
-                  start_step=start_step, ef21=ef21)
+                  start_step=start_step, ef21=ef21,
+                  residual_decay=residual_decay)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -539,6 +556,7 @@ class _Options:
   use_momentum: bool
   start_step: int
   ef21: bool = False
+  residual_decay: Any = 1.0
 
 
 def accumulate(opts: _Options, g: list, state: CompressState, n: int):
@@ -565,6 +583,9 @@ def accumulate(opts: _Options, g: list, state: CompressState, n: int):
     cur = jnp.asarray(opts.lr_schedule(step), jnp.float32)
     ratio = jnp.where(step > 0, prev / jnp.where(cur == 0, 1.0, cur), 1.0)
     residual = [r * ratio for r in residual]
+  if not (isinstance(opts.residual_decay, float)
+          and opts.residual_decay == 1.0) and residual:
+    residual = [r * opts.residual_decay for r in residual]
   if opts.use_momentum:
     u = [opts.momentum * m + x for m, x in zip(state.momentum, g)]
     xs = [r + m for r, m in zip(residual, u)]
@@ -790,7 +811,7 @@ def _check_codec_state(codec_state, layouts, codec_init, name):
 # them static unless they are passed).
 SHARED_OPTIONS = (("start_step", None), ("clip_norm", None),
                   ("momentum", None), ("momentum_masking", True),
-                  ("lr_schedule", None))
+                  ("lr_schedule", None), ("residual_decay", 1.0))
 
 
 def shared_options(factory):

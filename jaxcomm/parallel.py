@@ -137,7 +137,6 @@ def local_params(tx: optax.GradientTransformation, params) -> bool:
   """Whether ``tx`` lets params differ between devices (a local-update
   optimizer: :func:`jaxcomm.local_sgd`, :func:`jaxcomm.diloco`, ...), so
   that :class:`DataParallel` keeps them per device."""
-  from jaxcomm.transforms import _local  # pylint: disable=import-outside-toplevel
   return bool(_local.local_states(jax.eval_shape(tx.init,
                                                  _abstract(params))))
 

@@ -342,6 +342,10 @@ def test_every_factory_forwards_the_shared_options(name):
   assert calls, "lr_schedule was never read"
   with pytest.raises(ValueError, match="clip_norm"):
     factory(**args, clip_norm=-1.0)
+  with pytest.raises(ValueError, match="residual_decay"):
+    factory(**args, residual_decay=1.5)
+  decayed = factory(**args, residual_decay=0.5, **extra)
+  assert jaxcomm.compress_states(decayed.init(params))
   with pytest.raises(ValueError, match="unknown option"):
     factory(**args, bucket_cap=3)
 
@@ -366,6 +370,26 @@ def _opts(**kw):
               use_momentum=False, start_step=0)
   base.update(kw)
   return _compressor._Options(**base)
+
+
+def test_accumulate_decays_the_residual():
+  """residual_decay = beta: x = beta e + g (SparseLoCo's decayed error
+  feedback); a compressor without a residual refuses it by name."""
+  rng = np.random.default_rng(5)
+  g = [rng.normal(size=12).astype(np.float32)]
+  e = [rng.normal(size=12).astype(np.float32)]
+  state = _compressor.CompressState(
+    count=jnp.int32(3), residual=tuple(jnp.asarray(x) for x in e),
+    momentum=(), codec=(), key=jax.random.PRNGKey(0),
+    stats=None)
+  _, xs, _, residual = _compressor.accumulate(
+    _opts(residual_decay=0.25), [jnp.asarray(x) for x in g], state, 8)
+  np.testing.assert_allclose(np.asarray(xs[0]), 0.25 * e[0] + g[0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(residual[0]), 0.25 * e[0],
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="residual_decay"):
+    jaxcomm.topk(0.1, error_feedback=False, residual_decay=0.9)
 
 
 def test_accumulate_stage_against_numpy():

@@ -111,8 +111,8 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
       elements are cast).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

@@ -123,8 +123,8 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     error_feedback: keep the worker error (the server error is always kept).
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -209,8 +209,8 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -259,8 +259,8 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -323,8 +323,8 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     error_feedback: keep the residual (the paper's point; default True).
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -575,8 +575,8 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -647,8 +647,8 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -708,8 +708,8 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -778,8 +778,8 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -895,8 +895,8 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

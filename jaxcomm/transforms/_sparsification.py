@@ -195,8 +195,8 @@ def topk(ratio: float, *, granularity: str = "leaf",
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by top-k itself).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -364,8 +364,8 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the shared PRNG key.
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -446,8 +446,8 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -779,8 +779,8 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the PRNG key (the threshold's samples).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -886,8 +886,8 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -962,8 +962,8 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule`` (and ``seed`` where
-      not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
