@@ -142,6 +142,11 @@ METHODS = [
      "diloco", "period=50"),
   _m("DiLoCo H=50 + top-k 0.02, 2-bit (EF)", "topk",
      "ratio=0.02,value_bits=2", ADAM, "Adam", "diloco", "period=50"),
+  # SparseLoCo's choices: decayed error feedback instead of outer momentum
+  # (outer SGD with rate 1 applies the mean as is).
+  _m("SparseLoCo: DiLoCo H=50 + top-k 0.02, 2-bit, EF decay 0.95",
+     "topk", "ratio=0.02,value_bits=2,residual_decay=0.95", ADAM, "Adam",
+     "diloco", "period=50,outer_lr=1,outer_momentum=0"),
   _m("Streaming DiLoCo H=50, 4 fragments, tau=5", "dense", "", ADAM, "Adam",
      "diloco", "period=50,fragments=4,overlap_steps=5"),
 ]
