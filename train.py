@@ -9,6 +9,14 @@ hyperparameters, optimizer, learning-rate schedule, number of devices
   python train.py --model cnn --dataset digits --compressor powersgd \\
       --compressor-args rank=2,start_step=10 --num-devices 4 --steps 300
   python train.py --out-dir runs/a --resume        # continue runs/a
+  python train.py --local diloco --local-args period=50 --optimizer adamw \
+      --compressor topk --compressor-args ratio=0.02,value_bits=2
+
+``--local local_sgd|adacomm|overlap_local_sgd|diloco`` trains with a
+local-update optimizer around ``--optimizer`` (each device alone between
+syncs; ``--compressor`` compresses DiLoCo's pseudo-gradients): params are
+kept per device, checkpointed per device, evaluated as their device
+average, and the bytes of a step are those of its sync (none between).
 
 With no arguments it trains the character-level LSTM on Python's own help
 text (``pydoc_data``) on 8 simulated CPU devices with PowerSGD rank 4 (or,
