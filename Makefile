@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test bench bench-network lint clean
+.PHONY: train convergence test bench bench-network bench-time-to-target lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,8 @@ clean:
 # e.g. make bench-network ARGS=--quick
 bench-network: $(STAMP)
 	$(PY) -m benchmarks.network $(ARGS)
+
+# Time to a target loss of real char-LM training in a rate-limited network
+# namespace (needs root); e.g. make bench-time-to-target ARGS="--rates 1"
+bench-time-to-target: $(STAMP)
+	$(PY) -m benchmarks.time_to_target $(ARGS)
