@@ -469,3 +469,20 @@ def test_one_device_without_collectives():
     p = jaxcomm.apply_updates(p, u, s)
   for k in p:
     np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(s.anchor[k]))
+
+
+def test_local_sgd_under_pmap_matches_numpy():
+  """The legacy pmap step: params are per device by construction there;
+  the same numpy replay holds, and rows agree after each sync."""
+  steps, period = 5, 2
+  tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
+  step = parallel.pmap_train_step(loss_fn, tx)
+  p = parallel.pmap_replicate(_params())
+  s = parallel.pmap_replicate(tx.init(_params()))
+  ref = np_local_sgd(steps, 0.05, 0.9, period)
+  for t, (x, y) in enumerate(_batches(steps)):
+    batch = (x.reshape(N, B, D_IN), y.reshape(N, B, D_OUT))
+    p, s, _ = step(p, s, batch)
+    got = jax.tree.map(_rows, p)
+    _close(got, ref[t])
+    assert _agree(got) == ((t + 1) % period == 0)
