@@ -257,6 +257,7 @@ class Config:
   compressor_args: str = DEFAULT_COMPRESSOR_ARGS
   optimizer: str = "adam"      # sgd | momentum | nesterov | adam | adamw
   #                              | lamb | onebit_adam | onebit_lamb
+  #                              | zero_one_adam
   optimizer_args: str = ""     # e.g. freeze_step=200 (jaxcomm optimizers)
   local: str = "none"          # none | local_sgd | adacomm |
   #                              overlap_local_sgd | diloco
@@ -330,10 +331,10 @@ def parse_args(argv=None) -> Config:
                  f"(default for {d.compressor}: {d.compressor_args})")
   g.add_argument("--optimizer", default=d.optimizer,
                  choices=OPTIMIZERS,
-                 help="applied to the compressed mean; onebit_adam and "
-                 "onebit_lamb are whole optimizers that exchange their own "
-                 "1-bit momentum (use them with --compressor dense, the "
-                 "default for them)")
+                 help="applied to the compressed mean; onebit_adam, "
+                 "onebit_lamb and zero_one_adam are whole optimizers that "
+                 "exchange their own 1-bit momentum (use them with "
+                 "--compressor dense, the default for them)")
   g.add_argument("--optimizer-args", default=d.optimizer_args,
                  help="arguments of a jaxcomm optimizer, e.g. "
                  "freeze_step=200")
@@ -597,9 +598,9 @@ def make_schedule(cfg: Config):
 
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb",
-              "onebit_adam", "onebit_lamb")
+              "onebit_adam", "onebit_lamb", "zero_one_adam")
 # Whole optimizers that exchange their own (1-bit) momentum.
-COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb")
+COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 
 
 def make_comm_optimizer(cfg: Config, schedule):
@@ -614,7 +615,8 @@ def make_comm_optimizer(cfg: Config, schedule):
     valid = [k for k in params if k not in ("learning_rate", "axis_name")]
     raise ValueError(f"--optimizer {cfg.optimizer} takes no argument(s) "
                      f"{', '.join(unknown)}; valid: {', '.join(valid)}")
-  kwargs.setdefault("freeze_step", max(cfg.steps // 5, 1))
+  kwargs.setdefault("var_freeze_step" if cfg.optimizer == "zero_one_adam"
+                    else "freeze_step", max(cfg.steps // 5, 1))
   kwargs.setdefault("weight_decay", cfg.weight_decay)
   return factory(schedule, axis_name=AXIS, **kwargs)
 
@@ -1132,6 +1134,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
         f"--compressor dense (got {canon!r})")
     # The optimizer is the exchange: its wire is what a step moves.
     comp = tx = make_comm_optimizer(cfg, schedule)
+    if jaxcomm.local_states(jax.eval_shape(tx.init, fn.params)):
+      local_tx = tx   # 0/1 Adam: params per device, bytes per step vary
   else:
     tx = optax.chain(comp, make_optimizer(cfg, schedule))
   mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)

@@ -27,6 +27,7 @@ from jaxcomm.transforms import OneBitLambState
 from jaxcomm.transforms import OneBitState
 from jaxcomm.transforms import PowerSGDState
 from jaxcomm.transforms import SignumState
+from jaxcomm.transforms import ZeroOneAdamState
 from jaxcomm.transforms import adacomm
 from jaxcomm.transforms import apply_updates
 from jaxcomm.transforms import cast
@@ -53,5 +54,6 @@ from jaxcomm.transforms import terngrad
 from jaxcomm.transforms import threshold
 from jaxcomm.transforms import topk
 from jaxcomm.transforms import uint8
+from jaxcomm.transforms import zero_one_adam
 
 __version__ = "0.1.0"

@@ -317,6 +317,7 @@ def _methods():
                                   compressor=jaxcomm.topk(0.05)),
     "streaming": jaxcomm.diloco(sgd, outer, 4, fragments=2,
                                 overlap_steps=1),
+    "zero_one_adam": jaxcomm.zero_one_adam(1e-3, var_freeze_step=2),
   }
 
 
@@ -444,6 +445,11 @@ def test_synchronized_is_exact_when_devices_agree():
    "alpha"),
   (lambda: jaxcomm.adacomm(optax.sgd(0.1), 4, interval=0), "interval"),
   (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 4, axis_name=3), "axis_name"),
+  (lambda: jaxcomm.zero_one_adam(0.1, var_freeze_step=-1),
+   "var_freeze_step"),
+  (lambda: jaxcomm.zero_one_adam(0.1, var_freeze_step=2,
+                                 local_step_clipper=0), "local_step_clipper"),
+  (lambda: jaxcomm.zero_one_adam(0.1, b1=1.5, var_freeze_step=2), "b1"),
 ])
 def test_bad_arguments_are_named(make, match):
   with pytest.raises(ValueError, match=match):
@@ -486,3 +492,92 @@ def test_local_sgd_under_pmap_matches_numpy():
     got = jax.tree.map(_rows, p)
     _close(got, ref[t])
     assert _agree(got) == ((t + 1) % period == 0)
+
+
+def np_zero_one_adam(steps, lr, vfs, vus, lss, lsc, b1=0.9, b2=0.999,
+                     eps=1e-8):
+  """0/1 Adam (Lu et al. 2022, DeepSpeed's schedule) in float64 numpy
+  around the numpy 1-bit exchange of tests.entries_quantization (worker
+  error added here; ``b`` is small, so the leaf policy sends it dense)."""
+  from tests.entries_quantization import _onebit_ref_step
+  batches = _batches(steps)
+  zeros = lambda: {k: np.zeros_like(v) for k, v in _np_params().items()}
+  anchor = _np_params()
+  xs = [{k: v.copy() for k, v in anchor.items()} for _ in range(N)]
+  mu = [zeros() for _ in range(N)]
+  nu, acc, lrs = zeros(), [zeros() for _ in range(N)], 0.0
+  ex = {w: ([np.zeros_like(anchor["w"]) for _ in range(N)],
+            {"shapes": None, "server": None}) for w in ("g", "m")}
+
+  def exchange(vals, which):
+    res, server = ex[which]
+    xw = [[vals[i]["w"] + res[i]] for i in range(N)]
+    mean_w, sent, server = _onebit_ref_step(xw, server, None, None, N)
+    ex[which] = ([xw[i][0] - sent[i][0] for i in range(N)], server)
+    return {"b": np.mean([v["b"] for v in vals], 0), "w": mean_w[0]}
+
+  vi, vc, li, lc = 1, 0, 1, 0
+  out = []
+  for t in range(steps):
+    count = t + 1
+    grads = [np_grad(xs[i], xi, yi)
+             for i, (xi, yi) in enumerate(_device_slices(*batches[t]))]
+    denom = lambda: {k: np.sqrt(nu[k]) + eps for k in nu}
+    if count <= vfs:
+      is_var = count % vi == 0
+      if is_var:
+        gbar = {k: np.mean([g[k] for g in grads], 0) for k in nu}
+        nu = {k: b2 * nu[k] + (1 - b2) * gbar[k] ** 2 for k in nu}
+        vc += 1
+        if vc == vus:
+          vc, vi = 0, vi * 2
+      else:
+        gbar = exchange(grads, "g")
+      m = {k: b1 * mu[0][k] + (1 - b1) * gbar[k] for k in nu}
+      mu = [m for _ in range(N)]
+      d = denom()
+      anchor = {k: anchor[k] - lr * m[k] / d[k] for k in nu}
+      xs = [{k: v.copy() for k, v in anchor.items()} for _ in range(N)]
+    else:
+      d = denom()
+      for i in range(N):
+        mu[i] = {k: b1 * mu[i][k] + (1 - b1) * grads[i][k] for k in nu}
+        for k in nu:
+          xs[i][k] = xs[i][k] - lr * mu[i][k] / d[k]
+          acc[i][k] = acc[i][k] - lr * mu[i][k] / d[k]
+      lrs += lr
+      if count % li == 0:
+        ubar = exchange([{k: acc[i][k] * d[k] for k in nu}
+                         for i in range(N)], "m")
+        m = {k: -ubar[k] / lrs for k in nu}
+        mu = [m for _ in range(N)]
+        anchor = {k: anchor[k] + ubar[k] / d[k] for k in nu}
+        xs = [{k: v.copy() for k, v in anchor.items()} for _ in range(N)]
+        acc, lrs = [zeros() for _ in range(N)], 0.0
+      lc += 1
+      if lc == lss:
+        lc, li = 0, min(lsc, li * 2)
+    out.append({k: np.stack([x[k] for x in xs]) for k in nu})
+  return out
+
+
+def test_zero_one_adam_matches_numpy():
+  """Two dense variance steps, one 1-bit gradient step, then local steps
+  whose sync interval doubles (1, 1, 2, ..., 4): each step's per-device
+  params equal the numpy replay, and devices agree exactly after every
+  synchronous step and sync, not between."""
+  from jaxcomm.transforms._local import zero_one_schedule
+  steps, args = 8, dict(var_freeze_step=3, var_update_scaler=1,
+                        local_step_scaler=2, local_step_clipper=4)
+  branches = zero_one_schedule(steps, *args.values())
+  assert branches == [0, 0, 1, 3, 3, 3, 2, 3]
+  tx = jaxcomm.zero_one_adam(0.01, **args)
+  _, _, _, hist = _run(tx, steps)
+  ref = np_zero_one_adam(steps, 0.01, 3, 1, 2, 4)
+  for t, (p, _, _) in enumerate(hist):
+    _close(p, ref[t], rtol=1e-4, atol=1e-5)
+    assert _agree(p) == (branches[t] != 2), t
+  params = _params()
+  for t, b in enumerate(branches):   # wire claims follow the schedule
+    got = wire.claimed(tx, params, N, step=t)
+    assert (got == []) == (b == 2), (t, got)

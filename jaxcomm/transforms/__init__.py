@@ -10,6 +10,8 @@ from jaxcomm.transforms._local import diloco
 from jaxcomm.transforms._local import local_sgd
 from jaxcomm.transforms._local import local_states
 from jaxcomm.transforms._local import overlap_local_sgd
+from jaxcomm.transforms._local import ZeroOneAdamState
+from jaxcomm.transforms._local import zero_one_adam
 from jaxcomm.transforms._optimizers import OneBitAdamState
 from jaxcomm.transforms._optimizers import OneBitLambState
 from jaxcomm.transforms._optimizers import onebit_adam
