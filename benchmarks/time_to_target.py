@@ -8,8 +8,8 @@ collectives) inside a network namespace whose loopback is rate-limited
 link rate. From process 0's ``metrics.jsonl`` it reports the training wall
 time (from the end of step 1, so compilation is left out), and the seconds
 and steps until the training loss (mean of the last 20 steps) first reaches
-a target: the dense Adam run's smoothed loss at two thirds of its steps,
-found in the same sweep. Bytes per step are the run's mean (local-update
+a target: the smoothed loss of the dense run of the same optimizer (Adam,
+or momentum SGD) at two thirds of its steps, found in the same sweep. Bytes per step are the run's mean (local-update
 methods send only at syncs).
 
 Methods: dense Adam, PowerSGD rank 4 -> Adam, DiLoCo H=50 (Adam inside,
@@ -58,6 +58,13 @@ METHODS = {
   "local sgd H=8": MSGD + ["--local", "local_sgd", "--local-args",
                            "period=8"],
 }
+# Each method's dense baseline (the target and the "vs dense" column).
+BASELINE = {"dense adam": "dense adam",
+            "powersgd r4 -> adam": "dense adam",
+            "diloco H=50": "dense adam",
+            "diloco H=50 + sparseloco": "dense adam",
+            "dense momentum sgd": "dense momentum sgd",
+            "local sgd H=8": "dense momentum sgd"}
 SMOOTH = 20
 
 
@@ -114,14 +121,28 @@ def reach(history, target):
   return None, None
 
 
+def assign_targets(rows) -> None:
+  """Sets each row's ``target`` (its baseline's smoothed loss at 2/3 of
+  its steps), ``steps_to`` and ``seconds``; rows of one (procs, rate)."""
+  for r in rows:
+    base = next((x for x in rows if x["method"] == BASELINE[r["method"]]
+                 and "history" in x), None)
+    if base is None or "history" not in r:
+      continue
+    r["target"] = _smoothed(base["history"])[
+      2 * len(base["history"]) // 3 - 1]
+    r["steps_to"], r["seconds"] = reach(r["history"], r["target"])
+
+
 def table(rows) -> str:
   lines = ["| procs | link | method | target loss | steps to target | "
-           "s to target | vs dense adam | train s | eval loss | "
+           "s to target | vs dense | train s | eval loss | "
            "bytes/step/device | note |",
            "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in rows:
     base = next((x for x in rows if x["procs"] == r["procs"]
-                 and x["rate"] == r["rate"] and x["method"] == "dense adam"
+                 and x["rate"] == r["rate"]
+                 and x["method"] == BASELINE[r["method"]]
                  and x.get("seconds")), None)
     rel = (f"{r['seconds'] / base['seconds']:.2f}" if base and
            r.get("seconds") else "—")
@@ -173,23 +194,14 @@ def main(argv=None) -> int:
                                  f"{nproc}-{rate:g}-{m.replace(' ', '_')}")
           r = run_one(ns, port, nproc, m, a.steps, run_dir, a.timeout)
           rows.append(dict(r, procs=nproc, rate=rate, method=m))
-        # The target: dense Adam's smoothed loss at 2/3 of its steps.
-        dense = next((r for r in rows if r["procs"] == nproc
-                      and r["rate"] == rate and r["method"] == "dense adam"
-                      and "history" in r), None)
-        if dense is None:
-          continue
-        target = _smoothed(dense["history"])[2 * len(dense["history"])
-                                             // 3 - 1]
-        for r in rows:
-          if (r["procs"], r["rate"]) == (nproc, rate) and "history" in r:
-            r["target"] = target
-            r["steps_to"], r["seconds"] = reach(r["history"], target)
+        assign_targets([r for r in rows
+                        if (r["procs"], r["rate"]) == (nproc, rate)])
   md = table(rows)
   head = (f"char-LSTM (embed 32, hidden 96), {a.steps} steps, global batch "
           f"64, one CPU device per process on a rate-limited loopback; "
-          f"target: dense Adam's train loss (mean of {SMOOTH} steps) at "
-          f"2/3 of its steps; time from the end of step 1; "
+          f"target: the same optimizer's dense train loss (mean of "
+          f"{SMOOTH} steps) at 2/3 of its steps; time from the end of step "
+          f"1; "
           f"{time.time() - t0:.0f}s in all")
   print("\n" + head + "\n\n" + md)
   with open(os.path.join(a.out_dir, "time_to_target.md"), "w") as f:

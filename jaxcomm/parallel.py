@@ -155,12 +155,14 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       optax transformation).
     params: the parameters (arrays or ShapeDtypeStructs).
     mesh: the mesh; ``axis_name`` must be one of its axes.
-    axis_name: the data axis.
+    axis_name: the data axis, or a tuple of data axes (a leaf varying over
+      any of them is per device over all of them).
     per_device_params: whether params differ per device (default:
       :func:`local_params`); then the probe's params vary over the axis and
       it passes the loss as ``value``.
   """
   n = _data_size(mesh, axis_name)
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   if per_device_params is None:
     per_device_params = local_params(tx, params)
   rep = NamedSharding(mesh, P())
@@ -187,7 +189,10 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
       _, new_state = tx.update(grads, state, params, **extra)
-      found[:] = [axis_name in _core.varying_axes(x)
+      # Per device if it varies over any data axis (with several, e.g.
+      # ("dcn", "ici"), a leaf reduced over one axis still differs along
+      # the other; it is stored per device over all of them).
+      found[:] = [bool(set(names) & _core.varying_axes(x))
                   for x in jax.tree.leaves(new_state)]
       return jnp.zeros([], jnp.float32)
 
@@ -277,7 +282,12 @@ class DataParallel:
       ``has_aux``) on the device's local batch.
     tx: the optimizer.
     mesh: a mesh with an axis named ``axis_name``.
-    axis_name: the data axis.
+    axis_name: the data axis, or a tuple of them (e.g. ``("dcn", "ici")``
+      on a pod: the batch is split over all of them, per-device state and
+      params are laid out over all of them, and each compressor averages
+      over the axes it was built with, so ``optax.chain(
+      jaxcomm.mean_gradients(axis_name="ici"), jaxcomm.powersgd(2,
+      axis_name="dcn"), ...)`` compresses only between slices).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
       averaged over devices.
     donate: donate params and state buffers to the step.
