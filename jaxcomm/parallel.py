@@ -141,22 +141,48 @@ def local_params(tx: optax.GradientTransformation, params) -> bool:
                                                  _abstract(params))))
 
 
+def _axes_of(b, axis_name):
+  """The mesh axes a layout leaf's leading axis is sharded over: all data
+  axes (``True``), a subset of several (a tuple), or none (``False``)."""
+  if b is True:
+    return axis_name
+  if not b:
+    return None
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  return tuple(a for a in names if a in b)
+
+
+def _leaf_spec(b, axis_name) -> P:
+  axes = _axes_of(b, axis_name)
+  return P() if axes is None else P(axes)
+
+
+def _leaf_size(b, mesh, axis_name) -> int:
+  axes = _axes_of(b, axis_name)
+  if axes is None:
+    return 1
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  return int(np.prod([mesh.shape[a] for a in names]))
+
+
 def state_layout(tx: optax.GradientTransformation, params, mesh,
                  axis_name: str = "data", *, per_device_params=None):
-  """Which leaves of ``tx``'s state are per device (a pytree of bools).
+  """Which leaves of ``tx``'s state are per device.
 
   Found by tracing ``tx.update`` in shard_map (no computation runs): a leaf
   is per device if the update makes it vary over ``axis_name`` given local
   gradients, replicated params and the layout found so far (iterated to a
-  fixed point).
+  fixed point). Each layout leaf is ``False`` (replicated), ``True`` (one
+  row per device of the data axes) or, with several data axes, the
+  frozenset of those it varies over (e.g. ``{"dcn"}`` for a residual kept
+  after a mean over ``"ici"``: one row per slice, replicated inside it).
 
   Args:
     tx: the optimizer (a chain containing jaxcomm compressors, or any
       optax transformation).
     params: the parameters (arrays or ShapeDtypeStructs).
     mesh: the mesh; ``axis_name`` must be one of its axes.
-    axis_name: the data axis, or a tuple of data axes (a leaf varying over
-      any of them is per device over all of them).
+    axis_name: the data axis, or a tuple of data axes.
     per_device_params: whether params differ per device (default:
       :func:`local_params`); then the probe's params vary over the axis and
       it passes the loss as ``value``.
@@ -170,16 +196,22 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   params_abs = _abstract(params)
   state_abs = jax.eval_shape(tx.init, params_abs)
   leaves, treedef = jax.tree.flatten(state_abs)
-  per_device = [False] * len(leaves)
+  per_device = [frozenset()] * len(leaves)
   grads_abs = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype,
                                    sharding=dev), params_abs)
   params_abs = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
     params_abs)
+
+  def as_layout(axes: frozenset):
+    # A frozenset (a pytree leaf, unlike a tuple) for a subset of axes.
+    kept = frozenset(a for a in names if a in axes)
+    return True if len(kept) == len(names) else (kept or False)
+
   for _ in range(len(leaves) + 1):
     found = []
-    layout = jax.tree.unflatten(treedef, per_device)
+    layout = jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
 
     def probe(params, state, grads, layout=layout, found=found):
       grads = jax.tree.map(lambda g: g[0], grads)
@@ -189,34 +221,32 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
       _, new_state = tx.update(grads, state, params, **extra)
-      # Per device if it varies over any data axis (with several, e.g.
-      # ("dcn", "ici"), a leaf reduced over one axis still differs along
-      # the other; it is stored per device over all of them).
-      found[:] = [bool(set(names) & _core.varying_axes(x))
+      found[:] = [frozenset(names) & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
       return jnp.zeros([], jnp.float32)
 
-    specs = jax.tree.map(lambda b: P(axis_name) if b else P(), layout)
+    specs = state_specs(layout, axis_name)
     stacked = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct((n,) + tuple(l.shape), l.dtype, sharding=dev)
-      if b else jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=rep)
-      for l, b in zip(leaves, per_device)])
+      jax.ShapeDtypeStruct(
+        ((_leaf_size(b, mesh, axis_name),) if b else ()) + tuple(l.shape),
+        l.dtype, sharding=NamedSharding(mesh, _leaf_spec(b, axis_name)))
+      for l, b in zip(leaves, jax.tree.leaves(layout))])
     p_spec = P(axis_name) if per_device_params else P()
     fn = jax.shard_map(probe, mesh=mesh,
                        in_specs=(p_spec, specs, P(axis_name)),
                        out_specs=P())
     jax.eval_shape(fn, grads_abs if per_device_params else params_abs,
                    stacked, grads_abs)
-    new = [a or b for a, b in zip(per_device, found)]
+    new = [a | b for a, b in zip(per_device, found)]
     if new == per_device:
       break
     per_device = new
-  return jax.tree.unflatten(treedef, per_device)
+  return jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
 
 
 def state_specs(layout, axis_name: str = "data"):
   """PartitionSpecs for a state laid out by :func:`state_layout`."""
-  return jax.tree.map(lambda b: P(axis_name) if b else P(), layout)
+  return jax.tree.map(lambda b: _leaf_spec(b, axis_name), layout)
 
 
 def to_local(state, layout):
@@ -233,19 +263,23 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
                axis_name: str = "data", layout=None):
   """``tx.init(params)`` laid out for :class:`DataParallel` on ``mesh``.
 
-  Per-device leaves get a leading axis of size n (every device starts from
-  the same value) sharded over ``axis_name``; the rest is replicated.
+  Per-device leaves get a leading axis of one row per device (every device
+  starts from the same value) sharded over the data axes they vary over;
+  the rest is replicated.
   """
   if layout is None:
     layout = state_layout(tx, params, mesh, axis_name)
-  n = _data_size(mesh, axis_name)
   state = jax.device_get(tx.init(jax.device_get(params)))
-  rep = NamedSharding(mesh, P())
-  dev = NamedSharding(mesh, P(axis_name))
-  return jax.tree.map(
-    lambda x, b: _global(np.broadcast_to(np.asarray(x)[None],
-                                         (n,) + np.shape(x)), dev)
-    if b else _global(x, rep), state, layout)
+
+  def place(x, b):
+    sharding = NamedSharding(mesh, _leaf_spec(b, axis_name))
+    if not b:
+      return _global(x, sharding)
+    k = _leaf_size(b, mesh, axis_name)
+    return _global(np.broadcast_to(np.asarray(x)[None], (k,) + np.shape(x)),
+                   sharding)
+
+  return jax.tree.map(place, state, layout)
 
 
 # ------------------------------------------------------------ train steps --
@@ -558,6 +592,10 @@ def resize_state(state, layout, num_devices: int):
     if not dev:
       out.append(x)
       continue
+    if dev is not True:
+      raise ValueError(
+        f"cannot resize a state leaf laid out over the data axes {dev} only "
+        "(several data axes): resize states of one data axis")
     old = x.shape[0]
     new = num_devices
     if old == new:
