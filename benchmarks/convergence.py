@@ -91,6 +91,12 @@ METHODS = [
   _m("Adam (dense)", "dense", "", ADAM, "Adam"),
   _m("onebit -> Adam (chained)", "onebit", "", ADAM, "Adam"),
   _m("1-bit Adam", "dense", "", ("onebit_adam", FREEZE, 3e-3), "Adam"),
+  # 0/1 Adam: variance steps until 320, then local steps whose sync
+  # interval doubles every 100 steps up to 16 (DeepSpeed's policy, with
+  # its scaler shortened to this budget).
+  _m("0/1 Adam", "dense", "",
+     ("zero_one_adam", "var_freeze_step=320,local_step_scaler=100,"
+      "local_step_clipper=16", 3e-3), "Adam"),
   _m("PowerSGD r4 -> Adam", "powersgd", "rank=4", ADAM, "Adam"),
   _m("QSGD -> Adam", "qsgd", "", ADAM, "Adam"),
   _m("TernGrad -> Adam", "terngrad", "", ADAM, "Adam"),
