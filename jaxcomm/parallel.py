@@ -141,15 +141,77 @@ def local_params(tx: optax.GradientTransformation, params) -> bool:
                                                  _abstract(params))))
 
 
+def _names(axis_name) -> tuple:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
 def _axes_of(b, axis_name):
   """The mesh axes a layout leaf's leading axis is sharded over: all data
-  axes (``True``), a subset of several (a tuple), or none (``False``)."""
+  axes (``True``), a set of axes (data axes in their order, then model
+  axes sorted), or none (``False``)."""
   if b is True:
     return axis_name
   if not b:
     return None
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  return tuple(a for a in names if a in b)
+  names = _names(axis_name)
+  return tuple(a for a in names if a in b) + tuple(
+    sorted(a for a in b if a not in names))
+
+
+def _spec_axes(spec) -> set:
+  out = set()
+  for e in spec:
+    if e is None:
+      continue
+    out |= set(e) if isinstance(e, tuple) else {e}
+  return out
+
+
+def param_specs(params, mesh, axis_name="data"):
+  """Each params leaf's PartitionSpec over the mesh's non-data axes (its
+  NamedSharding on ``mesh``; ``P()`` for host arrays and replicated ones).
+
+  Raises a ValueError naming a leaf sharded over a data axis: data
+  parallelism replicates params over those.
+  """
+  names = set(_names(axis_name))
+
+  def spec(path, x):
+    sh = getattr(x, "sharding", None)
+    if not isinstance(sh, NamedSharding) or \
+        tuple(sh.mesh.axis_names) != tuple(mesh.axis_names):
+      return P()
+    used = _spec_axes(sh.spec)
+    if used & names:
+      raise ValueError(
+        f"params leaf {jax.tree_util.keystr(path)} is sharded as {sh.spec}, "
+        f"over the data axis {sorted(used & names)}: shard params over "
+        "model axes only (data parallelism replicates them over the data "
+        "axes)")
+    return sh.spec
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _local_shape(shape, spec, mesh) -> tuple:
+  """The shape of one device's block of a global ``shape`` split by
+  ``spec``."""
+  out = list(shape)
+  for i, e in enumerate(spec):
+    if e is None:
+      continue
+    k = int(np.prod([mesh.shape[a] for a in (e if isinstance(e, tuple)
+                                             else (e,))]))
+    if out[i] % k:
+      raise ValueError(f"dimension {i} of shape {tuple(shape)} does not "
+                       f"split over {e} ({k} devices)")
+    out[i] //= k
+  return tuple(out)
+
+
+def _with_data(spec, axis_name) -> P:
+  """``spec`` with a leading axis over the data axes (per-device rows)."""
+  return P(axis_name, *spec)
 
 
 def _leaf_spec(b, axis_name) -> P:
@@ -166,7 +228,8 @@ def _leaf_size(b, mesh, axis_name) -> int:
 
 
 def state_layout(tx: optax.GradientTransformation, params, mesh,
-                 axis_name: str = "data", *, per_device_params=None):
+                 axis_name: str = "data", *, per_device_params=None,
+                 specs=None):
   """Which leaves of ``tx``'s state are per device.
 
   Found by tracing ``tx.update`` in shard_map (no computation runs): a leaf
@@ -186,28 +249,45 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     per_device_params: whether params differ per device (default:
       :func:`local_params`); then the probe's params vary over the axis and
       it passes the loss as ``value``.
+    specs: the params' PartitionSpecs over model axes (default:
+      :func:`param_specs`); state is then the state of one device's block
+      of the params, and a leaf that varies over a model axis gets one row
+      per block too.
   """
   n = _data_size(mesh, axis_name)
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  names = _names(axis_name)
+  if specs is None:
+    specs = param_specs(params, mesh, axis_name)
+  model_axes = set()
+  for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
+    model_axes |= _spec_axes(sp)
+  watched = frozenset(names) | frozenset(model_axes)
   if per_device_params is None:
     per_device_params = local_params(tx, params)
-  rep = NamedSharding(mesh, P())
-  dev = NamedSharding(mesh, P(axis_name))
   params_abs = _abstract(params)
-  state_abs = jax.eval_shape(tx.init, params_abs)
+  is_p = lambda x: isinstance(x, P)
+  local_abs = jax.tree.map(
+    lambda x, sp: jax.ShapeDtypeStruct(_local_shape(x.shape, sp, mesh),
+                                       x.dtype), params_abs, specs)
+  state_abs = jax.eval_shape(tx.init, local_abs)
   leaves, treedef = jax.tree.flatten(state_abs)
   per_device = [frozenset()] * len(leaves)
   grads_abs = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype,
-                                   sharding=dev), params_abs)
+    lambda x, sp: jax.ShapeDtypeStruct(
+      (n,) + tuple(x.shape), x.dtype,
+      sharding=NamedSharding(mesh, _with_data(sp, axis_name))),
+    params_abs, specs)
   params_abs = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-    params_abs)
+    lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=NamedSharding(mesh, sp)),
+    params_abs, specs)
+  g_specs = jax.tree.map(lambda sp: _with_data(sp, axis_name), specs,
+                         is_leaf=is_p)
 
   def as_layout(axes: frozenset):
     # A frozenset (a pytree leaf, unlike a tuple) for a subset of axes.
-    kept = frozenset(a for a in names if a in axes)
-    return True if len(kept) == len(names) else (kept or False)
+    kept = frozenset(a for a in watched if a in axes)
+    return True if kept == frozenset(names) else (kept or False)
 
   for _ in range(len(leaves) + 1):
     found = []
@@ -221,19 +301,18 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
       _, new_state = tx.update(grads, state, params, **extra)
-      found[:] = [frozenset(names) & _core.varying_axes(x)
+      found[:] = [watched & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
       return jnp.zeros([], jnp.float32)
 
-    specs = state_specs(layout, axis_name)
     stacked = jax.tree.unflatten(treedef, [
       jax.ShapeDtypeStruct(
         ((_leaf_size(b, mesh, axis_name),) if b else ()) + tuple(l.shape),
         l.dtype, sharding=NamedSharding(mesh, _leaf_spec(b, axis_name)))
       for l, b in zip(leaves, jax.tree.leaves(layout))])
-    p_spec = P(axis_name) if per_device_params else P()
     fn = jax.shard_map(probe, mesh=mesh,
-                       in_specs=(p_spec, specs, P(axis_name)),
+                       in_specs=(g_specs if per_device_params else specs,
+                                 state_specs(layout, axis_name), g_specs),
                        out_specs=P())
     jax.eval_shape(fn, grads_abs if per_device_params else params_abs,
                    stacked, grads_abs)
@@ -260,15 +339,27 @@ def to_global(state, layout):
 
 
 def init_state(tx: optax.GradientTransformation, params, mesh,
-               axis_name: str = "data", layout=None):
+               axis_name: str = "data", layout=None, specs=None):
   """``tx.init(params)`` laid out for :class:`DataParallel` on ``mesh``.
 
   Per-device leaves get a leading axis of one row per device (every device
   starts from the same value) sharded over the data axes they vary over;
-  the rest is replicated.
+  the rest is replicated. With params sharded over model axes (``specs``,
+  default :func:`param_specs`), ``tx.init`` runs on each device's block.
   """
+  if specs is None:
+    specs = param_specs(params, mesh, axis_name)
   if layout is None:
-    layout = state_layout(tx, params, mesh, axis_name)
+    layout = state_layout(tx, params, mesh, axis_name, specs=specs)
+  if any(sp != P() for sp in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P))):
+    placed = jax.tree.map(
+      lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params,
+      specs)
+    init = jax.shard_map(lambda p: to_global(tx.init(p), layout), mesh=mesh,
+                         in_specs=(specs,),
+                         out_specs=state_specs(layout, axis_name))
+    return jax.jit(init)(placed)
   state = jax.device_get(tx.init(jax.device_get(params)))
 
   def place(x, b):
@@ -339,6 +430,7 @@ class DataParallel:
     self.donate = donate
     self.layout = None
     self.per_device_params = False
+    self.param_specs = None
     self._step = None
 
   @property
@@ -356,26 +448,38 @@ class DataParallel:
           "differentiates every params leaf, and only floating (or complex) "
           "leaves have gradients; keep integer state (counters, indices) "
           "out of params, e.g. in the batch or closed over by loss_fn")
-    self.per_device_params = local_params(self.tx, params)
+    self.param_specs = param_specs(params, self.mesh, self.axis_name)
+    self.per_device_params = local_params(
+      self.tx, jax.tree.map(
+        lambda x, sp: jax.ShapeDtypeStruct(
+          _local_shape(np.shape(x), sp, self.mesh), jnp.result_type(x)),
+        params, self.param_specs))
     self.layout = state_layout(self.tx, params, self.mesh, self.axis_name,
-                               per_device_params=self.per_device_params)
+                               per_device_params=self.per_device_params,
+                               specs=self.param_specs)
     state = init_state(self.tx, params, self.mesh, self.axis_name,
-                       self.layout)
+                       self.layout, specs=self.param_specs)
     host = jax.device_get(params)
     if self.per_device_params:
       return self.place_params(jax.tree.map(
         lambda x: np.broadcast_to(np.asarray(x)[None],
                                   (self.num_devices,) + np.shape(x)),
         host)), state
-    return replicate(host, self.mesh), state
+    return self.place_params(host), state
+
+  def _param_shardings(self):
+    wrap = ((lambda sp: _with_data(sp, self.axis_name))
+            if self.per_device_params else (lambda sp: sp))
+    return jax.tree.map(lambda sp: NamedSharding(self.mesh, wrap(sp)),
+                        self.param_specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
   def place_params(self, host_params):
-    """Host params as this step's inputs: per device (leading axis of size
-    n over the data axis) for a local-update optimizer, else replicated."""
-    if self.per_device_params:
-      dev = NamedSharding(self.mesh, P(self.axis_name))
-      return jax.tree.map(lambda x: _global(x, dev), host_params)
-    return replicate(host_params, self.mesh)
+    """Host params as this step's inputs: split over model axes as given to
+    :meth:`init`, and per device (a leading axis of size n over the data
+    axis) for a local-update optimizer, else replicated over the data
+    axis."""
+    return jax.tree.map(_global, host_params, self._param_shardings())
 
   def synchronized(self, params):
     """The model to evaluate or export: ``params`` themselves when they are
@@ -384,7 +488,7 @@ class DataParallel:
     holds the same one, as right after a sync)."""
     if not self.per_device_params:
       return params
-    return synchronized(params, self.mesh)
+    return synchronized(params, self.mesh, self.param_specs)
 
   def shard_batch(self, batch):
     """This process's slice of a batch as global arrays (see shard_batch)."""
@@ -419,10 +523,13 @@ class DataParallel:
       return new_params, to_global(new_local, layout), metrics
 
     specs = state_specs(layout, axis)
-    p_spec = P(axis) if per_device else P()
+    p_spec = jax.tree.map(
+      lambda sp: _with_data(sp, axis) if per_device else sp,
+      self.param_specs, is_leaf=lambda x: isinstance(x, P))
+    m_spec = P(axis) if per_device else P()
     mapped = jax.shard_map(step, mesh=self.mesh,
                            in_specs=(p_spec, specs, P(axis)),
-                           out_specs=(p_spec, specs, p_spec))
+                           out_specs=(p_spec, specs, m_spec))
     return jax.jit(mapped, donate_argnums=(0, 1) if self.donate else ())
 
   def step(self, params, state, batch):
@@ -453,11 +560,14 @@ class DataParallel:
     return self._step.lower(params, state, batch)
 
 
-def synchronized(params, mesh):
+def synchronized(params, mesh, specs=None):
   """Per-device params (leading device axis) -> their device average,
-  replicated on ``mesh``; where every device holds the same value, that
-  value exactly (a mean of equal floats may round)."""
-  rep = NamedSharding(mesh, P())
+  replicated on ``mesh`` (split over model axes as ``specs`` say); where
+  every device holds the same value, that value exactly (a mean of equal
+  floats may round)."""
+  rep = (NamedSharding(mesh, P()) if specs is None else jax.tree.map(
+    lambda sp: NamedSharding(mesh, sp), specs,
+    is_leaf=lambda x: isinstance(x, P)))
 
   def one(x):
     first = x[0]

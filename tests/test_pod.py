@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import parallel
@@ -99,3 +101,75 @@ def test_hierarchical_chain_compresses_only_between_slices():
   assert big and all(op.group == 4 for op in big), ops
   between = [op for op in ops if op.group == 2]
   assert between and all(op.payload < size / 2 for op in between), ops
+
+
+# -------------------------------------------- params split over a model axis
+
+def _model_mesh():
+  return jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+HALF = D_OUT // 2
+
+
+def _sharded_loss(p, batch):
+  """Column-parallel linear layer: this device's half of the outputs; the
+  squared error summed over both halves (psum over "model")."""
+  x, y = batch
+  m = jax.lax.axis_index("model")
+  y_m = jax.lax.dynamic_slice_in_dim(y, m * HALF, HALF, axis=1)
+  part = jnp.sum((x @ p["w"] + p["b"] - y_m) ** 2)
+  return jax.lax.psum(part, "model") / (x.shape[0] * D_OUT)
+
+
+def _half_loss(m):
+  def loss(p, batch):
+    x, y = batch
+    return jnp.sum((x @ p["w"] + p["b"] - y[:, m * HALF:(m + 1) * HALF])
+                   ** 2) / (x.shape[0] * D_OUT)
+  return loss
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.mean_gradients(),
+  lambda: jaxcomm.topk(0.25),
+  lambda: jaxcomm.powersgd(2),
+], ids=["mean", "topk", "powersgd"])
+def test_params_split_over_a_model_axis_stay_split(make):
+  """DataParallel keeps a (data=4, model=2) split of the params: each
+  model half trains exactly as a 4-device run on that half alone (top-k
+  and PowerSGD compress each device's block: per-shard k, per-shard low
+  rank), params come back split as given, and every collective of the step
+  spans the 4 data devices or the 2 model devices of the loss's psum."""
+  mesh = _model_mesh()
+  specs = {"b": P("model"), "w": P(None, "model")}
+  params = jax.tree.map(
+    lambda x, sp: jax.device_put(x, jax.sharding.NamedSharding(mesh, sp)),
+    _params(), specs)
+  batches = _batches(3, 4 * B)
+  tx = optax.chain(make(), optax.sgd(0.1))
+  dp = parallel.DataParallel(_sharded_loss, tx, mesh, donate=False)
+  p, s = dp.init(params)
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+  assert p["w"].sharding.spec == P(None, "model")
+  ops = wire.collectives(dp.lower(p, s, dp.shard_batch(batches[0])))
+  assert {op.group for op in ops} <= {4, 2}, ops
+  assert all(op.payload <= 8 for op in ops if op.group == 2), ops
+  for m in range(2):
+    cut = lambda x, m=m: np.asarray(x)[..., m * HALF:(m + 1) * HALF]
+    _, want, _ = _train_loss(optax.chain(make(), optax.sgd(0.1)),
+                             _flat_mesh(4), _half_loss(m),
+                             jax.tree.map(cut, _params()), batches)
+    for k in ("b", "w"):
+      np.testing.assert_allclose(cut(p[k]), np.asarray(want[k]),
+                                 rtol=1e-5, atol=1e-6, err_msg=f"{m} {k}")
+
+
+def _train_loss(tx, mesh, loss, params, batches):
+  dp = parallel.DataParallel(loss, tx, mesh, "data", donate=False)
+  p, s = dp.init(params)
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+  return dp, p, s
