@@ -70,6 +70,48 @@ def make_mesh(num_devices: int | None = None, axis_name: str = "data", *,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
+def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
+                  fast_axis: str = "ici", devices=None):
+  """A ``(slow_axis, fast_axis)`` mesh: one row per slice or host.
+
+  Devices are grouped by their ``slice_index`` where every device has one
+  (TPU multislice: ICI inside a slice, DCN between slices), else by
+  ``process_index`` (a GPU cluster with one process per host: NVLink
+  inside, the network between); ``num_slices`` instead cuts the devices,
+  in order, into that many equal groups (one process driving several
+  hosts, or simulated CPU devices). Each group is one row along
+  ``slow_axis``, its devices in order along ``fast_axis``. Use
+  ``axis_name=(slow_axis, fast_axis)`` in :class:`DataParallel`, dense
+  averaging over ``fast_axis`` and compression over ``slow_axis``.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  if num_slices is not None:
+    num_slices = _checks.integer("num_slices", num_slices, 1)
+    if len(devices) % num_slices:
+      raise ValueError(f"num_slices={num_slices} does not divide the "
+                       f"{len(devices)} devices")
+    per = len(devices) // num_slices
+    groups = [devices[i * per:(i + 1) * per] for i in range(num_slices)]
+  else:
+    key = ((lambda d: d.slice_index) if all(
+      getattr(d, "slice_index", None) is not None for d in devices)
+           else (lambda d: d.process_index))
+    by = {}
+    for d in devices:
+      by.setdefault(key(d), []).append(d)
+    groups = [by[k] for k in sorted(by)]
+    if len({len(g) for g in groups}) != 1:
+      raise ValueError(
+        "slices (or hosts) hold different numbers of devices "
+        f"{[len(g) for g in groups]}: pass num_slices or devices")
+  arr = np.empty((len(groups), len(groups[0])), dtype=object)
+  for i, g in enumerate(groups):
+    for j, d in enumerate(g):
+      arr[i, j] = d
+  return jax.sharding.Mesh(arr, (slow_axis, fast_axis),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
 def _data_size(mesh, axis_name) -> int:
   names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   for name in names:

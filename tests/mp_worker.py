@@ -1,8 +1,10 @@
 """A dense data-parallel training run, as one of several processes.
 
 Run by tests/test_multiprocess.py:
-  python -m tests.mp_worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES OUT
-With NUM_PROCESSES == 1 it runs alone, without jax.distributed.
+  python -m tests.mp_worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES OUT [pod]
+With NUM_PROCESSES == 1 it runs alone, without jax.distributed. With
+``pod`` the mesh is ("dcn", "ici") = 2 x 4 (slices by process) and the
+optimizer the hierarchical chain (dense over "ici", PowerSGD over "dcn").
 """
 
 import json
@@ -13,6 +15,7 @@ import sys
 def main(argv):
   pid, nproc, port, local, out = (int(argv[0]), int(argv[1]), int(argv[2]),
                                   int(argv[3]), argv[4])
+  pod = len(argv) > 5 and argv[5] == "pod"
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -26,9 +29,13 @@ def main(argv):
                                 local_device_count=local, timeout_s=60)
   else:
     jax.config.update("jax_num_cpu_devices", local)
-  mesh = jaxcomm.parallel.make_mesh()
-  n = mesh.shape["data"]
-  assert n == 8, n
+  if pod:
+    # Slices by process (2 x 4), or 2 slices cut from one process's 8.
+    mesh = jaxcomm.parallel.make_pod_mesh(None if nproc > 1 else 2)
+    assert dict(mesh.shape) == {"dcn": 2, "ici": 4}, mesh.shape
+  else:
+    mesh = jaxcomm.parallel.make_mesh()
+    assert mesh.shape["data"] == 8, mesh.shape
 
   rng = np.random.RandomState(0)
   w_true = rng.randn(16, 4).astype(np.float32)
@@ -39,8 +46,14 @@ def main(argv):
     x, y = batch
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
-  tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
-  dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+  if pod:
+    # Dense inside a slice, PowerSGD between slices.
+    tx = optax.chain(jaxcomm.mean_gradients(axis_name="ici"),
+                     jaxcomm.powersgd(2, axis_name="dcn"), optax.sgd(0.1))
+    dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh, ("dcn", "ici"))
+  else:
+    tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+    dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
   params, state = dp.init(params)
   losses = []
   per_proc = 32 // nproc

@@ -13,17 +13,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("mode", ["flat", "pod"])
+def test_two_processes_match_one_process(tmp_path, mode):
+  """flat: dense data parallelism over 8 devices. pod: a ("dcn", "ici")
+  mesh with one slice per process and the hierarchical chain (dense mean
+  inside a slice, PowerSGD between slices), against the same mesh cut from
+  one process's 8 devices."""
+  extra = ["pod"] if mode == "pod" else []
   one = tmp_path / "one.json"
   subprocess.run([sys.executable, "-m", "tests.mp_worker", "0", "1", "0", "8",
-                  str(one)], cwd=ROOT, env=procs.child_env(), check=True,
-                 timeout=300)
+                  str(one)] + extra, cwd=ROOT, env=procs.child_env(),
+                 check=True, timeout=300)
   port = procs.free_port()
   two = tmp_path / "two.json"
   workers = [subprocess.Popen(
     [sys.executable, "-m", "tests.mp_worker", str(pid), "2", str(port), "4",
-     str(two)], cwd=ROOT, env=procs.child_env(), stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT) for pid in range(2)]
+     str(two)] + extra, cwd=ROOT, env=procs.child_env(),
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for pid in range(2)]
   outs = []
   for p in workers:
     try:

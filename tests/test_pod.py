@@ -173,3 +173,15 @@ def _train_loss(tx, mesh, loss, params, batches):
   for b in batches:
     p, s, _ = dp.step(p, s, b)
   return dp, p, s
+
+
+def test_make_pod_mesh_groups_devices():
+  devs = jax.devices()[:8]
+  mesh = parallel.make_pod_mesh(2, devices=devs)
+  assert dict(mesh.shape) == {"dcn": 2, "ici": 4}
+  assert [d.id for d in mesh.devices[1]] == [d.id for d in devs[4:]]
+  # One process, no slices: one group (one host) of all its devices.
+  assert dict(parallel.make_pod_mesh(devices=devs).shape) == {"dcn": 1,
+                                                             "ici": 8}
+  with pytest.raises(ValueError, match="num_slices"):
+    parallel.make_pod_mesh(3, devices=devs)
