@@ -1314,7 +1314,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   result = {
     "model": cfg.model, "dataset": dataset,
     "compressor": (cfg.local + ("" if canon == "dense" else f"+{canon}")
-                   if local_tx is not None
+                   if cfg.local != "none"
                    else cfg.optimizer if cfg.optimizer in COMM_OPTIMIZERS
                    else canon),
     "compressor_args": (parse_kwargs(cfg.optimizer_args)

@@ -74,9 +74,9 @@ def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
                   fast_axis: str = "ici", devices=None):
   """A ``(slow_axis, fast_axis)`` mesh: one row per slice or host.
 
-  Devices are grouped by their ``slice_index`` where every device has one
-  (TPU multislice: ICI inside a slice, DCN between slices), else by
-  ``process_index`` (a GPU cluster with one process per host: NVLink
+  Devices are grouped by their ``slice_index`` where it tells several
+  slices apart (TPU multislice: ICI inside a slice, DCN between slices),
+  else by ``process_index`` (a GPU cluster with one process per host: NVLink
   inside, the network between); ``num_slices`` instead cuts the devices,
   in order, into that many equal groups (one process driving several
   hosts, or simulated CPU devices). Each group is one row along
@@ -93,9 +93,11 @@ def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
     per = len(devices) // num_slices
     groups = [devices[i * per:(i + 1) * per] for i in range(num_slices)]
   else:
-    key = ((lambda d: d.slice_index) if all(
-      getattr(d, "slice_index", None) is not None for d in devices)
-           else (lambda d: d.process_index))
+    # slice_index where it tells slices apart (CPU and single-slice
+    # devices may report 0 for all), else the process (host).
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    key = ((lambda d: d.slice_index) if None not in slices
+           and len(slices) > 1 else (lambda d: d.process_index))
     by = {}
     for d in devices:
       by.setdefault(key(d), []).append(d)

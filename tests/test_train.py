@@ -390,3 +390,19 @@ def test_local_flags_are_checked(tmp_path):
   with pytest.raises(ValueError, match="exchanges its own"):
     _run(tmp_path, "--local", "diloco", "--local-args", "period=2",
          "--optimizer", "onebit_adam", "--steps", 2)
+
+
+def test_zero_one_adam_runs_from_the_command_line(tmp_path):
+  r = _run(tmp_path, "--optimizer", "zero_one_adam", "--optimizer-args",
+           "var_freeze_step=2,local_step_scaler=2,local_step_clipper=2",
+           "--lr", 0.003, "--steps", 6, "--checkpoint-every", 0)
+  assert r["compressor"] == "zero_one_adam"
+  assert jax.tree.leaves(jax.device_get(r["params"]))[0].shape[0] == 8
+  moved = [h["bytes_per_step"] for h in r["history"]]
+  # Steps 1-2: variance steps (the dense mean); then 1-bit syncs at steps
+  # 3, 4 and 6 (the interval doubles to 2 after two steps), none at 5.
+  dense = r["dense_bytes_per_step"]
+  assert moved[0] == moved[1] == dense, moved
+  assert moved[2] == moved[3] == moved[5] and 0 < moved[2] < dense / 10
+  assert moved[4] == 0, moved
+  assert np.isfinite(r["eval_loss"])
