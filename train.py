@@ -348,7 +348,9 @@ def parse_args(argv=None) -> Config:
                  help="arguments of --local, e.g. period=8 (local_sgd: "
                  "start_step; adacomm: interval, max_period; "
                  "overlap_local_sgd: alpha; diloco: outer_lr=0.7, "
-                 "outer_momentum=0.9, fragments, overlap_steps, alpha)")
+                 "outer_momentum=0.9, fragments, overlap_steps, alpha; "
+                 "dpsgd: topology=ring|torus|hypercube|exponential, no "
+                 "period)")
   g.add_argument("--lr", type=float, default=d.lr)
   g.add_argument("--momentum", type=float, default=d.momentum)
   g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -621,7 +623,8 @@ def make_comm_optimizer(cfg: Config, schedule):
   return factory(schedule, axis_name=AXIS, **kwargs)
 
 
-LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco")
+LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco",
+                 "dpsgd")
 
 
 def make_local_optimizer(cfg: Config, inner, compressor, schedule):
@@ -631,7 +634,7 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule):
   ``compressor`` (None for dense) compresses its pseudo-gradients."""
   kwargs = parse_kwargs(cfg.local_args)
   factory = getattr(jaxcomm, cfg.local)
-  if "period" not in kwargs:
+  if "period" not in kwargs and cfg.local != "dpsgd":
     raise ValueError(f"--local {cfg.local} needs --local-args period=H "
                      "(steps between syncs)")
   if compressor is not None and cfg.local != "diloco":

@@ -622,6 +622,18 @@ def synchronized(params, mesh, specs=None):
   return jax.jit(lambda p: jax.tree.map(one, p), out_shardings=rep)(params)
 
 
+def consensus_distance(params) -> jax.Array:
+  """``max_i |x_i - mean_j x_j|`` over every element of per-device params
+  (leading device axis): how far decentralized or local training has let
+  the devices drift apart (0 right after a sync)."""
+  def one(x):
+    x = x.astype(jnp.float32)
+    return jnp.max(jnp.abs(x - jnp.mean(x, axis=0, keepdims=True)))
+  leaves = jax.tree.leaves(params)
+  return jax.jit(lambda ls: jnp.max(jnp.stack([one(x) for x in ls])))(
+    leaves) if leaves else jnp.zeros([], jnp.float32)
+
+
 def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                     axis_name: str = "data", *, has_aux: bool = False):
   """The same train step through legacy ``jax.pmap``.

@@ -90,3 +90,121 @@ def gossip_average(x, axis_name, *, topology: str = "ring",
 
     x = jax.tree.map(mix, x)
   return x
+
+
+# ------------------------------------------------ mixing for D-PSGD ----
+
+MIXING_TOPOLOGIES = ("ring", "torus", "hypercube", "exponential")
+
+
+def _torus_shape(n: int) -> tuple[int, int]:
+  r = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
+  return r, n // r
+
+
+def mixing_phases(topology: str, n: int) -> list[list[tuple]]:
+  """The mixing of each phase (the step count modulo the number of phases
+  picks one): a list of ``(sources, weight)``, ``sources[i]`` being the
+  device whose value device ``i`` receives with that weight (``i`` itself
+  for the self weight). Every phase's matrix is doubly stochastic.
+
+  * ``ring``: ``1/3`` each of self and both neighbours (``1/2`` when n=2).
+  * ``torus``: the most square ``r x c`` grid; ``1/5`` each of self and
+    the four grid neighbours (wrapping; coinciding ones add up).
+  * ``hypercube`` (n a power of two): phase ``k`` averages with
+    ``i XOR 2^k``, ``log2 n`` phases (their product is the exact mean).
+  * ``exponential`` (one-peer exponential graph, Ying et al. 2021): phase
+    ``k`` averages with the value of ``i + 2^k mod n``,
+    ``ceil(log2 n)`` phases (directed; doubly stochastic).
+  """
+  if topology not in MIXING_TOPOLOGIES:
+    raise ValueError(
+      f"topology must be one of {MIXING_TOPOLOGIES}, got {topology!r}")
+  ident = list(range(n))
+  if n == 1:
+    return [[(ident, 1.0)]]
+  if topology == "ring":
+    if n == 2:
+      return [[(ident, 0.5), ([1, 0], 0.5)]]
+    third = 1.0 / 3.0
+    return [[(ident, third), ([(i + 1) % n for i in ident], third),
+             ([(i - 1) % n for i in ident], third)]]
+  if topology == "torus":
+    r, c = _torus_shape(n)
+    at = lambda a, b: (a % r) * c + (b % c)
+    nbrs = [[at(i // c + da, i % c + db) for i in ident]
+            for da, db in ((1, 0), (-1, 0), (0, 1), (0, -1))]
+    merged = {}
+    for s in [ident] + nbrs:     # coinciding neighbours (r or c <= 2) add up
+      merged[tuple(s)] = merged.get(tuple(s), 0.0) + 0.2
+    return [[(list(s), w) for s, w in merged.items()]]
+  if topology == "hypercube":
+    if n & (n - 1):
+      raise ValueError("the hypercube topology needs a power-of-two device "
+                       f"count, got n={n}")
+    return [[(ident, 0.5), ([i ^ (1 << k) for i in ident], 0.5)]
+            for k in range(n.bit_length() - 1)]
+  phases = max(1, (n - 1).bit_length())
+  return [[(ident, 0.5), ([(i + (1 << k)) % n for i in ident], 0.5)]
+          for k in range(phases)]
+
+
+def mixing_matrix(topology: str, n: int, phase: int = 0):
+  """The ``n x n`` mixing matrix ``W`` of a phase (``x <- W x``)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  w = np.zeros((n, n))
+  phases = mixing_phases(topology, n)
+  for sources, weight in phases[phase % len(phases)]:
+    for i, j in enumerate(sources):
+      w[i, j] += weight
+  return w
+
+
+def gossip_mix(leaves, axis_name, topology: str, step):
+  """One mixing step ``x_i <- sum_j W_ij x_j`` of ``leaves`` (a list of
+  arrays) over ``axis_name``, with the phase ``step mod #phases`` (a
+  traced int): all leaves travel as one float32 buffer, one
+  collective-permute per neighbour; time-varying topologies pick their
+  phase with ``lax.switch``. Returns the mixed leaves (typed varying)."""
+  from jaxcomm import _buckets  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  if axis_name is None or not leaves:
+    return list(leaves)
+  n = _core.axis_size(axis_name)
+  flat = _core.pvary(_buckets.flatten(list(leaves), jnp.float32), axis_name)
+  phases = mixing_phases(topology, n)
+
+  def run(phase):
+    def f(x):
+      out = None
+      for sources, weight in phase:
+        if sources == list(range(n)):
+          y = x
+        else:
+          # Device i receives from sources[i].
+          y = _core.ppermute(x, axis_name, [(s, i) for i, s in
+                                            enumerate(sources)])
+        out = weight * y if out is None else out + weight * y
+      return out
+    return f
+
+  if len(phases) == 1:
+    mixed = run(phases[0])(flat)
+  else:
+    mixed = jax.lax.switch(jnp.asarray(step, jnp.int32) % len(phases),
+                           [run(p) for p in phases], flat)
+  back = _buckets.unflatten(mixed, [l.shape for l in leaves])
+  return [b.astype(l.dtype) for b, l in zip(back, leaves)]
+
+
+def gossip_wire(topology: str, n: int, size: int, step=None) -> list:
+  """Collectives of :func:`gossip_mix` of ``size`` elements: one
+  collective-permute of ``4 size`` bytes per neighbour, for the phase of
+  ``step`` (None: every phase, as the compiled step holds them)."""
+  if n == 1:
+    return []
+  phases = mixing_phases(topology, n)
+  chosen = phases if step is None else [phases[step % len(phases)]]
+  ident = list(range(n))
+  return [("collective-permute", 4 * size) for ph in chosen
+          for sources, _ in ph if sources != ident]

@@ -7,6 +7,7 @@ from jaxcomm.transforms._local import LocalState
 from jaxcomm.transforms._local import adacomm
 from jaxcomm.transforms._local import apply_updates
 from jaxcomm.transforms._local import diloco
+from jaxcomm.transforms._local import dpsgd
 from jaxcomm.transforms._local import local_sgd
 from jaxcomm.transforms._local import local_states
 from jaxcomm.transforms._local import overlap_local_sgd

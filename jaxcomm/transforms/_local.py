@@ -116,6 +116,8 @@ def apply_updates(params, updates, opt_state):
       "local-update optimizer (local_sgd, adacomm, overlap_local_sgd, "
       "diloco) per train step")
   st = states[0]
+  if isinstance(st.synced, tuple) and not st.synced:
+    return new     # gossip: devices never set to a common value
   return jax.tree.map(
     lambda p, a, s: jnp.where(s, a.astype(p.dtype), p), new, st.anchor,
     st.synced)
@@ -985,3 +987,81 @@ def zero_one_adam(learning_rate, b1: float = 0.9, b2: float = 0.999,
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, spec), update_fn)
+
+
+# ------------------------------------------------------------- D-PSGD ----
+
+@dataclasses.dataclass(frozen=True)
+class GossipSpec:
+  """Wire accounting of :func:`dpsgd`: one collective-permute of the
+  params (float32) per neighbour of the step's mixing phase."""
+
+  topology: str
+
+  def wire(self, params, n: int, step: int | None = None) -> list:
+    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
+    size = sum(int(np.size(l)) for l in jax.tree.leaves(params))
+    return _gossip.gossip_wire(self.topology, n, size, step)
+
+
+def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
+          axis_name="data") -> optax.GradientTransformationExtraArgs:
+  """Decentralized SGD: each device mixes its params with its neighbours'.
+
+  .. math::
+    x_i \\leftarrow \\sum_j W_{ij} x_j + \\mathrm{inner}(g_i(x_i))
+
+  (Lian et al. 2017.) ``W`` is the doubly stochastic mixing matrix of
+  ``topology`` (:func:`jaxcomm.collectives.mixing_matrix`): ``"ring"``,
+  ``"torus"``, ``"hypercube"`` (time-varying: one dimension per step) or
+  ``"exponential"`` (the one-peer exponential graph, Ying et al. 2021). No
+  all-reduce: each step sends the params once per neighbour
+  (collective-permutes of one fused float32 buffer), so a device's traffic
+  does not grow with the number of devices. Params stay per device and
+  never agree exactly; :func:`jaxcomm.parallel.synchronized` gives their
+  average and :func:`jaxcomm.parallel.consensus_distance` how far apart
+  they are. A device whose gradient is not finite still mixes (the mixing
+  stays doubly stochastic) but skips its own update (counted).
+
+  Args:
+    inner: the optimizer each device applies to its own gradient.
+    topology: the communication graph.
+    axis_name: the data axis.
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxcomm.collectives import _gossip
+  _check_inner("inner", inner)
+  _checks.choice("topology", topology, _gossip.MIXING_TOPOLOGIES)
+  _compressor._check_axis_name(axis_name)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return LocalState(count=jnp.zeros([], jnp.int32), anchor=(), synced=(),
+                      inner=inner.init(params),
+                      skipped=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("jaxcomm.dpsgd needs params: call "
+                       "tx.update(grads, state, params)")
+    if not isinstance(state, LocalState):
+      raise ValueError("jaxcomm.dpsgd: state must be the LocalState its "
+                       f"init returned, got {type(state).__name__}")
+    _core.check_axis(axis_name, "jaxcomm.dpsgd")
+    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
+      jax.tree.leaves(u))
+    inner_new = _where(ok, inner_new, state.inner)
+    p_leaves, treedef = jax.tree.flatten(params)
+    mixed = _gossip.gossip_mix(p_leaves, axis_name, topology, state.count)
+    u_leaves = jax.tree.leaves(u)
+    new = [jnp.where(ok, m + d.astype(m.dtype), m)
+           for m, d in zip(mixed, u_leaves)]
+    out = jax.tree.unflatten(treedef, [(x - p).astype(p.dtype)
+                                       for x, p in zip(new, p_leaves)])
+    return out, LocalState(
+      count=state.count + 1, anchor=(), synced=(), inner=inner_new,
+      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32))
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, GossipSpec(topology)), update_fn)
