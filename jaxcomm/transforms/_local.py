@@ -997,6 +997,8 @@ class GossipSpec:
   params (float32) per neighbour of the step's mixing phase."""
 
   topology: str
+  adaptive: bool = False
+  start_step: int = 0
 
   def wire(self, params, n: int, step: int | None = None) -> list:
     from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
