@@ -53,9 +53,9 @@ def _flat_mesh(k):
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _train(tx, mesh, axis, batches):
-  dp = parallel.DataParallel(loss_fn, tx, mesh, axis, donate=False)
-  p, s = dp.init(_params())
+def _train(tx, mesh, axis, batches, loss=loss_fn, params=None):
+  dp = parallel.DataParallel(loss, tx, mesh, axis, donate=False)
+  p, s = dp.init(_params() if params is None else params)
   for b in batches:
     p, s, _ = dp.step(p, s, b)
     jax.block_until_ready(p)
@@ -159,20 +159,12 @@ def test_params_split_over_a_model_axis_stay_split(make):
   assert all(op.payload <= 8 for op in ops if op.group == 2), ops
   for m in range(2):
     cut = lambda x, m=m: np.asarray(x)[..., m * HALF:(m + 1) * HALF]
-    _, want, _ = _train_loss(optax.chain(make(), optax.sgd(0.1)),
-                             _flat_mesh(4), _half_loss(m),
-                             jax.tree.map(cut, _params()), batches)
+    _, want, _ = _train(optax.chain(make(), optax.sgd(0.1)), _flat_mesh(4),
+                        "data", batches, loss=_half_loss(m),
+                        params=jax.tree.map(cut, _params()))
     for k in ("b", "w"):
       np.testing.assert_allclose(cut(p[k]), np.asarray(want[k]),
                                  rtol=1e-5, atol=1e-6, err_msg=f"{m} {k}")
-
-
-def _train_loss(tx, mesh, loss, params, batches):
-  dp = parallel.DataParallel(loss, tx, mesh, "data", donate=False)
-  p, s = dp.init(params)
-  for b in batches:
-    p, s, _ = dp.step(p, s, b)
-  return dp, p, s
 
 
 def test_make_pod_mesh_groups_devices():
