@@ -581,3 +581,18 @@ def test_zero_one_adam_matches_numpy():
   for t, b in enumerate(branches):   # wire claims follow the schedule
     got = wire.claimed(tx, params, N, step=t)
     assert (got == []) == (b == 2), (t, got)
+
+
+@pytest.mark.parametrize("name", ["diloco_topk", "zero_one_adam"])
+def test_kernel_paths_inside_the_local_step(name, monkeypatch):
+  """The Pallas paths (interpreted on CPU) of the compressors a
+  local-update optimizer calls inside its sync branch give the plain-XLA
+  path's params, in the DataParallel shard_map step."""
+  out = {}
+  for mode in ("never", "always"):
+    monkeypatch.setenv("JAXCOMM_KERNELS", mode)
+    _, p, _, _ = _run(_methods()[name], 5)
+    out[mode] = jax.tree.map(_rows, p)
+  for k in out["never"]:
+    np.testing.assert_allclose(out["always"][k], out["never"][k],
+                               rtol=1e-6, atol=1e-7, err_msg=k)

@@ -214,6 +214,9 @@ def topk(ratio: float, *, granularity: str = "leaf",
   ratio = _checks.ratio("ratio", ratio)
   _checks.choice("granularity", granularity, _GRANULARITIES)
   if value_bits is not None:
+    if isinstance(value_bits, bool):   # True == 1 would pass the choice
+      raise ValueError(f"value_bits must be one of {_sparse.VALUE_BITS} or "
+                       f"None, got {value_bits!r}")
     _checks.choice("value_bits", value_bits, _sparse.VALUE_BITS)
   return _compressor.compressed(_topk_codec(ratio, granularity, value_bits),
                                 axis_name=axis_name,
