@@ -350,7 +350,8 @@ def parse_args(argv=None) -> Config:
                  "overlap_local_sgd: alpha; diloco: outer_lr=0.7, "
                  "outer_momentum=0.9, fragments, overlap_steps, alpha; "
                  "dpsgd: topology=ring|torus|hypercube|exponential, no "
-                 "period)")
+                 "period; choco: topology=ring|torus, gamma=0.5, "
+                 "compressing with --compressor)")
   g.add_argument("--lr", type=float, default=d.lr)
   g.add_argument("--momentum", type=float, default=d.momentum)
   g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -624,7 +625,9 @@ def make_comm_optimizer(cfg: Config, schedule):
 
 
 LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco",
-                 "dpsgd")
+                 "dpsgd", "choco")
+# Decentralized methods: no sync period, params never agree exactly.
+GOSSIP_METHODS = ("dpsgd", "choco")
 
 
 def make_local_optimizer(cfg: Config, inner, compressor, schedule):
@@ -634,10 +637,15 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule):
   ``compressor`` (None for dense) compresses its pseudo-gradients."""
   kwargs = parse_kwargs(cfg.local_args)
   factory = getattr(jaxcomm, cfg.local)
-  if "period" not in kwargs and cfg.local != "dpsgd":
+  if "period" not in kwargs and cfg.local not in GOSSIP_METHODS:
     raise ValueError(f"--local {cfg.local} needs --local-args period=H "
                      "(steps between syncs)")
-  if compressor is not None and cfg.local != "diloco":
+  if cfg.local == "choco" and compressor is None:
+    raise ValueError(
+      "--local choco gossips compressed model differences: give "
+      "--compressor topk, randomk or ef_signsgd (e.g. --compressor topk "
+      "--compressor-args ratio=0.1)")
+  if compressor is not None and cfg.local not in ("diloco", "choco"):
     raise ValueError(
       f"--local {cfg.local} averages params with a dense all-reduce; "
       "--compressor applies to diloco's pseudo-gradients only (use "
@@ -650,6 +658,9 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule):
     extra["outer"] = optax.sgd(lr, momentum=mom or None,
                                nesterov=bool(nesterov and mom))
     extra["compressor"] = compressor
+  if cfg.local == "choco":
+    extra["compressor"] = compressor
+    kwargs.setdefault("gamma", 0.5)
   if cfg.local == "adacomm":
     kwargs.setdefault("learning_rate", schedule)
   params = inspect.signature(factory).parameters
@@ -1279,6 +1290,9 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                 "bytes_per_step": moved, "bytes_total": cum_bytes,
                 "steps_per_s": rate, "time": now - t_start}
         last.update(_stats(opt_state))
+        if cfg.local in GOSSIP_METHODS:
+          last["consensus_distance"] = _scalar(
+            parallel.consensus_distance(params))
         if cfg.eval_every and done % cfg.eval_every == 0 and done != stop:
           last.update(evaluate(eval_fn, dp.synchronized(params), test, cfg,
                                dp))

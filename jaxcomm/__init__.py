@@ -35,6 +35,8 @@ from jaxcomm.transforms import csc
 from jaxcomm.transforms import dgc
 from jaxcomm.transforms import diloco
 from jaxcomm.transforms import dpsgd
+from jaxcomm.transforms import choco
+from jaxcomm.transforms import ChocoState
 from jaxcomm.transforms import ef_signsgd
 from jaxcomm.transforms import gtopk
 from jaxcomm.transforms import int8

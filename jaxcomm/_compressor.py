@@ -124,6 +124,12 @@ class Codec:
       ``collective-permute``). Checked against the compiled HLO in tests.
     accepts: ``accepts(shape) -> bool``, the codec's own leaf rule.
     flat: whether the codec works on flat buckets (see above).
+    message: for gossip (:func:`jaxcomm.choco`), flat stateless codecs
+      only: ``message(x, ctx) -> (words, sent)``, this device's compressed
+      message as one ``uint32`` array (what travels to a neighbour) and
+      what it decodes to; no collective. None: the codec cannot gossip.
+    decode: ``decode(words, ctx) -> float32[layout.size]``, a received
+      message decoded (``decode(message(x)[0]) == message(x)[1]``).
   """
 
   name: str
@@ -132,6 +138,8 @@ class Codec:
   wire: Callable[[Any, int], list[Collective]]
   accepts: Callable[[Shape], bool] = lambda shape: True
   flat: bool = False
+  message: Callable[[Any, Context], tuple[Any, Any]] | None = None
+  decode: Callable[[Any, Context], Any] | None = None
 
 
 class CompressStats(NamedTuple):

@@ -246,7 +246,8 @@ def test_required_arguments_table_is_complete():
             and inspect.isfunction(getattr(transforms, n))}
   # Local-update optimizers wrap other optimizers (tests/test_local.py).
   local = {"local_sgd", "adacomm", "overlap_local_sgd", "diloco",
-           "apply_updates", "local_states", "zero_one_adam", "dpsgd"}
+           "apply_updates", "local_states", "zero_one_adam", "dpsgd",
+           "choco"}
   assert public == set(_REQUIRED) | local
   for name, args in _REQUIRED.items():
     sig = inspect.signature(getattr(jaxcomm, name))

@@ -130,3 +130,162 @@ def test_consensus_distance():
 def test_bad_topology_is_named():
   with pytest.raises(ValueError, match="topology"):
     jaxcomm.dpsgd(optax.sgd(0.1), topology="star")
+
+
+# ------------------------------------------------------------ CHOCO-SGD ----
+
+def _np_topk(d, ratio):
+  """Keep the ceil(ratio * size) largest |d| of one leaf (no ties here)."""
+  flat = d.reshape(-1)
+  k = max(1, int(np.ceil(ratio * flat.size - 1e-9)))
+  keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+  out = np.zeros_like(flat)
+  out[keep] = flat[keep]
+  return out.reshape(d.shape)
+
+
+def _np_scaled_sign(d):
+  return np.where(d >= 0, 1.0, -1.0) * np.mean(np.abs(d))
+
+
+def np_choco(steps, lr, gamma, compress, topology="ring"):
+  """Koloskova et al. 2019 on N devices: x+ = x - lr g; q = C(x+ - xh);
+  xh_j += q_j for every j; x = x+ + gamma sum_j W_ij (xh_j - xh_i)
+  (the public copies of all devices, not the memory-efficient sum)."""
+  w = _expected(topology, N, 0)
+  xs = [L._np_params() for _ in range(N)]
+  xh = [{k: np.zeros_like(v) for k, v in xs[0].items()} for _ in range(N)]
+  out = []
+  for x_b, y_b in L._batches(steps):
+    sl = L._device_slices(x_b, y_b)
+    half = []
+    for i in range(N):
+      g = L.np_grad(xs[i], *sl[i])
+      half.append({k: xs[i][k] - lr * g[k] for k in xs[i]})
+    for i in range(N):
+      for k in half[i]:
+        xh[i][k] = xh[i][k] + compress(k, half[i][k] - xh[i][k])
+    xs = [{k: half[i][k] + gamma * sum(
+      w[i, j] * (xh[j][k] - xh[i][k]) for j in range(N)) for k in half[i]}
+      for i in range(N)]
+    out.append({k: np.stack([x[k] for x in xs]) for k in xs[0]})
+  return out
+
+
+_ALL = jaxcomm.LeafPolicy(min_size=1)
+
+
+@pytest.mark.parametrize("name,make,compress", [
+  ("topk", lambda: jaxcomm.topk(0.25, policy=_ALL),
+   lambda k, d: _np_topk(d, 0.25)),
+  ("ef_signsgd", lambda: jaxcomm.ef_signsgd(policy=_ALL),
+   lambda k, d: _np_scaled_sign(d)),
+  # w compressed, the bias (rank 1) sent dense: C is the identity on it.
+  ("topk, bias dense", lambda: jaxcomm.topk(
+    0.1, policy=jaxcomm.LeafPolicy(min_size=1, min_ndim=2)),
+   lambda k, d: d if k == "b" else _np_topk(d, 0.1)),
+])
+def test_choco_matches_numpy(name, make, compress):
+  del name
+  steps, lr, gamma = 4, 0.05, 0.4
+  tx = jaxcomm.choco(optax.sgd(lr), make(), gamma=gamma, topology="ring")
+  _, _, s, hist = L._run(tx, steps)
+  want = np_choco(steps, lr, gamma, compress)
+  for t in range(steps):
+    L._close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
+  assert not L._agree(hist[-1][0])
+  assert int(np.asarray(s.count)) == steps
+
+
+def test_choco_public_copies_are_the_sum_of_messages():
+  """x_hat_i equals the sum of what device i sent, and s_i the W-weighted
+  sum of the public copies (the memory-efficient form keeps only these)."""
+  steps = 3
+  tx = jaxcomm.choco(optax.sgd(0.05), jaxcomm.topk(0.25, policy=_ALL),
+                     gamma=0.4)
+  _, _, s, _ = L._run(tx, steps)
+  cs = s.compress
+  pub = np.asarray(cs.public[0])            # [N, size]: one bucket
+  mixed = np.asarray(cs.mixed[0])
+  np.testing.assert_allclose(mixed, _expected("ring", N, 0) @ pub,
+                             rtol=1e-5, atol=1e-6)
+  # top-k 25% of w (384) and b (16): each step adds at most 100 entries.
+  assert (np.count_nonzero(pub, axis=1) <= steps * 100).all()
+  assert (np.count_nonzero(pub, axis=1) > (steps - 1) * 100).all()
+
+
+@pytest.mark.parametrize("make,ratio", [
+  (lambda: jaxcomm.topk(0.1, policy=_ALL), None),
+  (lambda: jaxcomm.randomk(0.1, policy=_ALL), None),
+  (lambda: jaxcomm.ef_signsgd(policy=_ALL), None),
+])
+def test_choco_moves_only_messages_flat_in_devices(make, ratio):
+  """Collective-permutes only, bytes as claimed, the same per device on
+  4 and 8 devices, and fewer than D-PSGD's float32 params."""
+  del ratio
+  size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params()))
+  per_device = []
+  for k in (4, 8):
+    mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    tx = jaxcomm.choco(optax.sgd(0.05), make(), gamma=0.5)
+    dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
+    p, s = dp.init(L._params())
+    ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
+      L._batches(1, n=k)[0])))
+    assert {op.kind for op in ops} == {"collective-permute"}, ops
+    assert sorted((o.kind, o.payload) for o in ops) == sorted(
+      wire.claimed(tx, L._params(), k))
+    per_device.append(wire.summarize(ops, k).total_sent)
+  assert per_device[0] == per_device[1] < 2 * 4 * size / 2.5, per_device
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.topk(0.1, policy=_ALL),
+  lambda: jaxcomm.randomk(0.1, policy=_ALL),
+  lambda: jaxcomm.ef_signsgd(policy=_ALL),
+])
+def test_gossip_messages_decode_to_what_was_sent(make):
+  """decode(message(x)) == the decoded own message, bit for bit, and equal
+  to what the codec's all-reduce path sends from the same input."""
+  from jaxcomm import _compressor
+  spec = _compressor.spec_of(make())
+  lay = spec.layouts(L._params())[0]
+  x = jnp.asarray(np.random.RandomState(3).randn(lay.size), jnp.float32)
+  ctx = _compressor.Context(axis_name=None, num_devices=1,
+                            device_index=jnp.int32(0), step=jnp.int32(0),
+                            key=jax.random.PRNGKey(7), layout=lay)
+  words, sent = spec.codec.message(x, ctx)
+  assert words.dtype == jnp.uint32
+  np.testing.assert_array_equal(np.asarray(spec.codec.decode(words, ctx)),
+                                np.asarray(sent))
+  res = spec.codec.apply(x, (), ctx)
+  np.testing.assert_array_equal(np.asarray(res.sent), np.asarray(sent))
+
+
+def test_choco_nan_on_one_device_still_gossips():
+  batches = L._batches(2)
+  x, y = batches[1]
+  x = x.copy()
+  x[3 * L.B] = np.nan
+  batches[1] = (x, y)
+  tx = jaxcomm.choco(optax.sgd(0.05), jaxcomm.topk(0.25, policy=_ALL),
+                     gamma=0.4)
+  _, _, s, hist = L._run(tx, 2, batches)
+  assert np.asarray(s.skipped).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+  assert all(np.isfinite(v).all() for v in hist[-1][0].values())
+  assert all(np.isfinite(np.asarray(b)).all() for b in s.compress.public)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  (dict(compressor=jaxcomm.powersgd(2)), "gossip message"),
+  (dict(compressor=jaxcomm.topk(0.1, value_bits=2)), "gossip message"),
+  (dict(compressor=jaxcomm.topk(0.1), topology="hypercube"), "topology"),
+  (dict(compressor=jaxcomm.topk(0.1), gamma=1.5), "gamma"),
+  (dict(compressor=jaxcomm.topk(0.1), gamma=0.0), "gamma"),
+  (dict(compressor=optax.sgd(0.1)), "jaxcomm compressor"),
+])
+def test_choco_bad_arguments_are_named(kwargs, match):
+  kwargs = {"gamma": 0.5, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    jaxcomm.choco(optax.sgd(0.1), **kwargs)

@@ -197,6 +197,32 @@ def gossip_mix(leaves, axis_name, topology: str, step):
   return [b.astype(l.dtype) for b, l in zip(back, leaves)]
 
 
+def gossip_messages(words, own, decode, axis_name, topology: str):
+  """``sum_j W_ij decode(message_j)`` over a fixed topology's neighbours:
+  ``words`` (this device's message, ``uint32``) travels once per
+  neighbour as one collective-permute; ``own`` is what it decodes to
+  (the self term); ``decode(words) -> like own`` decodes a received one.
+  Used by CHOCO-SGD, where messages are compressed: only they travel."""
+  if axis_name is None:
+    return list(own)
+  n = _core.axis_size(axis_name)
+  phases = mixing_phases(topology, n)
+  if len(phases) != 1:
+    raise ValueError(f"topology {topology!r} is time-varying; compressed "
+                     "gossip needs a fixed graph")
+  ident = list(range(n))
+  out = None
+  for sources, weight in phases[0]:
+    if sources == ident:
+      y = list(own)
+    else:
+      y = decode(_core.ppermute(words, axis_name,
+                                [(s, i) for i, s in enumerate(sources)]))
+    out = [weight * a for a in y] if out is None else [
+      o + weight * a for o, a in zip(out, y)]
+  return out
+
+
 def gossip_wire(topology: str, n: int, size: int, step=None) -> list:
   """Collectives of :func:`gossip_mix` of ``size`` elements: one
   collective-permute of ``4 size`` bytes per neighbour, for the phase of

@@ -294,6 +294,25 @@ def gather_signs(x: jax.Array, scales: jax.Array, sizes: Sequence[int],
                            _blocks(sizes)), axis=0) / n
 
 
+def sign_message(x: jax.Array, scales: jax.Array) -> jax.Array:
+  """One device's scaled-sign message as ``uint32`` words: the packed
+  signs of ``x``, then the per-leaf ``scales`` (float32 bits); what
+  :func:`gather_signs` gathers, for a point-to-point exchange."""
+  x = _check_flat(x)
+  return jnp.concatenate([bitpack.pack_signs(x), _f32_words(scales)])
+
+
+def decode_sign_message(words: jax.Array, sizes: Sequence[int]
+                        ) -> jax.Array:
+  """Inverse of :func:`sign_message`: ``float32[sum(sizes)]``, each leaf's
+  signs times its scale."""
+  sizes = [int(s) for s in sizes]
+  length = int(sum(sizes))
+  w = bitpack.num_words(length)
+  signs = bitpack.unpack_signs(words[:w], w * WORD_BITS)[:length]
+  return _per_leaf(signs, _words_f32(words[w:]), sizes, _blocks(sizes))
+
+
 def gather_signs_wire(sizes: Sequence[int], n: int) -> list:
   """The collectives of :func:`gather_signs` (kind, payload)."""
   w = bitpack.num_words(int(sum(sizes)))

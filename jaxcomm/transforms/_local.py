@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _policy
 from jaxcomm.collectives import _core
 
 
@@ -1067,3 +1069,227 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, GossipSpec(topology)), update_fn)
+
+
+# ---------------------------------------------------------- CHOCO-SGD ----
+
+class ChocoState(NamedTuple):
+  """CHOCO-SGD's gossip memory (per device), one flat float32 buffer per
+  bucket of the compressor's layout, then one for the leaves its policy
+  sends dense.
+
+  Attributes:
+    public: ``x_hat_i``, this device's public copy: the sum of every
+      message it sent (what its neighbours know of its params).
+    mixed: ``s_i = sum_j W_ij x_hat_j``, the neighbours' public copies as
+      the mixing weighs them (the self term included): kept as one sum, so
+      a device stores two params-sized buffers whatever its degree.
+    key: PRNG key data (the same on every device; random-k's coordinates).
+  """
+
+  public: Any
+  mixed: Any
+  key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ChocoSpec:
+  """Wire accounting of :func:`choco`: per neighbour, one
+  collective-permute of every bucket's compressed message and the dense
+  leaves (float32), fused into one buffer."""
+
+  compressor: Any
+  topology: str
+  adaptive: bool = False
+  start_step: int = 0
+
+  def wire(self, params, n: int, step: int | None = None) -> list:
+    del step
+    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
+    words = _choco_message_words(self.compressor, params, n)
+    return _gossip.gossip_wire(self.topology, n, words, None)
+
+
+def _choco_parts(spec, params):
+  """Static split of ``params``' leaves: (paths, layouts, compressed leaf
+  indices, dense leaf indices)."""
+  leaves = jax.tree.leaves(params)
+  paths = spec.paths(params)
+  comp = _policy.select(list(range(len(leaves))), paths,
+                                    _policy.COMPRESS)
+  dense = [i for i, p in enumerate(paths) if p == _policy.DENSE]
+  return paths, spec.layouts(params), comp, dense
+
+
+def _choco_context(n, layout, index, step, key):
+  return _compressor.Context(axis_name=None, num_devices=n,
+                             device_index=index, step=step, key=key,
+                             layout=layout)
+
+
+def _choco_message_words(spec, params, n: int) -> int:
+  """uint32 words of one device's fused CHOCO message."""
+  _, layouts, _, dense = _choco_parts(spec, params)
+  leaves = jax.tree.leaves(params)
+  words = sum(int(np.size(leaves[i])) for i in dense)
+  for lay in layouts:
+    out = jax.eval_shape(
+      lambda x, lay=lay: spec.codec.message(
+        x, _choco_context(n, lay, jnp.int32(0), jnp.int32(0),
+                          jax.random.PRNGKey(0)))[0],
+      jax.ShapeDtypeStruct((lay.size,), jnp.float32))
+    words += int(np.size(out))
+  return words
+
+
+CHOCO_TOPOLOGIES = ("ring", "torus")
+
+
+def choco(inner: optax.GradientTransformation, compressor, *,
+          gamma: float, topology: str = "ring", axis_name="data",
+          seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """CHOCO-SGD: decentralized SGD gossiping compressed model differences.
+
+  Each step, on device ``i`` (Koloskova, Stich & Jaggi 2019, Algorithm 2,
+  in the memory-efficient form of Koloskova et al. 2020):
+
+  .. math::
+    x_i^{+} &= x_i + \\mathrm{inner}(g_i(x_i)) \\\\
+    q_i &= C(x_i^{+} - \\hat x_i), \\quad \\hat x_i \\mathrel{+}= q_i,
+      \\quad s_i \\mathrel{+}= \\textstyle\\sum_j W_{ij} q_j \\\\
+    x_i &\\leftarrow x_i^{+} + \\gamma (s_i - \\hat x_i)
+
+  ``C`` is ``compressor``'s operator: only ``q_i``'s compact message
+  travels, once per neighbour (top-k: values and indices; random-k: the
+  values, the coordinates coming from a key every device shares;
+  EF-signSGD: packed signs and per-leaf scales). The leaves
+  ``compressor``'s policy sends dense travel as float32 (``C`` is the
+  identity on them). ``s_i = sum_j W_ij x_hat_j`` is kept as one sum, so
+  the memory is two params-sized buffers. The public copies start at 0.
+
+  Params stay per device and never agree exactly, as in :func:`dpsgd`. A
+  device whose gradient is not finite skips its own step (counted) but
+  still gossips, so every public copy stays what its neighbours hold.
+
+  Args:
+    inner: the optimizer each device applies to its own gradient.
+    compressor: a jaxcomm compressor with a gossip message
+      (:func:`jaxcomm.topk` without ``value_bits``, :func:`jaxcomm.randomk`,
+      :func:`jaxcomm.ef_signsgd`); only its operator, leaf policy and
+      buckets are used (not its error feedback: CHOCO's public copies
+      play that role).
+    gamma: the consensus step size in ``(0, 1]``; smaller for stronger
+      compression (the paper tunes it per compressor).
+    topology: a fixed graph, ``"ring"`` or ``"torus"``: the public copies
+      must be updated by every neighbour that weighs them, every step.
+    axis_name: the data axis.
+    seed: seed of the PRNG key kept in the state.
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxcomm.collectives import _gossip
+  _check_inner("inner", inner)
+  spec = _compressor.spec_of(compressor)
+  if spec.codec.message is None:
+    raise ValueError(
+      f"compressor {spec.codec.name} has no gossip message; choco takes "
+      "jaxcomm.topk (without value_bits), jaxcomm.randomk or "
+      "jaxcomm.ef_signsgd")
+  if spec.start_step:
+    raise ValueError(f"compressor: choco compresses from the first step; "
+                     f"got start_step={spec.start_step}")
+  gamma = _checks.number("gamma", gamma, 0.0, 1.0, lo_open=True)
+  _checks.choice("topology", topology, CHOCO_TOPOLOGIES)
+  _compressor._check_axis_name(axis_name)
+  seed = _checks.integer("seed", seed, 0)
+  inner = optax.with_extra_args_support(inner)
+  codec = spec.codec
+
+  def buffers(params):
+    _, layouts, _, dense = _choco_parts(spec, params)
+    leaves = jax.tree.leaves(params)
+    sizes = [lay.size for lay in layouts] + [
+      sum(int(np.size(leaves[i])) for i in dense)]
+    return tuple(jnp.zeros((s,), jnp.float32) for s in sizes)
+
+  def init_fn(params):
+    for path, leaf in zip(jax.tree.leaves(jax.tree.map(
+        lambda x: jnp.iscomplexobj(x), params)), jax.tree.leaves(params)):
+      if path:
+        raise ValueError("jaxcomm.choco: complex params are not supported, "
+                         f"got a {leaf.dtype} leaf")
+    zeros = buffers(params)
+    return LocalState(count=jnp.zeros([], jnp.int32), anchor=(), synced=(),
+                      inner=inner.init(params),
+                      skipped=jnp.zeros([], jnp.int32),
+                      compress=ChocoState(public=zeros, mixed=zeros,
+                                          key=jax.random.PRNGKey(seed)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("jaxcomm.choco needs params: call "
+                       "tx.update(grads, state, params)")
+    if not isinstance(state, LocalState) or not isinstance(
+        state.compress, ChocoState):
+      raise ValueError("jaxcomm.choco: state must be the LocalState its "
+                       f"init returned, got {type(state).__name__}")
+    n = _core.check_axis(axis_name, "jaxcomm.choco")
+    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
+      jax.tree.leaves(u))
+    inner_new = _where(ok, inner_new, state.inner)
+    p_leaves, treedef = jax.tree.flatten(params)
+    u_leaves = jax.tree.leaves(u)
+    half = [p.astype(jnp.float32) + jnp.where(ok, d, 0).astype(jnp.float32)
+            for p, d in zip(p_leaves, u_leaves)]
+    _, layouts, comp, dense = _choco_parts(spec, params)
+    xs = [_buckets.flatten([half[comp[j]] for j in lay.leaves])
+          for lay in layouts] + [_buckets.flatten([half[i] for i in dense])]
+    cs = state.compress
+    key, step_key = jax.random.split(cs.key)
+    index = _core.axis_index(axis_name)
+
+    # This device's messages: one per bucket, the dense leaves as they are.
+    words, own = [], []
+    for lay, x, pub in zip(layouts, xs, cs.public):
+      w, q = codec.message(x - pub, _choco_context(n, lay, index,
+                                                    state.count, step_key))
+      words.append(w)
+      own.append(q)
+    own.append(xs[-1] - cs.public[-1])
+    words.append(_core.to_words(own[-1]))
+    sizes = [int(w.shape[0]) for w in words]
+    msg = jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
+
+    def decode(flat):
+      parts = _buckets.unflatten(flat, [(s,) for s in sizes])
+      out = [codec.decode(w, _choco_context(n, lay, index, state.count,
+                                            step_key))
+             for lay, w in zip(layouts, parts[:-1])]
+      return out + [_core.from_words(parts[-1], jnp.float32)]
+
+    mixed_q = _gossip.gossip_messages(msg, own, decode, axis_name, topology)
+    public = [p + q for p, q in zip(cs.public, own)]
+    mixed = [m + q for m, q in zip(cs.mixed, mixed_q)]
+    new_x = [x + gamma * (m - p) for x, m, p in zip(xs, mixed, public)]
+
+    out = [jnp.zeros_like(p) for p in p_leaves]
+    for lay, x in zip(layouts, new_x[:-1]):
+      for j, leaf in zip(lay.leaves, lay.split(x)):
+        i = comp[j]
+        out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
+          p_leaves[i].dtype)
+    offset = 0
+    for i in dense:
+      size = int(np.size(p_leaves[i]))
+      leaf = new_x[-1][offset:offset + size].reshape(p_leaves[i].shape)
+      out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
+        p_leaves[i].dtype)
+      offset += size
+    return jax.tree.unflatten(treedef, out), LocalState(
+      count=state.count + 1, anchor=(), synced=(), inner=inner_new,
+      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+      compress=ChocoState(public=tuple(public), mixed=tuple(mixed), key=key))
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, ChocoSpec(spec, topology)), update_fn)
+

@@ -295,9 +295,19 @@ def _ef_sign_codec() -> _compressor.Codec:
     mean = _signs.gather_signs(x, scales, lay.sizes, ctx.axis_name)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
+  def message(x, ctx):
+    lay = ctx.layout
+    scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
+    return (_signs.sign_message(x, scales),
+            lay.broadcast(scales) * _sign(x))
+
+  def decode(words, ctx):
+    return _signs.decode_sign_message(words, ctx.layout.sizes)
+
   return _compressor.Codec(
     name="ef_signsgd", init=lambda layout: (), apply=apply, flat=True,
-    wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n))
+    wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n),
+    message=message, decode=decode)
 
 
 @_compressor.shared_options

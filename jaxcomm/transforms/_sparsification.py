@@ -154,10 +154,25 @@ def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
     return _sparse.sparse_psum_quantized_wire(
       k, layout.size, sum(s.count for s in segs), value_bits, n)
 
+  def message(x, ctx):
+    vals, idx = _local_topk(x, _segments(ctx.layout, granularity), ratio)
+    sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+      vals, mode="drop")
+    return _sparse.pack_pairs(vals, idx, ctx.layout.size), sent
+
+  def decode(words, ctx):
+    k = _num_pairs(_segments(ctx.layout, granularity), ratio)
+    vals, idx = _sparse.unpack_pairs(words, k, ctx.layout.size)
+    return jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+      vals, mode="drop")
+
   name = f"topk({ratio})" if value_bits is None else (
     f"topk({ratio}, {value_bits}-bit)")
+  gossip = value_bits is None
   return _compressor.Codec(name=name, init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True)
+                           apply=apply, wire=wire, flat=True,
+                           message=message if gossip else None,
+                           decode=decode if gossip else None)
 
 
 @_compressor.shared_options
@@ -339,8 +354,26 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
     return [("all-reduce", 4 * _num_pairs(_segments(layout, granularity),
                                           ratio))]
 
+  def indices(ctx):
+    segs = _segments(ctx.layout, granularity)
+    return _randomk_flat(ctx.key, ratio, [(s.offset + r * s.size, s.size,
+                                           s.ids[r])
+                                          for s in segs for r in range(s.count)])
+
+  def message(x, ctx):
+    gi = indices(ctx)        # from the shared key: the same on every device
+    vals = x[gi]
+    sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[gi].set(vals)
+    return _core.to_words(vals), sent
+
+  def decode(words, ctx):
+    vals = _core.from_words(words, jnp.float32)
+    return jnp.zeros((ctx.layout.size,), jnp.float32).at[indices(ctx)].set(
+      vals)
+
   return _compressor.Codec(name=f"randomk({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True)
+                           apply=apply, wire=wire, flat=True,
+                           message=message, decode=decode)
 
 
 @_compressor.shared_options
