@@ -351,7 +351,8 @@ def parse_args(argv=None) -> Config:
                  "outer_momentum=0.9, fragments, overlap_steps, alpha; "
                  "dpsgd: topology=ring|torus|hypercube|exponential, no "
                  "period; choco: topology=ring|torus, gamma=0.5, "
-                 "compressing with --compressor)")
+                 "compressing with --compressor; sgp: "
+                 "topology=exponential)")
   g.add_argument("--lr", type=float, default=d.lr)
   g.add_argument("--momentum", type=float, default=d.momentum)
   g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -625,9 +626,9 @@ def make_comm_optimizer(cfg: Config, schedule):
 
 
 LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco",
-                 "dpsgd", "choco")
+                 "dpsgd", "choco", "sgp")
 # Decentralized methods: no sync period, params never agree exactly.
-GOSSIP_METHODS = ("dpsgd", "choco")
+GOSSIP_METHODS = ("dpsgd", "choco", "sgp")
 
 
 def make_local_optimizer(cfg: Config, inner, compressor, schedule):

@@ -37,6 +37,8 @@ from jaxcomm.transforms import diloco
 from jaxcomm.transforms import dpsgd
 from jaxcomm.transforms import choco
 from jaxcomm.transforms import ChocoState
+from jaxcomm.transforms import sgp
+from jaxcomm.transforms import PushSumState
 from jaxcomm.transforms import ef_signsgd
 from jaxcomm.transforms import gtopk
 from jaxcomm.transforms import int8

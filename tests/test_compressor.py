@@ -247,7 +247,7 @@ def test_required_arguments_table_is_complete():
   # Local-update optimizers wrap other optimizers (tests/test_local.py).
   local = {"local_sgd", "adacomm", "overlap_local_sgd", "diloco",
            "apply_updates", "local_states", "zero_one_adam", "dpsgd",
-           "choco"}
+           "choco", "sgp"}
   assert public == set(_REQUIRED) | local
   for name, args in _REQUIRED.items():
     sig = inspect.signature(getattr(jaxcomm, name))

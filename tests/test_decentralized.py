@@ -289,3 +289,110 @@ def test_choco_bad_arguments_are_named(kwargs, match):
   kwargs = {"gamma": 0.5, **kwargs}
   with pytest.raises(ValueError, match=match):
     jaxcomm.choco(optax.sgd(0.1), **kwargs)
+
+
+# ------------------------------------------------------------------ SGP ----
+
+# A directed graph with unequal in-degrees (device 4 hears from 3 and 7;
+# device 0 only from 7): column stochastic mixing, not row stochastic.
+_DIRECTED = [[1], [2], [3], [4], [5], [6], [7], [0, 4]]
+
+
+def _np_push_matrix(out_lists, n=N):
+  """P[j, i] = 1 / (1 + d_i) for j in out(i) and j = i (the definition)."""
+  p = np.zeros((n, n))
+  for i, outs in enumerate(out_lists):
+    for j in [i] + list(outs):
+      p[j, i] = 1.0 / (1 + len(outs))
+  return p
+
+
+def _exponential_out(k, n=N):
+  return [[(i + (1 << (k % 3))) % n] for i in range(n)]
+
+
+@pytest.mark.parametrize("topology", ["exponential", "directed"])
+def test_sgp_matches_numpy(topology):
+  """x_i = w_i z_i - lr g_i(z_i); (x, w) <- P (x, w); z = x / w."""
+  steps, lr = 5, 0.05
+  topo = _DIRECTED if topology == "directed" else "exponential"
+  _, _, s, hist = L._run(jaxcomm.sgp(optax.sgd(lr), topology=topo), steps)
+  zs = [L._np_params() for _ in range(N)]
+  ws = np.ones(N)
+  for t, batch in enumerate(L._batches(steps)):
+    grads = [L.np_grad(zs[i], xi, yi)
+             for i, (xi, yi) in enumerate(L._device_slices(*batch))]
+    p = _np_push_matrix(_DIRECTED if topology == "directed"
+                        else _exponential_out(t))
+    assert np.allclose(p.sum(0), 1)                     # column stochastic
+    xs = [{k: ws[i] * zs[i][k] - lr * grads[i][k] for k in zs[i]}
+          for i in range(N)]
+    ws_new = p @ ws
+    zs = [{k: sum(p[i, j] * xs[j][k] for j in range(N)) / ws_new[i]
+           for k in xs[i]} for i in range(N)]
+    ws = ws_new
+    want = {k: np.stack([z[k] for z in zs]) for k in zs[0]}
+    L._close(hist[t][0], want)
+    np.testing.assert_allclose(np.asarray(hist[t][1].compress.weight), ws,
+                               rtol=1e-6)
+  if topology == "directed":
+    assert not np.allclose(ws, 1.0)      # the weights do correct something
+
+
+def test_push_sum_converges_to_the_average_on_a_directed_graph(mesh):
+  """Repeated push-sum rounds: x / w tends to the average of the starting
+  values; x alone (plain column-stochastic mixing) does not."""
+  r = np.random.RandomState(4)
+  x0 = r.randn(N, 5).astype(np.float32)
+  flat0 = np.concatenate([x0, np.ones((N, 1), np.float32)], axis=1)
+
+  def rounds(flat):
+    f = flat[0]
+    for t in range(80):
+      f = _gossip.push_sum_mix(f, "data", _DIRECTED, jnp.int32(t))
+    return f[None]
+
+  out = np.asarray(jax.jit(jax.shard_map(
+    rounds, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
+      jnp.asarray(flat0)))
+  np.testing.assert_allclose(out[:, :5] / out[:, 5:], np.broadcast_to(
+    x0.mean(0), (N, 5)), atol=1e-4)
+  assert np.abs(out[:, :5] - x0.mean(0)).max() > 0.05
+  np.testing.assert_allclose(out.sum(0), flat0.sum(0), rtol=1e-5,
+                             atol=1e-5)            # mass conserved
+
+
+def test_sgp_traffic_is_collective_permutes():
+  """Permutes only, as claimed: exponential one per step (flat from 4 to
+  8 devices); the directed graph needs two classes (7 sends twice)."""
+  size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params())) + 1
+  for k, topo, want in ((4, "exponential", 4 * size),
+                        (8, "exponential", 4 * size),
+                        (8, _DIRECTED, 2 * 4 * size)):
+    mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    tx = jaxcomm.sgp(optax.sgd(0.05), topology=topo)
+    dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
+    p, s = dp.init(L._params())
+    ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
+      L._batches(1, n=k)[0])))
+    assert {op.kind for op in ops} == {"collective-permute"}, ops
+    assert sorted((o.kind, o.payload) for o in ops) == sorted(
+      wire.claimed(tx, L._params(), k))
+    assert sorted(wire.claimed(tx, L._params(), k, step=0)) == sorted(
+      [("collective-permute", 4 * size)] * (want // (4 * size)))
+
+
+@pytest.mark.parametrize("topology,match", [
+  ("ring", "topology"), ([[0]], "other devices"), ([[1], [1, 1]], "once"),
+  ("x", "topology"), ([["a"]], "topology"),
+])
+def test_sgp_bad_topology_is_named(topology, match):
+  with pytest.raises(ValueError, match=match):
+    jaxcomm.sgp(optax.sgd(0.1), topology=topology)
+
+
+def test_sgp_graph_of_the_wrong_size_is_named():
+  tx = jaxcomm.sgp(optax.sgd(0.1), topology=[[1], [0]])
+  with pytest.raises(ValueError, match="2 devices but the axis has 8"):
+    L._run(tx, 1)

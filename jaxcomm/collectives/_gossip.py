@@ -15,6 +15,7 @@ updates jaxcomm's compressors produce.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from jaxcomm.collectives import _core
 
@@ -234,3 +235,115 @@ def gossip_wire(topology: str, n: int, size: int, step=None) -> list:
   ident = list(range(n))
   return [("collective-permute", 4 * size) for ph in chosen
           for sources, _ in ph if sources != ident]
+
+
+# ------------------------------------------- push-sum (directed graphs) --
+
+def push_sum_phases(topology, n: int) -> list[list[list[int]]]:
+  """Per phase, each device's out-neighbours (the devices it sends to).
+
+  * ``"exponential"``: the directed one-peer exponential graph of SGP
+    (Assran et al. 2019): in phase ``k`` device ``i`` sends to
+    ``i + 2^k mod n``, ``ceil(log2 n)`` phases.
+  * a list of ``n`` lists: a fixed directed graph, ``topology[i]`` the
+    devices ``i`` sends to (not itself, no repeats); in-degrees may differ,
+    which is what push-sum's weights correct for.
+  """
+  if isinstance(topology, str):
+    if topology != "exponential":
+      raise ValueError("topology must be 'exponential' or a list of each "
+                       f"device's out-neighbours, got {topology!r}")
+    if n == 1:
+      return [[[]]]
+    return [[[(i + (1 << k)) % n] for i in range(n)]
+            for k in range(max(1, (n - 1).bit_length()))]
+  out = check_directed_graph(topology)
+  if len(out) != n:
+    raise ValueError(f"topology lists out-neighbours of {len(out)} devices "
+                     f"but the axis has {n}")
+  if any(j >= n for o in out for j in o):
+    raise ValueError(f"topology names a device outside [0, {n})")
+  return [[list(o) for o in out]]
+
+
+def check_directed_graph(topology) -> tuple[tuple[int, ...], ...]:
+  """A directed graph as a tuple of out-neighbour tuples, checked."""
+  try:
+    bad = any(isinstance(j, bool) or not isinstance(j, (int, np.integer))
+              for o in topology for j in o)
+  except TypeError:
+    bad = True
+  out = () if bad else tuple(tuple(int(j) for j in o) for o in topology)
+  if bad or not out:
+    raise ValueError("topology must be 'exponential' or a non-empty list of "
+                     f"lists of device indices, got {topology!r}")
+  for i, o in enumerate(out):
+    if i in o or len(set(o)) != len(o) or any(j < 0 for j in o):
+      raise ValueError(
+        f"topology[{i}] = {list(o)}: out-neighbours must be other devices, "
+        "each once, non-negative")
+  return out
+
+
+def _matchings(out_lists) -> list[list[tuple[int, int]]]:
+  """The edges ``(i, j)`` cut into classes in which every device sends at
+  most once and receives at most once (one collective-permute each)."""
+  classes: list[list[tuple[int, int]]] = []
+  used: list[tuple[set, set]] = []
+  for i, outs in enumerate(out_lists):
+    for j in outs:
+      for c, (src, dst) in enumerate(used):
+        if i not in src and j not in dst:
+          classes[c].append((i, j))
+          src.add(i)
+          dst.add(j)
+          break
+      else:
+        classes.append([(i, j)])
+        used.append(({i}, {j}))
+  return classes
+
+
+def push_sum_mix(flat, axis_name, topology, step):
+  """One push-sum round of ``flat`` (``float32[m]``; push-sum's weight is
+  its last element): device ``i`` keeps ``1 / (1 + d_i)`` of its buffer
+  and sends that share to each of its ``d_i`` out-neighbours; it receives
+  the shares sent to it. The mixing is column stochastic (mass is
+  conserved), not row stochastic, so the de-biased ratio ``x / w``, not
+  ``x``, converges to the average. One collective-permute per class of
+  :func:`_matchings`; time-varying graphs pick their phase with
+  ``lax.switch``."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  if axis_name is None:
+    return flat
+  n = _core.axis_size(axis_name)
+  flat = _core.pvary(flat, axis_name)
+  phases = push_sum_phases(topology, n)
+  index = _core.axis_index(axis_name)
+
+  def run(outs):
+    share = jnp.asarray([1.0 / (1 + len(o)) for o in outs], jnp.float32)
+    def f(x):
+      send = x * share[index]
+      total = send
+      for pairs in _matchings(outs):
+        total = total + _core.ppermute(send, axis_name, pairs)
+      return total
+    return f
+
+  if len(phases) == 1:
+    return run(phases[0])(flat)
+  return jax.lax.switch(jnp.asarray(step, jnp.int32) % len(phases),
+                        [run(p) for p in phases], flat)
+
+
+def push_sum_wire(topology, n: int, size: int, step=None) -> list:
+  """Collectives of :func:`push_sum_mix` of ``size`` elements: one
+  collective-permute of ``4 size`` bytes per matching class of the step's
+  phase (None: every phase's, as the compiled step holds them)."""
+  if n == 1:
+    return []
+  phases = push_sum_phases(topology, n)
+  chosen = phases if step is None else [phases[step % len(phases)]]
+  return [("collective-permute", 4 * size) for ph in chosen
+          for _ in _matchings(ph)]

@@ -10,6 +10,8 @@ from jaxcomm.transforms._local import diloco
 from jaxcomm.transforms._local import dpsgd
 from jaxcomm.transforms._local import choco
 from jaxcomm.transforms._local import ChocoState
+from jaxcomm.transforms._local import sgp
+from jaxcomm.transforms._local import PushSumState
 from jaxcomm.transforms._local import local_sgd
 from jaxcomm.transforms._local import local_states
 from jaxcomm.transforms._local import overlap_local_sgd

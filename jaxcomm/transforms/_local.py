@@ -1293,3 +1293,106 @@ def choco(inner: optax.GradientTransformation, compressor, *,
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, ChocoSpec(spec, topology)), update_fn)
 
+
+
+# ------------------------------------------------- SGP (push-sum SGD) ----
+
+class PushSumState(NamedTuple):
+  """SGP's push-sum weight ``w_i`` (float32, per device): the params a
+  device holds are the de-biased ``z_i = x_i / w_i``."""
+
+  weight: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PushSumSpec:
+  """Wire accounting of :func:`sgp`: one collective-permute of the params
+  and the weight (float32) per matching class of the step's graph."""
+
+  topology: Any
+  adaptive: bool = False
+  start_step: int = 0
+
+  def wire(self, params, n: int, step: int | None = None) -> list:
+    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
+    size = sum(int(np.size(l)) for l in jax.tree.leaves(params)) + 1
+    return _gossip.push_sum_wire(self.topology, n, size, step)
+
+
+def sgp(inner: optax.GradientTransformation, *, topology="exponential",
+        axis_name="data") -> optax.GradientTransformationExtraArgs:
+  """Stochastic gradient push: decentralized SGD over a directed graph.
+
+  Each step, on device ``i`` (Assran et al. 2019, Algorithm 1, push-sum
+  of Kempe et al. 2003):
+
+  .. math::
+    x_i &= w_i z_i + \\mathrm{inner}(g_i(z_i)) \\\\
+    (x_i, w_i) &\\leftarrow \\textstyle\\sum_j p_{ij} (x_j, w_j), \\quad
+      z_i = x_i / w_i
+
+  ``p_ji = 1 / (1 + d_i)``: a device keeps one share and pushes one to each
+  of its ``d_i`` out-neighbours; no device needs to know who sends to it,
+  so links may be one-way and in-degrees unequal (the mixing is only
+  column stochastic; dividing by the push-sum weight ``w_i`` removes the
+  bias this gives). The params a device holds are ``z_i``; ``w_i`` is in
+  the state. Params and weight travel as one float32 buffer, one
+  collective-permute per class of edges in which every device sends and
+  receives at most once.
+
+  Args:
+    inner: the optimizer each device applies to its own gradient.
+    topology: ``"exponential"`` (SGP's one-peer directed exponential
+      graph: in step ``k`` device ``i`` sends to ``i + 2^(k mod log2 n)``;
+      its weights stay 1, so it is D-PSGD on that graph) or a list of
+      each device's out-neighbours (a fixed directed graph).
+    axis_name: the data axis.
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxcomm.collectives import _gossip
+  _check_inner("inner", inner)
+  if isinstance(topology, str):
+    _checks.choice("topology", topology, ("exponential",))
+  else:
+    topology = _gossip.check_directed_graph(topology)
+  _compressor._check_axis_name(axis_name)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return LocalState(count=jnp.zeros([], jnp.int32), anchor=(), synced=(),
+                      inner=inner.init(params),
+                      skipped=jnp.zeros([], jnp.int32),
+                      compress=PushSumState(weight=jnp.ones([], jnp.float32)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("jaxcomm.sgp needs params: call "
+                       "tx.update(grads, state, params)")
+    if not isinstance(state, LocalState) or not isinstance(
+        state.compress, PushSumState):
+      raise ValueError("jaxcomm.sgp: state must be the LocalState its init "
+                       f"returned, got {type(state).__name__}")
+    _core.check_axis(axis_name, "jaxcomm.sgp")
+    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
+      jax.tree.leaves(u))
+    inner_new = _where(ok, inner_new, state.inner)
+    p_leaves, treedef = jax.tree.flatten(params)
+    w = state.compress.weight
+    x = [w * p.astype(jnp.float32) + jnp.where(ok, d, 0).astype(jnp.float32)
+         for p, d in zip(p_leaves, jax.tree.leaves(u))]
+    flat = jnp.concatenate([_buckets.flatten(x, jnp.float32),
+                            w.astype(jnp.float32)[None]])
+    mixed = _gossip.push_sum_mix(flat, axis_name, topology, state.count)
+    new_w = mixed[-1]
+    z = _buckets.unflatten(mixed[:-1] / new_w, [p.shape for p in p_leaves])
+    out = jax.tree.unflatten(treedef, [
+      (zi - p.astype(jnp.float32)).astype(p.dtype)
+      for zi, p in zip(z, p_leaves)])
+    return out, LocalState(
+      count=state.count + 1, anchor=(), synced=(), inner=inner_new,
+      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+      compress=PushSumState(weight=new_w))
+
+  return optax.GradientTransformationExtraArgs(
+    _compressor._Init(init_fn, PushSumSpec(topology)), update_fn)
