@@ -686,11 +686,26 @@ _CHUNK_OWNED_FIELDS = ("server_error",)
 def _additive_paths(state) -> list:
   """For each leaf: ``False``, or ``"sum"`` for error-feedback mass
   (summed or split on resize), or ``"owned"`` for mass that device ``k``
-  keeps on its own chunk only (re-chunked on resize)."""
+  keeps on its own chunk only (re-chunked on resize), or ``("restart",
+  v)`` for gossip memory that only holds for the device count it was built
+  on (set to ``v`` on every new device)."""
   flags = []
 
   def visit(x, kind):
-    if hasattr(x, "_fields"):
+    if isinstance(x, (_local.ChocoState, _local.PushSumState)):
+      # CHOCO's public copies (and their mixed sum) are what each device's
+      # neighbours know of it; push-sum's weight is its share of the mass.
+      # Both restart as at init on a new graph (public copies 0, weight 1:
+      # the de-biased params become the numerators); the params, which
+      # resize_params moves, carry the model.
+      for name, y in zip(x._fields, x):
+        if name in ("public", "mixed"):
+          visit(y, ("restart", 0.0))
+        elif name == "weight":
+          visit(y, ("restart", 1.0))
+        else:
+          visit(y, kind)
+    elif hasattr(x, "_fields"):
       for name, y in zip(x._fields, x):
         sub = kind
         if name in _CHUNK_OWNED_FIELDS:
@@ -737,8 +752,9 @@ def resize_state(state, layout, num_devices: int):
   reads only its chunk of it, whose bounds depend on the device count, so
   its total is re-cut into the new devices' chunks (every element lands
   where its new owner reads it). Other per-device leaves (local momenta,
-  statistics) are averaged over groups, or copied when growing. Replicated
-  leaves are unchanged.
+  statistics) are averaged over groups, or copied when growing. CHOCO's
+  public copies restart at 0 and push-sum's weight at 1, as at init (they
+  describe the old graph). Replicated leaves are unchanged.
 
   Args:
     state: the state as host (numpy) arrays, e.g. from a checkpoint.
@@ -766,6 +782,8 @@ def resize_state(state, layout, num_devices: int):
     new = num_devices
     if old == new:
       out.append(x)
+    elif isinstance(add, tuple):
+      out.append(np.full((new,) + x.shape[1:], add[1], x.dtype))
     elif add == "owned" and (old % new == 0 or new % old == 0):
       out.append(_rechunk(x, new))
     elif old % new == 0:

@@ -396,3 +396,53 @@ def test_sgp_graph_of_the_wrong_size_is_named():
   tx = jaxcomm.sgp(optax.sgd(0.1), topology=[[1], [0]])
   with pytest.raises(ValueError, match="2 devices but the axis has 8"):
     L._run(tx, 1)
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.choco(optax.sgd(0.05, momentum=0.9),
+                        jaxcomm.topk(0.25, policy=_ALL), gamma=0.4),
+  lambda: jaxcomm.sgp(optax.sgd(0.05, momentum=0.9), topology=_DIRECTED),
+], ids=["choco", "sgp"])
+def test_gossip_memory_restarts_on_resize(make):
+  """8 -> 4 devices: params keep their average, the inner momenta are
+  averaged in pairs, CHOCO's public copies restart at 0 and push-sum's
+  weight at 1 (as at init); 4 devices then train on (exponential graph
+  for SGP: the directed one names 8 devices)."""
+  tx = make()
+  dp, p, s, _ = L._run(tx, 3)
+  host_p = jax.tree.map(L._rows, p)
+  host_s = jax.tree.map(L._rows, jax.device_get(s))
+  new_p = parallel.resize_params(host_p, 4)
+  new_s = parallel.resize_state(host_s, dp.layout, 4)
+  for k in host_p:
+    np.testing.assert_allclose(new_p[k].mean(0), host_p[k].mean(0),
+                               rtol=1e-6, atol=1e-7)
+  mom = jax.tree.leaves(new_s.inner)
+  old_mom = jax.tree.leaves(host_s.inner)
+  for a, b in zip(mom, old_mom):
+    if np.ndim(b) and b.shape[0] == N:
+      np.testing.assert_allclose(a, b.reshape((4, 2) + b.shape[1:]).mean(1),
+                                 rtol=1e-6)
+  cs = new_s.compress
+  if isinstance(cs, jaxcomm.ChocoState):
+    assert any(np.abs(b).max() > 0 for b in host_s.compress.public)
+    for b in cs.public + cs.mixed:
+      if b.size:                 # (the empty buffer of no dense leaves)
+        assert b.shape[0] == 4 and not np.any(b)
+    tx4 = tx
+  else:
+    assert not np.allclose(host_s.compress.weight, 1.0)
+    np.testing.assert_array_equal(cs.weight, np.ones(4, np.float32))
+    tx4 = jaxcomm.sgp(optax.sgd(0.05, momentum=0.9))
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                        axis_types=(jax.sharding.AxisType.Auto,))
+  dp4 = parallel.DataParallel(L.loss_fn, tx4, mesh4, donate=False)
+  dp4.init(L._params())
+  p4 = dp4.place_params(new_p)
+  s4 = jax.tree.map(
+    lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
+      mesh4, P("data") if b else P())), new_s, dp4.layout)
+  for t in range(3):
+    p4, s4, _ = dp4.step(p4, s4, L._batches(3, seed=7, n=4)[t])
+    jax.block_until_ready(p4)
+  assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(p4))
