@@ -122,7 +122,19 @@ LOCAL_METHODS = {
   "diloco50+topk2%2bit": ("diloco", 50, lambda jc, optax: jc.diloco(
     optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50,
     compressor=jc.topk(0.02, value_bits=2))),
+  # Decentralized: every step gossips with the neighbours (period 1).
+  "dpsgd-ring": ("dpsgd", 1, lambda jc, optax: jc.dpsgd(
+    optax.sgd(1e-4, momentum=0.9), topology="ring")),
+  "dpsgd-exp": ("dpsgd", 1, lambda jc, optax: jc.dpsgd(
+    optax.sgd(1e-4, momentum=0.9), topology="exponential")),
+  "choco-ring+topk10%": ("choco", 1, lambda jc, optax: jc.choco(
+    optax.sgd(1e-4, momentum=0.9), jc.topk(0.1), gamma=0.5)),
+  "sgp-exp": ("sgp", 1, lambda jc, optax: jc.sgp(
+    optax.sgd(1e-4, momentum=0.9))),
 }
+# Time-varying gossip compiles every phase's permutes; a step runs one.
+GOSSIP_METHODS = ("dpsgd-ring", "dpsgd-exp", "choco-ring+topk10%",
+                  "sgp-exp")
 METHODS.update({k: (v[0], None) for k, v in LOCAL_METHODS.items()})
 
 
@@ -199,7 +211,8 @@ def _jax_worker(a) -> int:
       jax.block_until_ready((params, state))
       first = time.perf_counter() - t0
       abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-      ops = jaxcomm.wire.claimed(comp, abstract, n)
+      ops = jaxcomm.wire.claimed(
+        comp, abstract, n, step=0 if method in GOSSIP_METHODS else None)
       # Bytes per step: a local-update step sends one sync's bytes every
       # `period` steps.
       sent = jaxcomm.wire.summarize(ops, n).total_sent / period
