@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any
 from typing import Callable
 
@@ -94,20 +95,31 @@ class Entry:
 
 
 ENTRIES: dict[str, Entry] = {}
+# The module each entry was registered from (the caller of register()).
+SOURCES: dict[str, str] = {}
 
 
 def register(entry: Entry) -> Entry:
   if entry.name in ENTRIES:
     raise ValueError(f"duplicate registry entry {entry.name!r}")
   ENTRIES[entry.name] = entry
+  SOURCES[entry.name] = inspect.currentframe().f_back.f_globals["__name__"]
   return entry
 
 
-def load() -> dict[str, Entry]:
-  for mod in MODULES:
-    try:
-      importlib.import_module(mod)
-    except ModuleNotFoundError as e:
-      if e.name != mod:
-        raise
+def load(modules=None) -> dict[str, Entry]:
+  """Imports every module in ``modules`` (default :data:`MODULES`) and
+  returns the entries.
+
+  Nothing here is optional: a missing module, or one that fails to import,
+  raises (a deleted family must not silently leave the battery), and so
+  does a module that registers no entry.
+  """
+  modules = MODULES if modules is None else modules
+  for mod in modules:
+    importlib.import_module(mod)
+    if mod not in SOURCES.values():
+      raise AssertionError(
+        f"{mod} is listed in tests.registry.MODULES but registered no "
+        "battery entry")
   return ENTRIES

@@ -165,15 +165,52 @@ def test_multisteps(name):
       assert float(jnp.abs(upd["w"]).max()) > 0.0
 
 
+def test_registry_load_fails_loudly():
+  """A family whose entries module is gone, or registers nothing, is an
+  error, not a battery that quietly shrank."""
+  with pytest.raises(ModuleNotFoundError, match="entries_deleted"):
+    registry.load(["tests.entries_deleted"])
+  with pytest.raises(AssertionError, match="registered no battery entry"):
+    registry.load(["tests.procs"])
+  # Every entry comes from a listed module, and every module gave some.
+  assert set(registry.SOURCES.values()) == set(registry.MODULES)
+
+
+def _clip_numpy(tree, max_norm):
+  """clip_by_global_norm in float64 numpy (float leaves only)."""
+  floats = {k: np.asarray(v, np.float64) for k, v in tree.items()
+            if np.issubdtype(np.asarray(v).dtype, np.floating)}
+  norm = np.sqrt(sum(np.sum(v * v) for v in floats.values()))
+  scale = min(1.0, max_norm / norm)
+  return {k: (floats[k] * scale).astype(np.float32) if k in floats
+          else np.asarray(v) for k, v in tree.items()}, norm
+
+
 @entry_param
 def test_clip_then_compress(name):
+  """clip_by_global_norm before the compressor: the compressor sees the
+  clipped gradient (its update equals the compressor's on a gradient
+  clipped in numpy), and the clip did act (the raw norm is far above it)."""
   entry = ENTRIES[name]
   tx = optax.chain(optax.clip_by_global_norm(1.0), entry.make(axis_name=None),
                    optax.sgd(1.0))
+  alone = harness.chain_sgd(entry.make(axis_name=None))
   params = harness.battery_params()
   grads = jax.tree.map(lambda g: g[0] * 100.0, harness.make_grads(4, 1)[0])
+  clipped, norm = _clip_numpy(grads, 1.0)
+  assert norm > 100.0
   upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = jax.jit(alone.update)(clipped, alone.init(params), params)
+  unclipped, _ = jax.jit(alone.update)(grads, alone.init(params), params)
+  chex.assert_trees_all_close(upd, want, rtol=entry.rtol, atol=entry.atol)
   assert np.all(np.isfinite(np.asarray(upd["w"])))
+  if entry.dense_baseline is None:
+    # A compressor passes the dense leaf through as the (clipped) mean:
+    # on one device the update is -lr times the clipped gradient, not the
+    # raw one.
+    np.testing.assert_allclose(upd["b"], -clipped["b"], rtol=1e-5,
+                               atol=1e-7)
+    assert not np.allclose(unclipped["b"], upd["b"], rtol=0.5)
 
 
 @entry_param
