@@ -11,6 +11,7 @@ state; bad arguments; an unbound axis; non-float and empty pytrees.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import chex
 import jax
@@ -21,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
+from jaxcomm import _compressor
 from jaxcomm.kernels import _dispatch
 from tests import harness
 from tests import registry
@@ -127,12 +129,45 @@ def test_keeps_gradient_dtype(name, dtype):
   chex.assert_trees_all_equal_dtypes(upd, grads)
 
 
+def _numeric_options(entry, kwargs) -> dict:
+  """Shared numeric options of ``compressed()`` that change this entry's
+  result, for ``optax.inject_hyperparams`` to inject on top of the entry's
+  own arguments: a clipping threshold the battery's gradients exceed, and
+  (with classic error feedback) a residual decay, whose effect shows from
+  the second step on."""
+  accepted = inspect.signature(entry.factory).parameters
+  shared = dict(_compressor.SHARED_OPTIONS)
+  extra = {}
+  if "clip_norm" in accepted and "clip_norm" not in kwargs:
+    assert "clip_norm" in shared
+    extra["clip_norm"] = 20.0
+  if ("residual_decay" in accepted and entry.error_feedback is True
+      and "residual_decay" not in kwargs):
+    assert "residual_decay" in shared
+    extra["residual_decay"] = 0.5
+  return extra
+
+
+def _host(tree):
+  """Host arrays, PRNG key arrays as their raw data (comparable)."""
+  def leaf(x):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return jax.tree.map(leaf, tree)
+
+
 @entry_param
 def test_inject_hyperparams(name):
+  """``optax.inject_hyperparams`` of the factory, with every numeric
+  argument traced, gives the same updates and the same state over two
+  steps as the plain factory. Each entry gets a shared numeric option on
+  top of its own (see ``_numeric_options``)."""
   entry = ENTRIES[name]
   if entry.factory is None:
     pytest.skip("no public factory")
   kwargs = dict(entry.kwargs, axis_name=None)
+  kwargs.update(_numeric_options(entry, kwargs))
   # Only the structural arguments the user passes are listed: a default
   # (a seed, a bucket size, a sample ratio) must never need listing.
   static = tuple((set(entry.static_args) & set(kwargs)) | {"axis_name"})
@@ -140,11 +175,25 @@ def test_inject_hyperparams(name):
     **kwargs)
   plain = entry.factory(**kwargs)
   params = harness.battery_params()
-  grads = jax.tree.map(lambda g: g[0], harness.make_grads(2, 1)[0])
-  u1, s1 = jax.jit(injected.update)(grads, injected.init(params), params)
-  u2, _ = jax.jit(plain.update)(grads, plain.init(params), params)
-  chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-6)
-  assert hasattr(s1, "hyperparams")
+  numeric = {k for k, p in inspect.signature(entry.factory).parameters.items()
+             if isinstance(kwargs.get(k, p.default), (int, float))
+             and not isinstance(kwargs.get(k, p.default), bool)
+             and k not in static}
+  s1, s2 = injected.init(params), plain.init(params)
+  assert set(s1.hyperparams) == numeric, (set(s1.hyperparams), numeric)
+  if not numeric:
+    # mean_gradients takes axis_name only: there is nothing to inject.
+    assert entry.factory is jaxcomm.mean_gradients, name
+  for t, g in enumerate(harness.make_grads(2, 2)):
+    g = jax.tree.map(lambda x: x[0], g)
+    u1, s1 = jax.jit(injected.update)(g, s1, params)
+    u2, s2 = jax.jit(plain.update)(g, s2, params)
+    chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-6,
+                                custom_message=f"{name}: update {t}")
+    chex.assert_trees_all_close(_host(s1.inner_state), _host(s2),
+                                rtol=1e-6, atol=1e-6,
+                                custom_message=f"{name}: state {t}")
+    chex.assert_trees_all_equal_dtypes(s1.inner_state, s2)
 
 
 @entry_param
