@@ -67,6 +67,11 @@ class Entry:
     dense_baseline: for a whole optimizer, ``() -> GradientTransformation``
       of the dense mean and the optimizer it replaces (the program-growth
       test compares with it instead of the bare dense mean).
+    forced_memory: the reference-equality tests start each step's
+      reference from the transform's residuals (checked against the
+      reference one step earlier) instead of the twin's own: for
+      deterministic rounding to a coarse grid, where an ulp of float32
+      drift in the residual moves a later value across a rounding tie.
   """
 
   name: str
@@ -85,6 +90,7 @@ class Entry:
   stochastic: bool = False
   numpy_run: Callable[..., tuple] | None = None
   dense_baseline: Callable[[], Any] | None = None
+  forced_memory: bool = False
 
   def __post_init__(self):
     if self.make is None:
