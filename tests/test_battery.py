@@ -212,16 +212,37 @@ def test_stochastic_quantizers_conserve_mass_with_error_feedback(name, mesh):
 
 @entry_param
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_keeps_gradient_dtype(name, dtype):
+def test_keeps_gradient_dtype_and_state_types_through_cond(name, dtype):
+  """Updates keep the gradients' dtype, and (Optax's stability check) the
+  state an update returns has the shapes and dtypes, weak types included,
+  of the state it was given: a ``lax.cond`` between updating and keeping
+  the state (or a ``scan`` over steps) type-checks."""
   entry = ENTRIES[name]
   tx = entry.make(axis_name=None)
   params = jax.tree.map(
     lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
     else p, harness.battery_params())
-  grads = jax.tree.map(lambda g: g[0], harness.make_grads(
-    0, 1, dtype=dtype, params=params)[0])
-  upd, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
-  chex.assert_trees_all_equal_dtypes(upd, grads)
+
+  @jax.jit
+  def step(grads, state, pick):
+    updates, new_state = jax.lax.cond(
+      pick, lambda: tx.update(grads, state, params),
+      lambda: (jax.tree.map(jnp.zeros_like, grads), state))
+    return updates, new_state, jax.lax.cond(pick, lambda: new_state,
+                                            lambda: state)
+
+  state = jax.jit(tx.init)(params)
+  for t, g in enumerate(harness.make_grads(0, 2, dtype=dtype, params=params)):
+    g = jax.tree.map(lambda x: x[0], g)
+    updates, new_state, kept = step(g, state, jnp.asarray(t == 0))
+    chex.assert_trees_all_equal_dtypes(updates, g)
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
+      assert jax.typeof(a).weak_type == jax.typeof(b).weak_type, name
+    if t == 0:
+      assert any(np.any(np.asarray(x) != 0)
+                 for x in jax.tree.leaves(updates)), name
+    state = kept
 
 
 def _numeric_options(entry, kwargs) -> dict:
