@@ -302,12 +302,24 @@ def _add_bool(parser, name, default, help_):
                       help=help_)
 
 
-def parse_args(argv=None) -> Config:
-  """Builds a :class:`Config` from command-line arguments."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends "(default: ...)" to every flag's help except where the default
+  is None: those flags say in their help what leaving them out does."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    if action.default == "":
+      return action.help + " (default: none)"
+    return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line: every flag with a help text and its default."""
   d = Config()
   p = argparse.ArgumentParser(
     prog="train.py", description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    formatter_class=_HelpFormatter)
   g = p.add_argument_group("model and data")
   g.add_argument("--model", default=d.model,
                  help=f"one of {', '.join(models.MODELS)}")
@@ -315,12 +327,15 @@ def parse_args(argv=None) -> Config:
                  help="constructor arguments, k=v,... (default for charlm: "
                  f"{d.model_args})")
   g.add_argument("--dataset", default=d.dataset,
-                 choices=("auto", "text", "digits", "cifar10"))
+                 choices=("auto", "text", "digits", "cifar10"),
+                 help="auto: the model's own (text for charlm, digits for "
+                 "mlp and cnn, cifar10 for resnet20)")
   g.add_argument("--data-dir", default=None,
                  help="directory of the CIFAR-10 python batches")
   g.add_argument("--text-file", default=None,
                  help="UTF-8 text for charlm (default: pydoc_data topics)")
-  g.add_argument("--seq-len", type=int, default=d.seq_len)
+  g.add_argument("--seq-len", type=int, default=d.seq_len,
+                 help="characters per training sequence (charlm)")
   g = p.add_argument_group("compression and optimization")
   g.add_argument("--compressor", default=None,
                  help=f"one of {', '.join(COMPRESSORS)} (those in this "
@@ -353,26 +368,41 @@ def parse_args(argv=None) -> Config:
                  "period; choco: topology=ring|torus, gamma=0.5, "
                  "compressing with --compressor; sgp: "
                  "topology=exponential)")
-  g.add_argument("--lr", type=float, default=d.lr)
-  g.add_argument("--momentum", type=float, default=d.momentum)
-  g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+  g.add_argument("--lr", type=float, default=d.lr,
+                 help="peak learning rate of --optimizer (of the inner "
+                 "optimizer with --local)")
+  g.add_argument("--momentum", type=float, default=d.momentum,
+                 help="momentum of --optimizer momentum and nesterov")
+  g.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                 help="decoupled weight decay (adamw, lamb and the jaxcomm "
+                 "optimizers)")
   g.add_argument("--schedule", default=d.schedule,
-                 choices=("constant", "cosine", "warmup_cosine", "step"))
-  g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+                 choices=("constant", "cosine", "warmup_cosine", "step"),
+                 help="learning-rate schedule over --steps (step: x0.1 "
+                 "at 50%% and again at 75%% of them)")
+  g.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                 help="linear warm-up steps of --schedule warmup_cosine")
   g = p.add_argument_group("run")
   g.add_argument("--num-devices", type=int, default=d.num_devices,
                  help="data-parallel devices (global)")
   g.add_argument("--batch-size", type=int, default=d.batch_size,
                  help="global batch size")
-  g.add_argument("--steps", type=int, default=d.steps)
+  g.add_argument("--steps", type=int, default=d.steps,
+                 help="training steps (the schedule's length)")
   g.add_argument("--stop-after", type=int, default=None,
                  help="stop early at this step (checkpointed); the "
                  "schedule still spans --steps")
-  g.add_argument("--seed", type=int, default=d.seed)
-  g.add_argument("--out-dir", default=None)
+  g.add_argument("--seed", type=int, default=d.seed,
+                 help="seed of the initial params, the data split and the "
+                 "batch order")
+  g.add_argument("--out-dir", default=None,
+                 help="where metrics, plots and checkpoints go (default: "
+                 "runs/<model>-<compressor>-<time>)")
   g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                 help="0: only at the end")
-  g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+                 help="save a checkpoint every this many steps (0: only "
+                 "at the end)")
+  g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                 help="checkpoints kept (the newest ones)")
   _add_bool(g, "resume", d.resume, "continue from --out-dir's checkpoint")
   g.add_argument("--resume-from", default=None, metavar="PATH",
                  help="continue from this checkpoint directory (e.g. "
@@ -380,19 +410,33 @@ def parse_args(argv=None) -> Config:
                  "corrupt) instead of the one LATEST names; implies --resume")
   _add_bool(g, "overwrite", d.overwrite,
             "start afresh in an --out-dir that has checkpoints")
-  g.add_argument("--eval-every", type=int, default=d.eval_every)
-  g.add_argument("--eval-examples", type=int, default=d.eval_examples)
-  g.add_argument("--log-every", type=int, default=d.log_every)
+  g.add_argument("--eval-every", type=int, default=d.eval_every,
+                 help="held-out evaluation every this many steps (0: only "
+                 "at the end)")
+  g.add_argument("--eval-examples", type=int, default=d.eval_examples,
+                 help="held-out examples per evaluation")
+  g.add_argument("--log-every", type=int, default=d.log_every,
+                 help="a metrics.jsonl line every this many steps")
   _add_bool(g, "progress", d.progress, "tqdm progress bar")
   _add_bool(g, "plot", d.plot, "write curves.png")
   g.add_argument("--platform", default=d.platform,
                  choices=("cpu", "default"),
                  help="cpu: simulated CPU devices; default: JAX's choice")
   g = p.add_argument_group("multi-process")
-  g.add_argument("--coordinator", default=None, help="host:port")
-  g.add_argument("--num-processes", type=int, default=None)
-  g.add_argument("--process-id", type=int, default=None)
-  ns = p.parse_args(argv)
+  g.add_argument("--coordinator", default=None,
+                 help="host:port of process 0 of a multi-process job "
+                 "(jax.distributed); default: a single process")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help="processes in the job (with --coordinator)")
+  g.add_argument("--process-id", type=int, default=None,
+                 help="this process's index, 0 .. --num-processes - 1")
+  return p
+
+
+def parse_args(argv=None) -> Config:
+  """Builds a :class:`Config` from command-line arguments."""
+  d = Config()
+  ns = build_parser().parse_args(argv)
   values = vars(ns)
   if values["model_args"] is None:
     values["model_args"] = d.model_args if ns.model == "charlm" else ""
@@ -1499,17 +1543,24 @@ def main(argv=None, *, set_devices: bool = False) -> dict[str, Any]:
     r = result
     print()
     print(summary_table([r]))
-    print(f"\n{r['model']} on {r['dataset']}, {r['num_devices']} devices, "
+    print("\n" + summary_line(r))
+  return result
+
+
+def summary_line(r: dict[str, Any]) -> str:
+  """The run's last printed line: figures and what crossed the wire (on one
+  device nothing does, so there is no ratio to give)."""
+  if r["dense_bytes_per_step"]:
+    wire = (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
+            f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
+            f"({r['compression_ratio']:.1f}x less)")
+  else:
+    wire = "one device: nothing crosses the wire"
+  return (f"{r['model']} on {r['dataset']}, {r['num_devices']} devices, "
           f"{r['steps']} steps in {r['train_time_s']:.0f}s "
           f"({r['wall_time_s']:.0f}s with set-up): held-out loss "
           f"{r['eval_loss']:.4f}, accuracy {r['eval_accuracy']:.4f}; "
-          + (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
-             f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
-             f"({r['compression_ratio']:.1f}x less)"
-             if r["dense_bytes_per_step"] else
-             "one device: nothing crosses the wire")
-          + f". Outputs: {r['out_dir']}")
-  return result
+          f"{wire}. Outputs: {r['out_dir']}")
 
 
 if __name__ == "__main__":

@@ -405,6 +405,17 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
                          out_specs=state_specs(layout, axis_name))
     return jax.jit(init)(placed)
   state = jax.device_get(tx.init(jax.device_get(params)))
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    # Traced (jax.eval_shape(lambda: init_state(...)) builds an abstract
+    # target for a checkpoint restore): the same layout, as traced ops.
+    def place_traced(x, b):
+      x = jnp.asarray(x)
+      if b:
+        x = jnp.broadcast_to(x[None], (_leaf_size(b, mesh, axis_name),)
+                             + x.shape)
+      return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, _leaf_spec(b, axis_name)))
+    return jax.tree.map(place_traced, state, layout)
 
   def place(x, b):
     sharding = NamedSharding(mesh, _leaf_spec(b, axis_name))
@@ -742,6 +753,51 @@ def _rechunk(x: np.ndarray, new: int) -> np.ndarray:
   return out
 
 
+def _containers(tree) -> set:
+  """The kinds of pytree nodes in ``tree`` (dict, list, tuple, NamedTuple
+  classes, ...)."""
+  kinds = set()
+
+  def visit(x):
+    if isinstance(x, dict):
+      kinds.add(dict)
+      for v in x.values():
+        visit(v)
+    elif isinstance(x, (tuple, list)):
+      kinds.add(type(x))
+      for v in x:
+        visit(v)
+
+  visit(tree)
+  return kinds
+
+
+def _check_restored_structure(state, layout) -> None:
+  """Names a state whose tree is not its layout's, above all one restored
+  from a checkpoint without a target (orbax then gives dicts and lists, a
+  NamedTuple's fields as sorted dict keys, so leaves pair up wrongly)."""
+  want = jax.tree.structure(layout)
+  got = jax.tree.structure(state)
+  if want == got:
+    return
+  named = {k for k in _containers(layout) if hasattr(k, "_fields")}
+  restored = (not named & _containers(state)
+              and {dict, list} & _containers(state))
+  if named and restored:
+    raise ValueError(
+      "state has no NamedTuple nodes where its layout has "
+      f"{sorted(k.__name__ for k in named)}: it looks restored from a "
+      "checkpoint without a target (orbax then returns plain dicts and "
+      "lists). Restore with the abstract state as target, e.g. "
+      "ckpt.restore(path, target=jax.eval_shape(lambda: "
+      "jaxcomm.parallel.init_state(tx, params, mesh))) on a mesh of the "
+      "checkpoint's device count, or the same tree with that count as the "
+      "leading axis of the per-device leaves")
+  raise ValueError(
+    f"state does not have its layout's tree structure: state {got}, layout "
+    f"{want}")
+
+
 def resize_state(state, layout, num_devices: int):
   """Moves a laid-out state (host arrays) to ``num_devices`` devices.
 
@@ -763,6 +819,7 @@ def resize_state(state, layout, num_devices: int):
       one another.
   """
   num_devices = _checks.integer("num_devices", num_devices, 1)
+  _check_restored_structure(state, layout)
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
   additive = _additive_paths(state)

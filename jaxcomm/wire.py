@@ -158,13 +158,19 @@ def _num_devices(text: str) -> int:
 def _as_text(step: Any) -> str:
   if isinstance(step, str):
     return step
-  if isinstance(step, jax.stages.Lowered):
+  # A lowering (jax.jit(f).lower(...), flax's nnx.jit(f).lower(...), ...)
+  # holds the program before XLA's passes: its text names no HLO
+  # collectives, so it is compiled first.
+  if callable(getattr(step, "compile", None)):
     step = step.compile()
   if hasattr(step, "as_text"):
-    return step.as_text()
+    text = step.as_text()
+    if isinstance(text, str):
+      return text
   raise ValueError(
-    "step must be HLO text, a jax Lowered (jit(f).lower(...)) or a Compiled "
-    f"object, got {type(step).__name__}")
+    "step must be HLO text, a lowered step (jax.jit(f).lower(...), "
+    "nnx.jit(f).lower(...)) or its .compile(), got "
+    f"{type(step).__name__}")
 
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
@@ -296,7 +302,12 @@ class Report:
   dense_sent: float
   ratio: float
 
+  def __str__(self) -> str:
+    return self.table()
+
   def table(self) -> str:
+    """The report as a markdown table (also what ``str`` and ``print``
+    give)."""
     rows = ["| op | payload bytes | sent bytes/device |", "|---|---:|---:|"]
     for k in KINDS:
       if k in self.payload:
@@ -342,8 +353,32 @@ def summarize(ops: Iterable[Op] | Iterable[tuple], n: int | None = None,
 
 
 def report(step: Any, params=None) -> Report:
-  """:func:`summarize` of the collectives in a lowered/compiled step."""
-  return summarize(collectives(step), params=params)
+  """Bytes per device per step of a compiled step, next to the dense psum.
+
+  ``print(report(...))`` prints it as a table.
+
+  Args:
+    step: a lowered step (``jax.jit(f).lower(*args)``,
+      ``nnx.jit(f).lower(*args)``: compiled here), its ``.compile()``, or
+      optimized HLO text.
+    params: if given, the dense baseline is a float32 all-reduce of them.
+
+  Returns:
+    :func:`summarize` of the step's collectives.
+
+  Raises:
+    ValueError: the step holds no collective at all (a step compiled for
+      one device, outside ``shard_map``/``pmap``, or one whose gradients
+      were never exchanged): there would be nothing to compare.
+  """
+  ops = collectives(step)
+  if not ops:
+    raise ValueError(
+      "report found no collective (all-reduce, all-gather, all-to-all, "
+      "reduce-scatter, collective-permute) in the compiled step: pass the "
+      "lowered or compiled step that runs inside jax.shard_map/pmap over "
+      "more than one device")
+  return summarize(ops, params=params)
 
 
 def claimed(tx, params, n: int, step: int | None = None

@@ -109,8 +109,22 @@ def device_run(tx, mesh, grads_seq, params=None, state=None):
   return updates, jax.device_get(state), layout
 
 
-def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
+def _f32(x):
+  """Rounded to float32 (kept as float64): the transform keeps its error
+  feedback memory, and forms ``x = g + e``, in float32; over many steps a
+  float64 memory drifts far enough to move a value across a rounding tie
+  of the integer quantizers."""
+  return np.asarray(x, np.float32).astype(np.float64)
+
+
+def numpy_run(entry, grads_seq, seed: int = 0, n: int = N, memory=None):
   """The registry entry's numpy reference with error feedback around it.
+
+  ``memory[t]`` (optional, for ``t >= 1``): the residuals ``res[i][j]`` to
+  start step ``t`` from instead of the twin's own: the transform's, each
+  checked against the reference at the step before. For entries whose
+  deterministic rounding turns an ulp of float32 drift into a whole code
+  step a few steps later (``Entry.forced_memory``).
 
   Returns:
     (mean updates per step as dicts of float64 arrays, final residuals
@@ -133,22 +147,30 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N):
   out, sent_all = [], []
   for t, grads in enumerate(grads_seq):
     key, sub = jax.random.split(key)
+    if memory is not None and t > 0:
+      for i, dev in enumerate(memory[t]):
+        for j, r in enumerate(dev):
+          np.testing.assert_allclose(
+            r, res[i][j], rtol=entry.rtol, atol=entry.atol * 10,
+            err_msg=f"{entry.name}: residual {j} of device {i} before "
+            f"step {t}")
+      res = [[np.asarray(r, np.float64) for r in dev] for dev in memory[t]]
     xs = []
     for i in range(n):
       g = [np.asarray(grads[k][i], np.float64) for k in comp]
       if ef21:
-        xs.append([x - h for h, x in zip(res[i], g)])
+        xs.append([_f32(x - h) for h, x in zip(res[i], g)])
       elif entry.error_feedback:
-        xs.append([r + x for r, x in zip(res[i], g)])
+        xs.append([_f32(r + x) for r, x in zip(res[i], g)])
       else:
         xs.append(g)
     mean, sent, ref_state = entry.ref_step(xs, ref_state, t, sub, n)
     if ef21:
-      res = [[h + s for h, s in zip(res[i], sent[i])] for i in range(n)]
+      res = [[_f32(h + s) for h, s in zip(res[i], sent[i])] for i in range(n)]
       agg = [a + m for a, m in zip(agg, mean)]
       mean = agg
     elif entry.error_feedback:
-      res = [[x - s for x, s in zip(xs[i], sent[i])] for i in range(n)]
+      res = [[_f32(x - s) for x, s in zip(xs[i], sent[i])] for i in range(n)]
     upd = {k: np.asarray(m, np.float64) for k, m in zip(comp, mean)}
     for k in dense:
       upd[k] = np.asarray(grads[k], np.float64).mean(axis=0)

@@ -11,6 +11,7 @@ state; bad arguments; an unbound axis; non-float and empty pytrees.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import chex
 import jax
@@ -21,17 +22,33 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
+from jaxcomm import _compressor
 from jaxcomm.kernels import _dispatch
 from tests import harness
 from tests import registry
 
 ENTRIES = registry.load()
 NAMES = sorted(ENTRIES)
-STEPS = 3
+STEPS = 5
 
 
 def entry_param(fn):
   return pytest.mark.parametrize("name", NAMES)(fn)
+
+
+def _device_run(entry, tx, mesh, grads):
+  """``harness.device_run``, plus the residuals before each step (for a
+  ``forced_memory`` entry; else None)."""
+  if not entry.forced_memory:
+    return (*harness.device_run(tx, mesh, grads), None)
+  updates, state, memory = [], None, [None]
+  for t, g in enumerate(grads):
+    if t > 0:
+      res = harness.residuals_of(state)
+      memory.append([[r[i] for r in res] for i in range(res[0].shape[0])])
+    upd, state, layout = harness.device_run(tx, mesh, [g], state=state)
+    updates += upd
+  return updates, state, layout, memory
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +57,8 @@ def _run(name, mesh):
   entry = ENTRIES[name]
   tx = entry.make(axis_name="data")
   grads = harness.make_grads(seed=1, steps=STEPS)
-  updates, state, layout = harness.device_run(tx, mesh, grads)
-  return tx, grads, updates, state, layout
+  updates, state, layout, memory = _device_run(entry, tx, mesh, grads)
+  return tx, grads, updates, state, layout, memory
 
 
 @entry_param
@@ -59,23 +76,62 @@ def test_jit_init_and_update(name):
   np.testing.assert_array_equal(upd["step"], grads["step"])
 
 
-@entry_param
-def test_matches_numpy_reference_on_8_devices(name, mesh):
+def _check_reference(name, grads, updates, state, n, memory=None):
   entry = ENTRIES[name]
-  _, grads, updates, state, _ = _run(name, mesh)
-  ref, ref_res, _ = harness.numpy_run(entry, grads)
-  for t in range(STEPS):
+  ref, ref_res, _ = harness.numpy_run(entry, grads, n=n, memory=memory)
+  assert len(updates) == len(ref) == len(grads)
+  for t in range(len(grads)):
     for k in ref[t]:
       np.testing.assert_allclose(
         updates[t][k], ref[t][k], rtol=entry.rtol, atol=entry.atol,
-        err_msg=f"{name}: update of {k!r} at step {t}")
+        err_msg=f"{name}: update of {k!r} at step {t} on {n} devices")
   if entry.error_feedback:
     res = harness.residuals_of(state)
     for j, r in enumerate(res):
-      want = np.stack([ref_res[i][j] for i in range(harness.N)])
+      want = np.stack([ref_res[i][j] for i in range(n)])
       np.testing.assert_allclose(r, want, rtol=entry.rtol,
                                  atol=entry.atol * 10,
-                                 err_msg=f"{name}: residual {j}")
+                                 err_msg=f"{name}: residual {j} on {n} "
+                                 "devices")
+
+
+@entry_param
+def test_matches_numpy_reference_on_8_devices(name, mesh):
+  _, grads, updates, state, _, memory = _run(name, mesh)
+  _check_reference(name, grads, updates, state, harness.N, memory)
+
+
+# Entries whose exchange depends on the device count beyond the mean's
+# 1/n (chunk owners, vote counts, recursive-doubling rounds, the n <= 2
+# path of natural, per-n sampling) run on 2 and 4 devices too: a third of
+# the registry, to keep the battery's time (every entry runs on 8).
+SUB_MESH_ENTRIES = ("cast_bfloat16_ef", "csc_ef", "gtopk_ef", "natural",
+                    "onebit", "onebit_adam", "powersgd_r2",
+                    "qsgd_partial_buckets", "signum", "topk_ef")
+
+
+@functools.lru_cache(maxsize=None)
+def _sub_mesh(n):
+  return jax.make_mesh((n,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", SUB_MESH_ENTRIES)
+def test_matches_numpy_reference_on_2_and_4_devices(name, n):
+  """The same reference equality on a sub-mesh of the 8 CPU devices."""
+  if len(jax.devices()) < n:
+    pytest.skip(f"needs {n} devices, have {len(jax.devices())}")
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  grads = harness.make_grads(seed=6, steps=STEPS, n=n)
+  updates, state, _, memory = _device_run(entry, tx, _sub_mesh(n), grads)
+  _check_reference(name, grads, updates, state, n, memory)
+
+
+def test_sub_mesh_entries_are_registered():
+  assert set(SUB_MESH_ENTRIES) <= set(NAMES)
 
 
 @entry_param
@@ -83,7 +139,7 @@ def test_conserves_gradient_mass(name, mesh):
   entry = ENTRIES[name]
   if not (entry.error_feedback and entry.conserves):
     pytest.skip(f"{name}: no error feedback or not a linear aggregation")
-  _, grads, updates, state, _ = _run(name, mesh)
+  _, grads, updates, state, _, _ = _run(name, mesh)
   res = harness.residuals_of(state)
   if entry.error_feedback == "ef21":
     # EF21's invariant: the aggregate the update returns is the mean of the
@@ -113,26 +169,121 @@ def test_conserves_gradient_mass(name, mesh):
                                err_msg=f"{name}: mass of {k!r} not conserved")
 
 
+@pytest.mark.parametrize("name", ("qsgd", "terngrad", "natural"))
+def test_stochastic_quantizers_conserve_mass_with_error_feedback(name, mesh):
+  """The stochastic quantizers with error feedback switched on: at every
+  step, summed over devices, what the paper's quantizer sends (the numpy
+  reference, drawing with the transform's key of that step) plus the new
+  residual equals the gradient plus the old residual; and the update is
+  the reference's mean of those messages."""
+  entry = ENTRIES[name]
+  assert entry.stochastic and not entry.error_feedback
+  tx = entry.make(axis_name="data", error_feedback=True)
+  n = harness.N
+  params = harness.battery_params()
+  shapes = [tuple(params[k].shape) for k in harness.COMPRESSED]
+  old = [np.zeros((n,) + s, np.float32) for s in shapes]
+  ref_state = entry.ref_init(shapes)
+  key = jax.random.PRNGKey(0)   # the factories' default seed
+  state = None
+  for t, g in enumerate(harness.make_grads(seed=13, steps=STEPS)):
+    key, sub = jax.random.split(key)
+    upd, state, _ = harness.device_run(tx, mesh, [g], state=state)
+    new = harness.residuals_of(state)
+    # x = g + e, formed in float32 as the transform forms it.
+    xs = [[(np.asarray(g[k][i], np.float32) + old[j][i]).astype(np.float64)
+           for j, k in enumerate(harness.COMPRESSED)] for i in range(n)]
+    mean, sent, ref_state = entry.ref_step(xs, ref_state, t, sub, n)
+    moved = 0.0
+    for j, k in enumerate(harness.COMPRESSED):
+      before = sum(xs[i][j] for i in range(n))
+      after = sum(sent[i][j] + new[j][i].astype(np.float64) for i in range(n))
+      scale = np.abs(before).max()
+      np.testing.assert_allclose(
+        after, before, atol=1e-5 * scale,
+        err_msg=f"{name}: mass of {k!r} not conserved at step {t}")
+      np.testing.assert_allclose(
+        upd[0][k], mean[j], rtol=entry.rtol, atol=entry.atol,
+        err_msg=f"{name}: update of {k!r} at step {t}")
+      moved = max(moved, float(np.abs(new[j]).max()))
+    assert moved > 0, f"{name}: error feedback kept nothing at step {t}"
+    old = new
+
+
 @entry_param
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_keeps_gradient_dtype(name, dtype):
+def test_keeps_gradient_dtype_and_state_types_through_cond(name, dtype):
+  """Updates keep the gradients' dtype, and (Optax's stability check) the
+  state an update returns has the shapes and dtypes, weak types included,
+  of the state it was given: a ``lax.cond`` between updating and keeping
+  the state (or a ``scan`` over steps) type-checks."""
   entry = ENTRIES[name]
   tx = entry.make(axis_name=None)
   params = jax.tree.map(
     lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
     else p, harness.battery_params())
-  grads = jax.tree.map(lambda g: g[0], harness.make_grads(
-    0, 1, dtype=dtype, params=params)[0])
-  upd, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
-  chex.assert_trees_all_equal_dtypes(upd, grads)
+
+  @jax.jit
+  def step(grads, state, pick):
+    updates, new_state = jax.lax.cond(
+      pick, lambda: tx.update(grads, state, params),
+      lambda: (jax.tree.map(jnp.zeros_like, grads), state))
+    return updates, new_state, jax.lax.cond(pick, lambda: new_state,
+                                            lambda: state)
+
+  state = jax.jit(tx.init)(params)
+  for t, g in enumerate(harness.make_grads(0, 2, dtype=dtype, params=params)):
+    g = jax.tree.map(lambda x: x[0], g)
+    updates, new_state, kept = step(g, state, jnp.asarray(t == 0))
+    chex.assert_trees_all_equal_dtypes(updates, g)
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
+      assert jax.typeof(a).weak_type == jax.typeof(b).weak_type, name
+    if t == 0:
+      assert any(np.any(np.asarray(x) != 0)
+                 for x in jax.tree.leaves(updates)), name
+    state = kept
+
+
+def _numeric_options(entry, kwargs) -> dict:
+  """Shared numeric options of ``compressed()`` that change this entry's
+  result, for ``optax.inject_hyperparams`` to inject on top of the entry's
+  own arguments: a clipping threshold the battery's gradients exceed, and
+  (with classic error feedback) a residual decay, whose effect shows from
+  the second step on."""
+  accepted = inspect.signature(entry.factory).parameters
+  shared = dict(_compressor.SHARED_OPTIONS)
+  extra = {}
+  if "clip_norm" in accepted and "clip_norm" not in kwargs:
+    assert "clip_norm" in shared
+    extra["clip_norm"] = 20.0
+  if ("residual_decay" in accepted and entry.error_feedback is True
+      and "residual_decay" not in kwargs):
+    assert "residual_decay" in shared
+    extra["residual_decay"] = 0.5
+  return extra
+
+
+def _host(tree):
+  """Host arrays, PRNG key arrays as their raw data (comparable)."""
+  def leaf(x):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return jax.tree.map(leaf, tree)
 
 
 @entry_param
 def test_inject_hyperparams(name):
+  """``optax.inject_hyperparams`` of the factory, with every numeric
+  argument traced, gives the same updates and the same state over two
+  steps as the plain factory. Each entry gets a shared numeric option on
+  top of its own (see ``_numeric_options``)."""
   entry = ENTRIES[name]
   if entry.factory is None:
     pytest.skip("no public factory")
   kwargs = dict(entry.kwargs, axis_name=None)
+  kwargs.update(_numeric_options(entry, kwargs))
   # Only the structural arguments the user passes are listed: a default
   # (a seed, a bucket size, a sample ratio) must never need listing.
   static = tuple((set(entry.static_args) & set(kwargs)) | {"axis_name"})
@@ -140,11 +291,25 @@ def test_inject_hyperparams(name):
     **kwargs)
   plain = entry.factory(**kwargs)
   params = harness.battery_params()
-  grads = jax.tree.map(lambda g: g[0], harness.make_grads(2, 1)[0])
-  u1, s1 = jax.jit(injected.update)(grads, injected.init(params), params)
-  u2, _ = jax.jit(plain.update)(grads, plain.init(params), params)
-  chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-6)
-  assert hasattr(s1, "hyperparams")
+  numeric = {k for k, p in inspect.signature(entry.factory).parameters.items()
+             if isinstance(kwargs.get(k, p.default), (int, float))
+             and not isinstance(kwargs.get(k, p.default), bool)
+             and k not in static}
+  s1, s2 = injected.init(params), plain.init(params)
+  assert set(s1.hyperparams) == numeric, (set(s1.hyperparams), numeric)
+  if not numeric:
+    # mean_gradients takes axis_name only: there is nothing to inject.
+    assert entry.factory is jaxcomm.mean_gradients, name
+  for t, g in enumerate(harness.make_grads(2, 2)):
+    g = jax.tree.map(lambda x: x[0], g)
+    u1, s1 = jax.jit(injected.update)(g, s1, params)
+    u2, s2 = jax.jit(plain.update)(g, s2, params)
+    chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-6,
+                                custom_message=f"{name}: update {t}")
+    chex.assert_trees_all_close(_host(s1.inner_state), _host(s2),
+                                rtol=1e-6, atol=1e-6,
+                                custom_message=f"{name}: state {t}")
+    chex.assert_trees_all_equal_dtypes(s1.inner_state, s2)
 
 
 @entry_param
@@ -165,15 +330,52 @@ def test_multisteps(name):
       assert float(jnp.abs(upd["w"]).max()) > 0.0
 
 
+def test_registry_load_fails_loudly():
+  """A family whose entries module is gone, or registers nothing, is an
+  error, not a battery that quietly shrank."""
+  with pytest.raises(ModuleNotFoundError, match="entries_deleted"):
+    registry.load(["tests.entries_deleted"])
+  with pytest.raises(AssertionError, match="registered no battery entry"):
+    registry.load(["tests.procs"])
+  # Every entry comes from a listed module, and every module gave some.
+  assert set(registry.SOURCES.values()) == set(registry.MODULES)
+
+
+def _clip_numpy(tree, max_norm):
+  """clip_by_global_norm in float64 numpy (float leaves only)."""
+  floats = {k: np.asarray(v, np.float64) for k, v in tree.items()
+            if np.issubdtype(np.asarray(v).dtype, np.floating)}
+  norm = np.sqrt(sum(np.sum(v * v) for v in floats.values()))
+  scale = min(1.0, max_norm / norm)
+  return {k: (floats[k] * scale).astype(np.float32) if k in floats
+          else np.asarray(v) for k, v in tree.items()}, norm
+
+
 @entry_param
 def test_clip_then_compress(name):
+  """clip_by_global_norm before the compressor: the compressor sees the
+  clipped gradient (its update equals the compressor's on a gradient
+  clipped in numpy), and the clip did act (the raw norm is far above it)."""
   entry = ENTRIES[name]
   tx = optax.chain(optax.clip_by_global_norm(1.0), entry.make(axis_name=None),
                    optax.sgd(1.0))
+  alone = harness.chain_sgd(entry.make(axis_name=None))
   params = harness.battery_params()
   grads = jax.tree.map(lambda g: g[0] * 100.0, harness.make_grads(4, 1)[0])
+  clipped, norm = _clip_numpy(grads, 1.0)
+  assert norm > 100.0
   upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = jax.jit(alone.update)(clipped, alone.init(params), params)
+  unclipped, _ = jax.jit(alone.update)(grads, alone.init(params), params)
+  chex.assert_trees_all_close(upd, want, rtol=entry.rtol, atol=entry.atol)
   assert np.all(np.isfinite(np.asarray(upd["w"])))
+  if entry.dense_baseline is None:
+    # A compressor passes the dense leaf through as the (clipped) mean:
+    # on one device the update is -lr times the clipped gradient, not the
+    # raw one.
+    np.testing.assert_allclose(upd["b"], -clipped["b"], rtol=1e-5,
+                               atol=1e-7)
+    assert not np.allclose(unclipped["b"], upd["b"], rtol=0.5)
 
 
 @entry_param
@@ -203,7 +405,7 @@ def test_nonfinite_gradient_on_one_device(name, mesh):
 @entry_param
 def test_orbax_round_trip(name, mesh, tmp_path):
   entry = ENTRIES[name]
-  tx, _, _, state, _ = _run(name, mesh)
+  tx, _, _, state, _, _ = _run(name, mesh)
   ckpt = ocp.StandardCheckpointer()
   path = tmp_path / "state"
   ckpt.save(path, state)

@@ -181,6 +181,42 @@ def test_resize_state_conserves_residual_mass(mesh):
       parallel.resize_state(host, dp.layout, bad)
 
 
+def test_init_state_traces_and_restore_needs_a_target(mesh, tmp_path):
+  """init_state runs under jax.eval_shape (an abstract restore target); a
+  state restored without one (dicts and lists) is named by resize_state
+  instead of failing on a tuple index."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = optax.chain(jaxcomm.topk(0.25, policy=jaxcomm.LeafPolicy(min_size=16)),
+                   optax.sgd(0.1, momentum=0.9))
+  dp = parallel.DataParallel(_loss, tx, mesh, donate=False)
+  params, state = dp.init(_params())
+  for t in range(2):
+    params, state, _ = dp.step(params, state, _batch(t))
+  abstract = jax.eval_shape(lambda: parallel.init_state(tx, _params(), mesh))
+  also = jax.eval_shape(lambda p: parallel.init_state(tx, p, mesh), _params())
+  for tree in (abstract, also):
+    assert jax.tree.structure(tree) == jax.tree.structure(state)
+    for a, x in zip(jax.tree.leaves(tree), jax.tree.leaves(state)):
+      assert (a.shape, a.dtype) == (x.shape, x.dtype)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "s", state)
+  ckpt.wait_until_finished()
+  host = jax.device_get(state)
+  untargeted = ckpt.restore(tmp_path / "s")
+  with pytest.raises(ValueError, match="restored from a checkpoint without a "
+                     "target.*target=jax.eval_shape"):
+    parallel.resize_state(jax.device_get(untargeted), dp.layout, 4)
+  restored = jax.device_get(ckpt.restore(tmp_path / "s", target=abstract))
+  jax.tree.map(np.testing.assert_array_equal, restored, host)
+  four = parallel.resize_state(restored, dp.layout, 4)
+  np.testing.assert_allclose(four[0].residual[0].sum(axis=0),
+                             host[0].residual[0].sum(axis=0), rtol=1e-6,
+                             atol=1e-7)
+  # Any other mismatch of trees is named too.
+  with pytest.raises(ValueError, match="layout's tree structure"):
+    parallel.resize_state(host[0], dp.layout, 4)
+
+
 def test_resize_state_keeps_ef21_aggregate_the_mean_of_estimates(mesh):
   """EF21's per-device estimates are not delayed mass: resizing averages
   merged devices and copies to new ones, so ``h = mean_i h_i`` still

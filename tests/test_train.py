@@ -314,9 +314,44 @@ def test_one_device_summary_says_nothing_crosses_the_wire():
        "compression_ratio": float("inf"), "steps_per_s": 2.0}
   table = train.summary_table([r])
   assert "one device: no traffic" in table and "inf" not in table
+  r.update(dataset="digits", train_time_s=1.0, wall_time_s=2.0,
+           out_dir="runs/x")
+  line = train.summary_line(r)
+  assert "one device: nothing crosses the wire" in line, line
+  assert "inf" not in line and "0 B" not in line, line
   r.update(num_devices=8, bytes_per_step=100, dense_bytes_per_step=1000,
            compression_ratio=10.0)
   assert "| 10.0x |" in train.summary_table([r])
+  line = train.summary_line(r)
+  assert "(10.0x less)" in line
+  assert "nothing crosses" not in line
+
+
+def test_every_flag_has_help_and_default():
+  """train.py --help: every flag says what it does, and each flag with a
+  default shows it (ArgumentDefaultsHelpFormatter adds it only to flags
+  that have a help text)."""
+  parser = train.build_parser()
+  flags = [a for a in parser._actions if a.option_strings
+           and a.dest != "help"]
+  assert len(flags) > 30
+  missing = [a.option_strings[0] for a in flags
+             if not (a.help and a.help.strip())]
+  assert not missing, f"flags without help: {missing}"
+  text = " ".join(parser.format_help().split())
+  by_flag = {a.option_strings[0]: a for a in flags}
+  formatter = parser._get_formatter()
+  for flag, default in (("--lr", "0.003"), ("--steps", "1500"),
+                        ("--seq-len", "64"), ("--dataset", "auto"),
+                        ("--momentum", "0.9"), ("--weight-decay", "0.0"),
+                        ("--schedule", "cosine"), ("--warmup-steps", "50")):
+    action = by_flag[flag]
+    shown = formatter._get_help_string(action) % {"default": action.default}
+    assert shown.endswith(f"(default: {default})"), (flag, shown)
+    assert " ".join(shown.split()) in text
+  for a in flags:
+    if a.default is not None:
+      assert "(default: " in formatter._get_help_string(a), a.option_strings
 
 
 LOCAL_RUNS = [

@@ -156,3 +156,38 @@ def test_summary_ratio_against_dense():
   assert rep.ratio == pytest.approx(10.0)
   assert math.isinf(wire.summarize([], n=8, params=params).ratio)
   assert "ratio" in rep.table()
+
+
+def test_report_prints_as_a_table(mesh):
+  x = jnp.zeros((8, 1000), jnp.float32)
+  params = {"w": np.zeros((1000,), np.float32)}
+  rep = wire.report(_lower(lambda a: jax.lax.psum(a[0], "data"), mesh, x),
+                    params=params)
+  # A psum of the whole parameter vector: 2 * 7/8 * 4000 = 7000 bytes sent,
+  # as many as the dense baseline, ratio 1.
+  want = "\n".join([
+    "| op | payload bytes | sent bytes/device |", "|---|---:|---:|",
+    "| all-reduce | 4,000 | 7,000 |", "| total | | 7,000 |",
+    "| dense f32 psum | | 7,000 |", "| ratio | | 1.0x |"])
+  assert str(rep) == want
+  assert f"{rep}" == want
+
+
+def test_report_compiles_an_nnx_lowering(mesh):
+  """flax's nnx.jit(...).lower(...) is not a jax.stages.Lowered: its text
+  is StableHLO without HLO collectives until it is compiled."""
+  nnx = pytest.importorskip("flax.nnx")
+  x = jnp.zeros((8, 1000), jnp.float32)
+  fn = jax.shard_map(lambda a: jax.lax.psum(a[0], "data"), mesh=mesh,
+                     in_specs=(P("data"),), out_specs=P())
+  rep = wire.report(nnx.jit(fn).lower(x))
+  assert rep.payload == {"all-reduce": 4000}
+  assert rep.total_sent == pytest.approx(2 * 7 / 8 * 4000)
+
+
+def test_report_without_collectives_is_an_error():
+  """A step with no collective (one device, or a step whose exchange was
+  compiled away) must not report total_sent=0 and ratio=inf."""
+  lowered = jax.jit(lambda a: a * 2).lower(jnp.zeros((10,), jnp.float32))
+  with pytest.raises(ValueError, match="no collective"):
+    wire.report(lowered, params={"w": np.zeros((10,), np.float32)})
