@@ -379,3 +379,30 @@ def test_one_invariant_leaf_is_named_and_can_be_marked(mesh):
   want = jax.grad(_loss)(params, _batch(0))   # full batch on one device
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_multisteps_and_apply_if_finite_in_data_parallel(mesh):
+  """optax.MultiSteps around the whole chain trains in DataParallel: four
+  steps with k=2 equal two single-device SGD steps on the mean gradient of
+  two batches each. optax.apply_if_finite around the whole chain (a
+  per-device decision) is refused by name at init."""
+  k, lr = 2, 0.1
+  tx = optax.MultiSteps(optax.chain(jaxcomm.topk(1.0), optax.sgd(lr)),
+                        every_k_schedule=k)
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  params, state = dp.init(_params())
+  for t in range(2 * k):
+    params, state, _ = dp.step(params, state, _batch(t))
+  ref = jax.tree.map(jnp.asarray, _params())
+  for s in range(2):
+    g = jax.tree.map(lambda *x: sum(x) / k,
+                     *[jax.grad(_loss)(ref, _batch(s * k + j))
+                       for j in range(k)])
+    ref = jax.tree.map(lambda p, d: p - lr * d, ref, g)
+  for key in ref:
+    np.testing.assert_allclose(params[key], ref[key], rtol=1e-5, atol=1e-6)
+  bad = optax.apply_if_finite(optax.chain(jaxcomm.topk(0.5), optax.sgd(lr)),
+                              3)
+  with pytest.raises(ValueError, match=r"updates differ between devices.*"
+                     r"apply_if_finite"):
+    parallel.DataParallel(_loss, bad, mesh).init(_params())

@@ -7,6 +7,7 @@ compression math can be used (and tested) without shard_map.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
@@ -67,6 +68,22 @@ def vma_typed(name: str) -> bool:
   return name in varying_axes(jax.lax.axis_index(name))
 
 
+# Non-empty while jaxcomm.parallel.state_layout traces its probe: a guessed
+# layout may type a state leaf that later feeds a compressor (MultiSteps'
+# accumulated gradients) replicated; the real step is checked.
+_PROBING = []
+
+
+@contextlib.contextmanager
+def probing():
+  """Turns :func:`check_local` off while a layout probe traces."""
+  _PROBING.append(True)
+  try:
+    yield
+  finally:
+    _PROBING.pop()
+
+
 def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
   """Refuses gradients that were already summed over ``axis_name``.
 
@@ -84,6 +101,8 @@ def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
   Raises:
     ValueError: naming the axis and up to five invariant leaves.
   """
+  if _PROBING:
+    return
   for name in _names(axis_name):
     if not vma_typed(name):
       continue
