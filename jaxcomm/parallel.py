@@ -401,7 +401,8 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
                   for x in jax.tree.leaves(new_state)]
       drift[:] = [jax.tree_util.keystr(path) for path, u in
                   jax.tree_util.tree_leaves_with_path(updates)
-                  if frozenset(names) & _core.varying_axes(u)]
+                  if _core._inexact(u)
+                  and frozenset(names) & _core.varying_axes(u)]
       return jnp.zeros([], jnp.float32)
 
     stacked = jax.tree.unflatten(treedef, [
@@ -530,11 +531,25 @@ class DataParallel:
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
       averaged over devices.
     donate: donate params and state buffers to the step.
+    block: wait for the previous step's params and state before
+      dispatching the next step. ``None`` (default): on a mesh of several
+      CPU devices only. XLA's CPU collectives rendezvous every simulated
+      device; with many steps queued (a loop that never reads a result)
+      a device can reach a collective while the others still work through
+      earlier steps on few cores, and XLA aborts the process after its
+      collective timeout ("Termination timeout for all reduce ... 40
+      seconds exceeded"). One step in flight keeps every wait within one
+      step; the host still prepares the next batch meanwhile. ``False``
+      dispatches freely (JAX's asynchronous default; then raise
+      ``--xla_cpu_collective_timeout_seconds`` and
+      ``--xla_cpu_collective_call_terminate_timeout_seconds`` in
+      ``XLA_FLAGS`` before JAX starts, as train.py and the tests do);
+      ``True`` blocks on any backend.
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
                mesh, axis_name: str = "data", *, has_aux: bool = False,
-               donate: bool = True):
+               donate: bool = True, block: bool | None = None):
     _data_size(mesh, axis_name)
     self.loss_fn = loss_fn
     self.tx = tx
@@ -546,6 +561,11 @@ class DataParallel:
     self.per_device_params = False
     self.param_specs = None
     self._step = None
+    if block is not None:
+      _checks.boolean("block", block)
+    self.block = (block if block is not None else
+                  self.num_devices > 1 and all(
+                    d.platform == "cpu" for d in mesh.devices.flat))
 
   @property
   def num_devices(self) -> int:
@@ -665,6 +685,9 @@ class DataParallel:
     if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
                for x in jax.tree.leaves(batch)) and self.num_devices > 1:
       batch = self.shard_batch(batch)
+    if self.block:
+      # The previous step's outputs: at most one step queued (see block).
+      jax.block_until_ready((params, state))
     return self._step(params, state, batch)
 
   def lower(self, params, state, batch):

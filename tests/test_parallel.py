@@ -406,3 +406,34 @@ def test_multisteps_and_apply_if_finite_in_data_parallel(mesh):
   with pytest.raises(ValueError, match=r"updates differ between devices.*"
                      r"apply_if_finite"):
     parallel.DataParallel(_loss, bad, mesh).init(_params())
+
+
+def test_cpu_step_waits_for_the_previous_step(mesh, monkeypatch):
+  """On a mesh of CPU devices DataParallel keeps one step in flight: each
+  step first waits for the params and state the previous one returned
+  (XLA's CPU collectives abort when many queued steps make a rendezvous
+  wait past their timeout). block=False dispatches freely; one device
+  has no collective to wait for."""
+  waited = []
+  real = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready",
+                      lambda x: waited.append(x) or real(x))
+  tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+  for block, expect in ((None, True), (False, False), (True, True)):
+    dp = parallel.DataParallel(_loss, tx, mesh, block=block)
+    assert dp.block is expect
+    params, state = dp.init(_params())
+    waited.clear()
+    given = []
+    for t in range(3):
+      given.append((params, state))
+      params, state, _ = dp.step(params, state, _batch(t))
+    if expect:
+      assert len(waited) == 3
+      for (p, s), w in zip(given, waited):
+        assert w[0] is p and w[1] is s
+    else:
+      assert not waited
+  assert parallel.DataParallel(_loss, tx, parallel.make_mesh(1)).block is False
+  with pytest.raises(ValueError, match="block must be a bool"):
+    parallel.DataParallel(_loss, tx, mesh, block="yes")

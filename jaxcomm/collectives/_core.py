@@ -128,6 +128,7 @@ def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
 
 
 def _inexact(x) -> bool:
+  """A floating or complex leaf with elements (one that has a gradient)."""
   dtype = getattr(x, "dtype", None)
   return (dtype is not None and dtype != jax.dtypes.float0
           and bool(jnp.issubdtype(dtype, jnp.inexact))
