@@ -401,7 +401,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
                   for x in jax.tree.leaves(new_state)]
       drift[:] = [jax.tree_util.keystr(path) for path, u in
                   jax.tree_util.tree_leaves_with_path(updates)
-                  if _core._inexact(u)
+                  if _core.is_inexact(u)
                   and frozenset(names) & _core.varying_axes(u)]
       return jnp.zeros([], jnp.float32)
 

@@ -108,7 +108,7 @@ def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
       continue
     summed = [jax.tree_util.keystr(path) or "(root)"
               for path, g in jax.tree_util.tree_leaves_with_path(grads)
-              if _inexact(g) and name not in varying_axes(g)]
+              if is_inexact(g) and name not in varying_axes(g)]
     if not summed:
       continue
     n = jax.lax.axis_size(name)
@@ -127,7 +127,7 @@ def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
       f"{name!r}) before this transform.")
 
 
-def _inexact(x) -> bool:
+def is_inexact(x) -> bool:
   """A floating or complex leaf with elements (one that has a gradient)."""
   dtype = getattr(x, "dtype", None)
   return (dtype is not None and dtype != jax.dtypes.float0
