@@ -5,8 +5,9 @@ update (``check_vma`` on, ``out_specs=P()``); equality with the entry's numpy
 reference; conservation of gradient mass with error feedback; dtypes;
 ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite``
 and ``optax.clip_by_global_norm`` around it (``MultiSteps`` also in the
-8-device step, ``apply_if_finite`` around it refused there); an orbax round-trip of the
-state; bad arguments; an unbound axis; non-float and empty pytrees.
+8-device step, ``apply_if_finite`` around it refused there); an orbax
+round-trip of the state; bad arguments; an unbound axis; non-float and
+empty pytrees.
 """
 
 from __future__ import annotations
