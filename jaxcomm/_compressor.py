@@ -468,7 +468,7 @@ def compressed(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    n = _core.check_axis(axis_name, codec.name)
+    n = _core.check_axis(axis_name, codec.name, grads=updates)
     if params is not None:
       _check_like_params(updates, params, codec.name)
     leaves, treedef = jax.tree.flatten(updates)

@@ -22,6 +22,7 @@ module owns that layout so users never hand-write it:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from typing import Callable
@@ -271,6 +272,56 @@ def _leaf_size(b, mesh, axis_name) -> int:
   return int(np.prod([mesh.shape[a] for a in names]))
 
 
+def _to_union(tree, want):
+  """Each leaf of ``tree`` marked varying over the axes in ``want`` (a
+  frozenset per leaf) that it does not vary over yet (type only)."""
+  def one(x, axes):
+    missing = tuple(sorted(axes - _core.varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(one, tree, want)
+
+
+@contextlib.contextmanager
+def _joined_branches():
+  """While the layout probe traces: ``jax.lax.cond`` and ``jax.lax.switch``
+  type each output as varying over every axis any branch's output varies
+  over, where the real ones raise.
+
+  Wrappers that branch on replicated counters (``optax.MultiSteps``,
+  ``optax.apply_if_finite``, ``optax.skip_not_finite``) return the inner
+  state unchanged in one branch and updated in the other. With the right
+  layout both branches agree (a residual enters varying and leaves
+  varying); the probe starts from an all-replicated guess, where they do
+  not, and ``lax.cond`` would raise before the probe could say which leaves
+  vary. Joined branches let it take the union and reach the fixed point;
+  the real step then runs the unpatched ``lax.cond`` on the derived layout.
+  """
+  cond, switch = jax.lax.cond, jax.lax.switch
+
+  def joined(branches, operands):
+    want = _local._join_vma([jax.eval_shape(b, *operands)
+                             for b in branches])
+    return [lambda *ops, b=b: _to_union(b(*ops), want) for b in branches]
+
+  def joined_cond(pred, true_fun, false_fun, *operands, **kwargs):
+    if "operand" in kwargs:
+      operands = (kwargs.pop("operand"),)
+    t, f = joined((true_fun, false_fun), operands)
+    return cond(pred, t, f, *operands, **kwargs)
+
+  def joined_switch(index, branches, *operands, **kwargs):
+    if "operand" in kwargs:
+      operands = (kwargs.pop("operand"),)
+    return switch(index, joined(list(branches), operands), *operands,
+                  **kwargs)
+
+  jax.lax.cond, jax.lax.switch = joined_cond, joined_switch
+  try:
+    yield
+  finally:
+    jax.lax.cond, jax.lax.switch = cond, switch
+
+
 def state_layout(tx: optax.GradientTransformation, params, mesh,
                  axis_name: str = "data", *, per_device_params=None,
                  specs=None):
@@ -333,6 +384,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     kept = frozenset(a for a in watched if a in axes)
     return True if kept == frozenset(names) else (kept or False)
 
+  drift = []
   for _ in range(len(leaves) + 1):
     found = []
     layout = jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
@@ -344,9 +396,13 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       if per_device_params:
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
-      _, new_state = tx.update(grads, state, params, **extra)
+      updates, new_state = tx.update(grads, state, params, **extra)
       found[:] = [watched & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
+      drift[:] = [jax.tree_util.keystr(path) for path, u in
+                  jax.tree_util.tree_leaves_with_path(updates)
+                  if _core.is_inexact(u)
+                  and frozenset(names) & _core.varying_axes(u)]
       return jnp.zeros([], jnp.float32)
 
     stacked = jax.tree.unflatten(treedef, [
@@ -358,12 +414,27 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
                        in_specs=(g_specs if per_device_params else specs,
                                  state_specs(layout, axis_name), g_specs),
                        out_specs=P())
-    jax.eval_shape(fn, grads_abs if per_device_params else params_abs,
-                   stacked, grads_abs)
+    with _joined_branches(), _core.probing():
+      jax.eval_shape(fn, grads_abs if per_device_params else params_abs,
+                     stacked, grads_abs)
     new = [a | b for a, b in zip(per_device, found)]
     if new == per_device:
       break
     per_device = new
+  if drift and not per_device_params:
+    raise ValueError(
+      f"tx: its updates differ between devices ({', '.join(drift[:5])} "
+      f"vary over {axis_name!r}), so replicated params would drift apart "
+      "(shard_map's out_specs=P() cannot hold). Something in tx decides "
+      "per device after, or instead of, the average: optax.apply_if_finite "
+      "(or another lax.cond on the local gradient) wrapped around a jaxcomm "
+      "compressor skips on some devices and not others, because its "
+      "predicate reads each device's own gradient. Put it after the "
+      "compressor, where every device sees the same averaged update "
+      "(non-finite on every device when any device's gradient is): "
+      "optax.chain(compressor, optax.apply_if_finite(optax.sgd(lr), k)). "
+      "A tx without any averaging transform needs one first (e.g. "
+      "jaxcomm.mean_gradients()).")
   return jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
 
 
@@ -471,11 +542,25 @@ class DataParallel:
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
       averaged over devices.
     donate: donate params and state buffers to the step.
+    block: wait for the previous step's params and state before
+      dispatching the next step. ``None`` (default): on a mesh of several
+      CPU devices only. XLA's CPU collectives rendezvous every simulated
+      device; with many steps queued (a loop that never reads a result)
+      a device can reach a collective while the others still work through
+      earlier steps on few cores, and XLA aborts the process after its
+      collective timeout ("Termination timeout for all reduce ... 40
+      seconds exceeded"). One step in flight keeps every wait within one
+      step; the host still prepares the next batch meanwhile. ``False``
+      dispatches freely (JAX's asynchronous default; then raise
+      ``--xla_cpu_collective_timeout_seconds`` and
+      ``--xla_cpu_collective_call_terminate_timeout_seconds`` in
+      ``XLA_FLAGS`` before JAX starts, as train.py and the tests do);
+      ``True`` blocks on any backend.
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
                mesh, axis_name: str = "data", *, has_aux: bool = False,
-               donate: bool = True):
+               donate: bool = True, block: bool | None = None):
     _data_size(mesh, axis_name)
     self.loss_fn = loss_fn
     self.tx = tx
@@ -487,6 +572,11 @@ class DataParallel:
     self.per_device_params = False
     self.param_specs = None
     self._step = None
+    if block is not None:
+      _checks.boolean("block", block)
+    self.block = (block if block is not None else
+                  self.num_devices > 1 and all(
+                    d.platform == "cpu" for d in mesh.devices.flat))
 
   @property
   def num_devices(self) -> int:
@@ -606,6 +696,9 @@ class DataParallel:
     if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
                for x in jax.tree.leaves(batch)) and self.num_devices > 1:
       batch = self.shard_batch(batch)
+    if self.block:
+      # The previous step's outputs: at most one step queued (see block).
+      jax.block_until_ready((params, state))
     return self._step(params, state, batch)
 
   def lower(self, params, state, batch):

@@ -309,3 +309,167 @@ def test_pmap_step_names_inputs_without_a_device_axis(mesh):
   with pytest.raises(ValueError, match=r"params leaf \['b'\]"):
     step(jax.tree.map(jnp.asarray, _params()), state,
          (x.reshape(n, -1, 16), y.reshape(n, -1, 4)))
+
+
+def _recipe_step(tx, mesh, layout, *, pvary=True, check_vma=True):
+  """The README's hand-written step; ``pvary=False`` drops its pvary line
+  (gradients taken with respect to the replicated params)."""
+  specs = parallel.state_specs(layout)
+
+  def train_step(params, opt_state, batch):
+    local = parallel.to_local(opt_state, layout)
+    at = jaxcomm.collectives.pvary(params, "data") if pvary else params
+    loss, grads = jax.value_and_grad(_loss)(at, batch)
+    updates, local = tx.update(grads, local, params)
+    return (optax.apply_updates(params, updates),
+            parallel.to_global(local, layout), jax.lax.pmean(loss, "data"))
+
+  return jax.jit(jax.shard_map(
+    train_step, mesh=mesh, in_specs=(P(), specs, P("data")),
+    out_specs=(P(), specs, P()), check_vma=check_vma))
+
+
+def _run_recipe(tx, mesh, steps, **kw):
+  params = _params()
+  layout = parallel.state_layout(tx, params, mesh)
+  state = parallel.init_state(tx, params, mesh, layout=layout)
+  step = _recipe_step(tx, mesh, layout, **kw)
+  params = parallel.replicate(params, mesh)
+  for t in range(steps):
+    params, state, _ = step(params, state,
+                            parallel.shard_batch(_batch(t), mesh))
+  return jax.device_get(params)
+
+
+_SUMMED = r"already summed over axis 'data'.*pvary\(params, 'data'\)"
+
+
+@pytest.mark.parametrize("make", [
+  lambda: optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1)),
+  lambda: optax.chain(jaxcomm.topk(0.25), optax.sgd(0.1)),
+  lambda: optax.chain(jaxcomm.powersgd(1, policy=jaxcomm.LeafPolicy(
+    min_size=16)), optax.sgd(0.1)),
+  lambda: jaxcomm.onebit_adam(1e-3, freeze_step=2),
+  lambda: jaxcomm.local_sgd(optax.sgd(0.1), period=2),
+  lambda: jaxcomm.zero_one_adam(1e-3, var_freeze_step=2),
+], ids=["mean", "topk", "powersgd", "onebit_adam", "local_sgd",
+        "zero_one_adam"])
+def test_gradients_summed_by_jax_are_refused(mesh, make):
+  """Without the recipe's pvary line JAX psums the gradients of the
+  replicated params (n times the mean, a hidden dense all-reduce): the
+  transform refuses them, naming the axis and the fix."""
+  tx = make()
+  params = jax.tree.map(jnp.asarray, _params())
+  state = tx.init(params)
+
+  def step(params, batch):
+    grads = jax.grad(_loss)(params, batch)     # no pvary: psummed by JAX
+    return tx.update(grads, state, params)[0]
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+                     out_specs=P())
+  with pytest.raises(ValueError, match=_SUMMED) as err:
+    jax.eval_shape(fn, params, _batch(0))
+  assert "['w']" in str(err.value) and "8 times the mean" in str(err.value)
+
+
+def test_summed_gradient_raises_but_recipe_and_untyped_steps_train(mesh):
+  """The README recipe with its pvary line, DataParallel (tested above)
+  and a check_vma=False step (no typing, so no implicit psum: each device
+  differentiates its own loss) all equal single-device SGD; the recipe
+  without the pvary line is refused at trace time."""
+  make = lambda: optax.chain(jaxcomm.mean_gradients(),
+                             optax.sgd(0.1, momentum=0.9))
+  ref = _reference(3)
+  for kw in ({}, {"pvary": False, "check_vma": False}):
+    got = _run_recipe(make(), mesh, 3, **kw)
+    for k in ref:
+      np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{kw}: {k}")
+  with pytest.raises(ValueError, match=_SUMMED):
+    _run_recipe(make(), mesh, 1, pvary=False)
+
+
+def test_one_invariant_leaf_is_named_and_can_be_marked(mesh):
+  """A leaf averaged over the axis before the compressor is refused by
+  name; marked varying with collectives.pvary it is averaged again
+  (equal values: unchanged) and the update is the mean gradient."""
+  tx = jaxcomm.mean_gradients()
+  params = jax.tree.map(jnp.asarray, _params())
+  state = tx.init(params)
+
+  def step(params, batch, mark):
+    grads = jax.grad(_loss)(jaxcomm.collectives.pvary(params, "data"), batch)
+    grads["b"] = jax.lax.pmean(grads["b"], "data")
+    if mark:
+      grads["b"] = jaxcomm.collectives.pvary(grads["b"], "data")
+    return tx.update(grads, state, params)[0]
+
+  fn = lambda mark: jax.jit(jax.shard_map(
+    lambda p, b: step(p, b, mark), mesh=mesh, in_specs=(P(), P("data")),
+    out_specs=P()))
+  with pytest.raises(ValueError, match=r"summed over axis 'data': \['b'\] "
+                     r"typed invariant"):
+    fn(False)(params, _batch(0))
+  got = fn(True)(params, _batch(0))
+  want = jax.grad(_loss)(params, _batch(0))   # full batch on one device
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_multisteps_and_apply_if_finite_in_data_parallel(mesh):
+  """optax.MultiSteps around the whole chain trains in DataParallel: four
+  steps with k=2 equal two single-device SGD steps on the mean gradient of
+  two batches each. optax.apply_if_finite around the whole chain (a
+  per-device decision) is refused by name at init."""
+  k, lr = 2, 0.1
+  tx = optax.MultiSteps(optax.chain(jaxcomm.topk(1.0), optax.sgd(lr)),
+                        every_k_schedule=k)
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  params, state = dp.init(_params())
+  for t in range(2 * k):
+    params, state, _ = dp.step(params, state, _batch(t))
+  ref = jax.tree.map(jnp.asarray, _params())
+  for s in range(2):
+    g = jax.tree.map(lambda *x: sum(x) / k,
+                     *[jax.grad(_loss)(ref, _batch(s * k + j))
+                       for j in range(k)])
+    ref = jax.tree.map(lambda p, d: p - lr * d, ref, g)
+  for key in ref:
+    np.testing.assert_allclose(params[key], ref[key], rtol=1e-5, atol=1e-6)
+  bad = optax.apply_if_finite(optax.chain(jaxcomm.topk(0.5), optax.sgd(lr)),
+                              3)
+  with pytest.raises(ValueError, match=r"updates differ between devices.*"
+                     r"apply_if_finite"):
+    parallel.DataParallel(_loss, bad, mesh).init(_params())
+
+
+def test_cpu_step_waits_for_the_previous_step(mesh, monkeypatch):
+  """On a mesh of CPU devices DataParallel keeps one step in flight: each
+  step first waits for the params and state the previous one returned
+  (XLA's CPU collectives abort when many queued steps make a rendezvous
+  wait past their timeout). block=False dispatches freely; one device
+  has no collective to wait for."""
+  waited = []
+  real = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready",
+                      lambda x: waited.append(x) or real(x))
+  tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+  for block, expect in ((None, True), (False, False), (True, True)):
+    dp = parallel.DataParallel(_loss, tx, mesh, block=block)
+    assert dp.block is expect
+    params, state = dp.init(_params())
+    waited.clear()
+    given = []
+    for t in range(3):
+      given.append((params, state))
+      params, state, _ = dp.step(params, state, _batch(t))
+    if expect:
+      assert len(waited) == 3
+      for (p, s), w in zip(given, waited):
+        assert w[0] is p and w[1] is s
+    else:
+      assert not waited
+  assert parallel.DataParallel(_loss, tx, parallel.make_mesh(1)).block is False
+  with pytest.raises(ValueError, match="block must be a bool"):
+    parallel.DataParallel(_loss, tx, mesh, block="yes")

@@ -9,6 +9,7 @@ from jaxcomm.collectives._core import all_to_all
 from jaxcomm.collectives._core import axis_index
 from jaxcomm.collectives._core import axis_size
 from jaxcomm.collectives._core import check_axis
+from jaxcomm.collectives._core import check_local
 from jaxcomm.collectives._core import from_words
 from jaxcomm.collectives._core import fused_psum
 from jaxcomm.collectives._core import padded_length

@@ -7,6 +7,7 @@ compression math can be used (and tested) without shard_map.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
@@ -25,16 +26,21 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
   return tuple(axis_name)
 
 
-def check_axis(axis_name: AxisName, who: str = "jaxcomm") -> int:
-  """Returns the size of ``axis_name``; a clear error if it is not bound.
+def check_axis(axis_name: AxisName, who: str = "jaxcomm", *,
+               grads=None) -> int:
+  """Returns the size of ``axis_name``; a clear error if it is not bound,
+  or if ``grads`` were already summed over it.
 
   Args:
     axis_name: a mapped axis name, a tuple of them, or None (size 1).
     who: the caller, named in the error message.
+    grads: the gradients the caller is about to average (optional); see
+      :func:`check_local`.
 
   Raises:
     ValueError: when called where the axis is not bound (outside shard_map or
-      pmap), saying which name was expected and how to bind it.
+      pmap), saying which name was expected and how to bind it; or when
+      ``grads`` are typed invariant over the axis (:func:`check_local`).
   """
   size = 1
   for name in _names(axis_name):
@@ -48,7 +54,85 @@ def check_axis(axis_name: AxisName, who: str = "jaxcomm") -> int:
         f"jax.pmap(..., axis_name={name!r}); or pass axis_name=None to run "
         "the compression math on one device without any collective."
       ) from e
+  if grads is not None:
+    check_local(grads, axis_name, who)
   return size
+
+
+def vma_typed(name: str) -> bool:
+  """Whether values are typed by the mapped axes they vary over here:
+  inside ``jax.shard_map`` with ``check_vma=True``. The device index is
+  varying over its axis by definition, so it is typed varying exactly when
+  the typing is on (``check_vma=False`` and ``jax.pmap`` type every value
+  invariant; ``vmap`` axes are not manual)."""
+  return name in varying_axes(jax.lax.axis_index(name))
+
+
+# Non-empty while jaxcomm.parallel.state_layout traces its probe: a guessed
+# layout may type a state leaf that later feeds a compressor (MultiSteps'
+# accumulated gradients) replicated; the real step is checked.
+_PROBING = []
+
+
+@contextlib.contextmanager
+def probing():
+  """Turns :func:`check_local` off while a layout probe traces."""
+  _PROBING.append(True)
+  try:
+    yield
+  finally:
+    _PROBING.pop()
+
+
+def check_local(grads, axis_name: AxisName, who: str = "jaxcomm") -> None:
+  """Refuses gradients that were already summed over ``axis_name``.
+
+  Inside ``jax.shard_map`` with ``check_vma=True``, differentiating a loss
+  of per-device data with respect to params replicated over the axis makes
+  JAX psum the gradient (the transpose of the implicit ``pvary``): a dense
+  all-reduce before any compression, and a gradient ``n`` times the mean.
+  Such a gradient is typed invariant over the axis, where a device's own
+  gradient is varying. Every floating leaf must vary over each data axis;
+  one that does not (a leaf averaged on purpose, say) can be marked with
+  :func:`pvary` (type only, no data moves), and the transform then
+  averages equal values. Where values are not typed (``check_vma=False``,
+  ``jax.pmap``, ``axis_name=None``) nothing is checked.
+
+  Raises:
+    ValueError: naming the axis and up to five invariant leaves.
+  """
+  if _PROBING:
+    return
+  for name in _names(axis_name):
+    if not vma_typed(name):
+      continue
+    summed = [jax.tree_util.keystr(path) or "(root)"
+              for path, g in jax.tree_util.tree_leaves_with_path(grads)
+              if is_inexact(g) and name not in varying_axes(g)]
+    if not summed:
+      continue
+    n = jax.lax.axis_size(name)
+    more = f" and {len(summed) - 5} more" if len(summed) > 5 else ""
+    raise ValueError(
+      f"{who}: the gradients are already summed over axis {name!r}: "
+      f"{', '.join(summed[:5])}{more} typed invariant over {name!r} inside "
+      "jax.shard_map. JAX psums a gradient taken with respect to params "
+      f"replicated over {name!r}: a dense all-reduce before any compression "
+      f"and an update {n} times the mean. Differentiate with respect to "
+      f"jaxcomm.collectives.pvary(params, {name!r}), e.g. "
+      f"jax.grad(loss_fn)(jaxcomm.collectives.pvary(params, {name!r}), "
+      "batch), so that each device gets its own gradient "
+      "(jaxcomm.parallel.DataParallel does this); a leaf averaged on "
+      "purpose can be marked with jaxcomm.collectives.pvary(grads, "
+      f"{name!r}) before this transform.")
+
+
+def is_inexact(x) -> bool:
+  """A floating or complex leaf with elements (one that has a gradient)."""
+  dtype = getattr(x, "dtype", None)
+  return (dtype is not None and dtype != jax.dtypes.float0
+          and bool(jnp.issubdtype(dtype, jnp.inexact))
+          and int(getattr(x, "size", 1)) > 0)
 
 
 def axis_size(axis_name: AxisName) -> int:

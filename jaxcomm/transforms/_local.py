@@ -320,7 +320,7 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
       raise ValueError(
         f"jaxcomm.{method}: state must be the LocalState its init returned, "
         f"got {type(state).__name__}")
-    _core.check_axis(axis_name, f"jaxcomm.{method}")
+    _core.check_axis(axis_name, f"jaxcomm.{method}", grads=updates)
     treedef = jax.tree.structure(params)
     p_leaves = jax.tree.leaves(params)
     # The local step: each device on its own gradient, nothing sent.
@@ -897,7 +897,7 @@ def zero_one_adam(learning_rate, b1: float = 0.9, b2: float = 0.999,
         state.inner, ZeroOneAdamState):
       raise ValueError("jaxcomm.zero_one_adam: state must be the "
                        "LocalState its init returned")
-    _core.check_axis(axis_name, "jaxcomm.zero_one_adam")
+    _core.check_axis(axis_name, "jaxcomm.zero_one_adam", grads=updates)
     s = state.inner
     lr = jnp.asarray(schedule(state.count), jnp.float32)
     count = state.count + 1
@@ -1051,7 +1051,7 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
     if not isinstance(state, LocalState):
       raise ValueError("jaxcomm.dpsgd: state must be the LocalState its "
                        f"init returned, got {type(state).__name__}")
-    _core.check_axis(axis_name, "jaxcomm.dpsgd")
+    _core.check_axis(axis_name, "jaxcomm.dpsgd", grads=updates)
     u, inner_new = inner.update(updates, state.inner, params, **extra_args)
     ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
       jax.tree.leaves(u))

@@ -37,6 +37,7 @@ from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _policy
+from jaxcomm.collectives import _core
 from jaxcomm.kernels import topk as _topk
 from jaxcomm.transforms import _quantization
 
@@ -153,9 +154,11 @@ def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
   return freeze_step
 
 
-def _check_params(name, updates, params, weight_decay, state):
+def _check_params(name, updates, params, weight_decay, state, axis_name):
   """Gradients must fit the params (when given) and the state's moments:
-  otherwise they would broadcast into the momentum."""
+  otherwise they would broadcast into the momentum; and they must be each
+  device's own (not already summed over the data axis)."""
+  _core.check_axis(axis_name, name, grads=updates)
   if params is not None:
     _compressor._check_like_params(updates, params, name)
   for path, x in jax.tree_util.tree_leaves_with_path(updates):
@@ -335,7 +338,8 @@ def onebit_adam(
       raise ValueError(f"{name}: state must be the OneBitAdamState this "
                        f"optimizer's init returned, got "
                        f"{type(state).__name__}")
-    flat = _check_params(name, updates, params, weight_decay, state)
+    flat = _check_params(name, updates, params, weight_decay, state,
+                         axis_name)
     ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
                             params)
     nu = _variance(b2, ph, state.nu)
@@ -452,7 +456,8 @@ def onebit_lamb(
       raise ValueError(f"{name}: state must be the OneBitLambState this "
                        f"optimizer's init returned, got "
                        f"{type(state).__name__}")
-    flat = _check_params(name, updates, params, weight_decay, state)
+    flat = _check_params(name, updates, params, weight_decay, state,
+                         axis_name)
     if params is None:
       raise ValueError(f"{name}: LAMB's trust ratio needs params: call "
                        "tx.update(grads, state, params)")
