@@ -352,8 +352,11 @@ _SUMMED = r"already summed over axis 'data'.*pvary\(params, 'data'\)"
   lambda: jaxcomm.onebit_adam(1e-3, freeze_step=2),
   lambda: jaxcomm.local_sgd(optax.sgd(0.1), period=2),
   lambda: jaxcomm.zero_one_adam(1e-3, var_freeze_step=2),
+  lambda: jaxcomm.dpsgd(optax.sgd(0.1)),
+  lambda: jaxcomm.choco(optax.sgd(0.1), jaxcomm.topk(0.25), gamma=0.5),
+  lambda: jaxcomm.sgp(optax.sgd(0.1)),
 ], ids=["mean", "topk", "powersgd", "onebit_adam", "local_sgd",
-        "zero_one_adam"])
+        "zero_one_adam", "dpsgd", "choco", "sgp"])
 def test_gradients_summed_by_jax_are_refused(mesh, make):
   """Without the recipe's pvary line JAX psums the gradients of the
   replicated params (n times the mean, a hidden dense all-reduce): the

@@ -1008,6 +1008,32 @@ class GossipSpec:
     return _gossip.gossip_wire(self.topology, n, size, step)
 
 
+def _gossip_inner_step(method, inner, axis_name, updates, state, params,
+                       compress_type, extra_args):
+  """The step every gossip method starts with: checks (params given, the
+  method's own state, gradients not already summed over the axis), the
+  local ``inner`` update, and the finiteness guard (a non-finite gradient
+  or update keeps the inner state and contributes nothing this step).
+
+  Returns:
+    ``(n, u, inner_new, ok)``: the axis size, the inner update, the inner
+    state to keep and whether the step was finite.
+  """
+  if params is None:
+    raise ValueError(f"jaxcomm.{method} needs params: call "
+                     "tx.update(grads, state, params)")
+  if not isinstance(state, LocalState) or (
+      compress_type is not None
+      and not isinstance(state.compress, compress_type)):
+    raise ValueError(f"jaxcomm.{method}: state must be the LocalState its "
+                     f"init returned, got {type(state).__name__}")
+  n = _core.check_axis(axis_name, f"jaxcomm.{method}", grads=updates)
+  u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+  ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
+    jax.tree.leaves(u))
+  return n, u, _where(ok, inner_new, state.inner), ok
+
+
 def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
           axis_name="data") -> optax.GradientTransformationExtraArgs:
   """Decentralized SGD: each device mixes its params with its neighbours'.
@@ -1045,17 +1071,8 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
                       skipped=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("jaxcomm.dpsgd needs params: call "
-                       "tx.update(grads, state, params)")
-    if not isinstance(state, LocalState):
-      raise ValueError("jaxcomm.dpsgd: state must be the LocalState its "
-                       f"init returned, got {type(state).__name__}")
-    _core.check_axis(axis_name, "jaxcomm.dpsgd", grads=updates)
-    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
-    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
-      jax.tree.leaves(u))
-    inner_new = _where(ok, inner_new, state.inner)
+    _, u, inner_new, ok = _gossip_inner_step(
+      "dpsgd", inner, axis_name, updates, state, params, None, extra_args)
     p_leaves, treedef = jax.tree.flatten(params)
     mixed = _gossip.gossip_mix(p_leaves, axis_name, topology, state.count)
     u_leaves = jax.tree.leaves(u)
@@ -1225,18 +1242,9 @@ def choco(inner: optax.GradientTransformation, compressor, *,
                                           key=jax.random.PRNGKey(seed)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("jaxcomm.choco needs params: call "
-                       "tx.update(grads, state, params)")
-    if not isinstance(state, LocalState) or not isinstance(
-        state.compress, ChocoState):
-      raise ValueError("jaxcomm.choco: state must be the LocalState its "
-                       f"init returned, got {type(state).__name__}")
-    n = _core.check_axis(axis_name, "jaxcomm.choco")
-    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
-    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
-      jax.tree.leaves(u))
-    inner_new = _where(ok, inner_new, state.inner)
+    n, u, inner_new, ok = _gossip_inner_step(
+      "choco", inner, axis_name, updates, state, params, ChocoState,
+      extra_args)
     p_leaves, treedef = jax.tree.flatten(params)
     u_leaves = jax.tree.leaves(u)
     half = [p.astype(jnp.float32) + jnp.where(ok, d, 0).astype(jnp.float32)
@@ -1365,18 +1373,9 @@ def sgp(inner: optax.GradientTransformation, *, topology="exponential",
                       compress=PushSumState(weight=jnp.ones([], jnp.float32)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("jaxcomm.sgp needs params: call "
-                       "tx.update(grads, state, params)")
-    if not isinstance(state, LocalState) or not isinstance(
-        state.compress, PushSumState):
-      raise ValueError("jaxcomm.sgp: state must be the LocalState its init "
-                       f"returned, got {type(state).__name__}")
-    _core.check_axis(axis_name, "jaxcomm.sgp")
-    u, inner_new = inner.update(updates, state.inner, params, **extra_args)
-    ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
-      jax.tree.leaves(u))
-    inner_new = _where(ok, inner_new, state.inner)
+    _, u, inner_new, ok = _gossip_inner_step(
+      "sgp", inner, axis_name, updates, state, params, PushSumState,
+      extra_args)
     p_leaves, treedef = jax.tree.flatten(params)
     w = state.compress.weight
     x = [w * p.astype(jnp.float32) + jnp.where(ok, d, 0).astype(jnp.float32)
