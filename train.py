@@ -93,30 +93,12 @@ AXIS = "data"
 # ------------------------------------------------------------ compressors --
 
 # Name on the command line -> (attribute of ``jaxcomm``, default keyword
-# arguments used when the factory takes them and the user gives none).
+# arguments used when the factory takes them and the user gives none), read
+# from the library's one list of methods (jaxcomm.registry).
 COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
-  "dense": ("mean_gradients", {}),
-  "cast": ("cast", {"dtype": "bfloat16"}),
-  "powersgd": ("powersgd", {"rank": 4}),
-  "topk": ("topk", {"ratio": 0.01}),
-  "randomk": ("randomk", {"ratio": 0.01}),
-  "threshold": ("threshold", {"value": 1e-3}),
-  "dgc": ("dgc", {"ratio": 0.001}),
-  "gtopk": ("gtopk", {"ratio": 0.01}),
-  "csc": ("csc", {"chunk_size": 64, "ratio": 0.01}),
-  "onebit": ("onebit", {}),
-  "signsgd": ("signsgd", {}),
-  "signum": ("signum", {}),
-  "ef_signsgd": ("ef_signsgd", {}),
-  "qsgd": ("qsgd", {}),
-  "terngrad": ("terngrad", {}),
-  "natural": ("natural", {}),
-  "int8": ("int8", {}),
-  "uint8": ("uint8", {}),
-}
-ALIASES = {"none": "dense", "mean_gradients": "dense", "mean": "dense",
-           "bf16": "cast", "fp16": "cast", "1bit": "onebit",
-           "signsgd_ef": "ef_signsgd"}
+  m.name: (m.attr, dict(m.defaults))
+  for m in jaxcomm.registry.methods("compressor")}
+ALIASES = {a: m.name for m in jaxcomm.registry.methods() for a in m.aliases}
 DEFAULT_COMPRESSOR = "powersgd"
 DEFAULT_COMPRESSOR_ARGS = "rank=4"
 # Used by the default job when jaxcomm has no powersgd.
@@ -302,7 +284,8 @@ def _add_bool(parser, name, default, help_):
                       help=help_)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
   """Appends "(default: ...)" to every flag's help except where the default
   is None: those flags say in their help what leaving them out does."""
 
@@ -314,12 +297,32 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
+def methods_epilog() -> str:
+  """The methods ``--compressor``, ``--optimizer`` and ``--local`` take,
+  one line each, from ``jaxcomm.registry``."""
+  titles = {"compressor": "--compressor (chained before --optimizer)",
+            "optimizer": "--optimizer (whole jaxcomm optimizers)",
+            "local": "--local (around --optimizer, run per device)"}
+  lines = []
+  for family, title in titles.items():
+    lines.append(f"{title}:")
+    for m in jaxcomm.registry.methods(family):
+      tail = ""
+      if m.lr is not None:
+        tail = f"  [{m.optimizer}, lr {m.lr:g}]"
+      args = ",".join(f"{k}={getattr(v, '__name__', v)}"
+                      for k, v in m.defaults.items())
+      lines.append(f"  {m.name:<18} {m.paper}"
+                   + (f" (default {args})" if args else "") + tail)
+  return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command line: every flag with a help text and its default."""
   d = Config()
   p = argparse.ArgumentParser(
     prog="train.py", description=__doc__.split("\n\n")[0],
-    formatter_class=_HelpFormatter)
+    epilog=methods_epilog(), formatter_class=_HelpFormatter)
   g = p.add_argument_group("model and data")
   g.add_argument("--model", default=d.model,
                  help=f"one of {', '.join(models.MODELS)}")
@@ -645,10 +648,10 @@ def make_schedule(cfg: Config):
                    "cosine, warmup_cosine, step")
 
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb",
-              "onebit_adam", "onebit_lamb", "zero_one_adam")
 # Whole optimizers that exchange their own (1-bit) momentum.
-COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
+COMM_OPTIMIZERS = tuple(jaxcomm.registry.names("optimizer"))
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw",
+              "lamb") + COMM_OPTIMIZERS
 
 
 def make_comm_optimizer(cfg: Config, schedule):
@@ -669,10 +672,10 @@ def make_comm_optimizer(cfg: Config, schedule):
   return factory(schedule, axis_name=AXIS, **kwargs)
 
 
-LOCAL_METHODS = ("local_sgd", "adacomm", "overlap_local_sgd", "diloco",
-                 "dpsgd", "choco", "sgp")
+LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
 # Decentralized methods: no sync period, params never agree exactly.
-GOSSIP_METHODS = ("dpsgd", "choco", "sgp")
+GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
+                       if m.gossip)
 
 
 def make_local_optimizer(cfg: Config, inner, compressor, schedule):

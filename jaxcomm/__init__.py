@@ -20,45 +20,7 @@ from jaxcomm._compressor import compressed
 from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
-from jaxcomm.transforms import AdaCommSchedule
-from jaxcomm.transforms import LocalState
-from jaxcomm.transforms import OneBitAdamState
-from jaxcomm.transforms import OneBitLambState
-from jaxcomm.transforms import OneBitState
-from jaxcomm.transforms import PowerSGDState
-from jaxcomm.transforms import SignumState
-from jaxcomm.transforms import ZeroOneAdamState
-from jaxcomm.transforms import adacomm
-from jaxcomm.transforms import apply_updates
-from jaxcomm.transforms import cast
-from jaxcomm.transforms import csc
-from jaxcomm.transforms import dgc
-from jaxcomm.transforms import diloco
-from jaxcomm.transforms import dpsgd
-from jaxcomm.transforms import choco
-from jaxcomm.transforms import ChocoState
-from jaxcomm.transforms import sgp
-from jaxcomm.transforms import PushSumState
-from jaxcomm.transforms import ef_signsgd
-from jaxcomm.transforms import gtopk
-from jaxcomm.transforms import int8
-from jaxcomm.transforms import local_sgd
-from jaxcomm.transforms import local_states
-from jaxcomm.transforms import mean_gradients
-from jaxcomm.transforms import natural
-from jaxcomm.transforms import onebit
-from jaxcomm.transforms import onebit_adam
-from jaxcomm.transforms import onebit_lamb
-from jaxcomm.transforms import overlap_local_sgd
-from jaxcomm.transforms import powersgd
-from jaxcomm.transforms import qsgd
-from jaxcomm.transforms import randomk
-from jaxcomm.transforms import signsgd
-from jaxcomm.transforms import signum
-from jaxcomm.transforms import terngrad
-from jaxcomm.transforms import threshold
-from jaxcomm.transforms import topk
-from jaxcomm.transforms import uint8
-from jaxcomm.transforms import zero_one_adam
+from jaxcomm.transforms import *  # pylint: disable=wildcard-import
+from jaxcomm import registry
 
 __version__ = "0.1.0"

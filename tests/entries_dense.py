@@ -19,7 +19,6 @@ registry.register(registry.Entry(
   ref_step=_mean_ref_step,
   error_feedback=False,
   factory=jaxcomm.mean_gradients,
-  static_args=("axis_name",),
 ))
 
 
@@ -48,7 +47,6 @@ for _dtype, _np in ((jnp.bfloat16, ml_dtypes.bfloat16),
       error_feedback=_ef,
       factory=jaxcomm.cast,
       kwargs={"dtype": _dtype, "error_feedback": _ef},
-      static_args=("dtype", "error_feedback", "policy"),
       bad_args=[({"dtype": jnp.int8}, "dtype"),
                 ({"policy": 3}, "policy")],
       rtol=1e-2, atol=1e-2,

@@ -110,7 +110,6 @@ for _name, _factory, _lamb, _dense, _extra in (
     factory=_factory,
     kwargs={"learning_rate": LR, "b1": B1, "b2": B2, "eps": EPS,
             "freeze_step": FREEZE},
-    static_args=("freeze_step", "bias_correction", "policy"),
     bad_args=_BAD + _extra,
     # What the exchange averages is the momentum, not the gradient: the
     # momentum's balance is checked in tests/test_optimizers.py.

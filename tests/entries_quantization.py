@@ -92,7 +92,6 @@ registry.register(registry.Entry(
   ref_init=_onebit_ref_init,
   ref_step=_onebit_ref_step,
   factory=jaxcomm.onebit,
-  static_args=("error_feedback", "policy"),
   extra_mass=_onebit_extra_mass,
   bad_args=[({"error_feedback": 1}, "error_feedback"),
             ({"policy": 3}, "policy")],
@@ -123,7 +122,6 @@ registry.register(registry.Entry(
   kwargs={"scale": 0.5},
   error_feedback=False,
   conserves=False,
-  static_args=("error_feedback", "policy"),
   bad_args=[({"scale": 0.0}, "scale"), ({"scale": "x"}, "scale")],
 ))
 
@@ -148,7 +146,6 @@ registry.register(registry.Entry(
   kwargs={"beta": 0.9},
   error_feedback=False,
   conserves=False,
-  static_args=("error_feedback", "policy"),
   bad_args=[({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta")],
 ))
 
@@ -167,7 +164,6 @@ registry.register(registry.Entry(
   ref_init=lambda shapes: None,
   ref_step=_ef_sign_ref,
   factory=jaxcomm.ef_signsgd,
-  static_args=("error_feedback", "policy"),
   bad_args=[({"error_feedback": "yes"}, "error_feedback")],
 ))
 
@@ -240,7 +236,6 @@ registry.register(registry.Entry(
   kwargs={"levels": 7, "bucket_size": 128},
   error_feedback=False,
   stochastic=True,
-  static_args=("levels", "bucket_size", "error_feedback", "policy", "seed"),
   bad_args=[({"levels": 0}, "levels"), ({"levels": 2.5}, "levels"),
             ({"levels": 2**31 - 1}, "levels"), ({"levels": 2**40}, "levels"),
             ({"bucket_size": 0}, "bucket_size")],
@@ -268,7 +263,6 @@ registry.register(registry.Entry(
   kwargs={"clip_sigma": 2.5},
   error_feedback=False,
   stochastic=True,
-  static_args=("error_feedback", "policy", "seed"),
   bad_args=[({"clip_sigma": 0.0}, "clip_sigma")],
 ))
 
@@ -286,7 +280,6 @@ registry.register(registry.Entry(
                         _int8_quantize, lambda s: s / 127, False),
   factory=jaxcomm.int8,
   kwargs={"bucket_size": 128},
-  static_args=("bucket_size", "error_feedback", "policy"),
   bad_args=[({"bucket_size": 0}, "bucket_size"),
             ({"bucket_size": 2.5}, "bucket_size")],
 ))
@@ -337,7 +330,6 @@ registry.register(registry.Entry(
   # Over 5 steps a residual an ulp off (XLA's float32 decode) put one
   # value on the other side of a rounding tie at step 3.
   forced_memory=True,
-  static_args=("bucket_size", "error_feedback", "policy"),
   bad_args=[({"bucket_size": 0}, "bucket_size"),
             ({"bucket_size": 2.5}, "bucket_size")],
 ))
@@ -354,7 +346,6 @@ registry.register(registry.Entry(
   factory=jaxcomm.qsgd,
   kwargs={"levels": 7, "bucket_size": 100, "error_feedback": True},
   stochastic=True,
-  static_args=("levels", "bucket_size", "error_feedback", "policy", "seed"),
 ))
 
 registry.register(registry.Entry(
@@ -366,7 +357,6 @@ registry.register(registry.Entry(
   # float32/float64 residual drift can move a value across a rounding tie.
   kwargs={"bucket_size": 100, "error_feedback": False},
   error_feedback=False,
-  static_args=("bucket_size", "error_feedback", "policy"),
 ))
 
 
@@ -424,7 +414,6 @@ registry.register(registry.Entry(
   factory=jaxcomm.natural,
   error_feedback=False,
   stochastic=True,
-  static_args=("error_feedback", "policy", "seed"),
   bad_args=[({"policy": 3}, "policy"),
             ({"error_feedback": None}, "error_feedback")],
 ))

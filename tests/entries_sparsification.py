@@ -95,7 +95,6 @@ registry.register(registry.Entry(
   ref_step=_topk_ref(0.05, "leaf"),
   factory=jaxcomm.topk,
   kwargs={"ratio": 0.05},
-  static_args=("ratio", "granularity", "error_feedback", "policy"),
   bad_args=_RATIO_BAD + [({"granularity": "layer"}, "granularity")],
 ))
 
@@ -108,7 +107,6 @@ registry.register(registry.Entry(
   error_feedback="ef21",
   factory=jaxcomm.topk,
   kwargs={"ratio": 0.05, "error_feedback": "ef21"},
-  static_args=("ratio", "granularity", "error_feedback", "policy"),
   bad_args=[({"error_feedback": "ef22"}, "error_feedback"),
             ({"error_feedback": 1}, "error_feedback"),
             ({"lr_schedule": lambda t: 0.1}, "lr_schedule")],
@@ -122,8 +120,6 @@ registry.register(registry.Entry(
   ref_step=_topk_quantized_ref(0.05, 2),
   factory=jaxcomm.topk,
   kwargs={"ratio": 0.05, "value_bits": 2},
-  static_args=("ratio", "granularity", "value_bits", "error_feedback",
-               "policy"),
   bad_args=[({"value_bits": 3}, "value_bits"),
             ({"value_bits": 16}, "value_bits")],
 ))
@@ -135,7 +131,6 @@ registry.register(registry.Entry(
   error_feedback=False,
   factory=jaxcomm.topk,
   kwargs={"ratio": 0.02, "granularity": "model", "error_feedback": False},
-  static_args=("ratio", "granularity", "error_feedback", "policy"),
 ))
 
 
@@ -193,7 +188,6 @@ registry.register(registry.Entry(
   ref_step=_randomk_ref(0.05),
   factory=jaxcomm.randomk,
   kwargs={"ratio": 0.05},
-  static_args=("ratio", "granularity", "error_feedback", "policy"),
   bad_args=_RATIO_BAD,
   stochastic=True,
 ))
@@ -223,7 +217,6 @@ registry.register(registry.Entry(
   ref_step=_threshold_ref(1.5, 0.05),
   factory=jaxcomm.threshold,
   kwargs={"value": 1.5, "capacity_ratio": 0.05},
-  static_args=("capacity_ratio", "error_feedback", "policy"),
   bad_args=[({"value": 0.0}, "value"), ({"value": float("inf")}, "value"),
             ({"capacity_ratio": 2.0}, "capacity_ratio")],
 ))
@@ -349,8 +342,6 @@ registry.register(registry.Entry(
   ref_step=_dgc_step,
   factory=jaxcomm.dgc,
   kwargs=_DGC_KW,
-  static_args=("ratio", "warmup_steps_per_stage", "warmup_densities",
-               "sample_ratio", "exact", "max_rounds", "policy"),
   bad_args=_RATIO_BAD + [({"momentum": 1.5}, "momentum"),
                          ({"clip_norm": -1.0}, "clip_norm"),
                          ({"warmup_steps_per_stage": -1},
@@ -403,7 +394,6 @@ registry.register(registry.Entry(
   ref_step=_gtopk_ref(0.02),
   factory=jaxcomm.gtopk,
   kwargs={"ratio": 0.02},
-  static_args=("ratio", "granularity", "error_feedback", "policy"),
   bad_args=_RATIO_BAD,
 ))
 
@@ -433,7 +423,6 @@ registry.register(registry.Entry(
   ref_step=_csc_ref(100, 0.1),
   factory=jaxcomm.csc,
   kwargs={"chunk_size": 100, "ratio": 0.1},
-  static_args=("chunk_size", "ratio", "error_feedback", "policy"),
   bad_args=_RATIO_BAD + [({"chunk_size": 0}, "chunk_size"),
                          ({"chunk_size": 2.5}, "chunk_size")],
 ))

@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+import jaxcomm
+
 # Modules that register entries (imported by the battery).
 MODULES = [
   "tests.entries_dense",
@@ -53,7 +55,8 @@ class Entry:
       gradient mass the state holds (e.g. a server-side error), added to the
       conservation balance, per compressed leaf flattened and concatenated.
     static_args: factory arguments ``optax.inject_hyperparams`` must keep
-      static (shape-setting ones, strings, bools).
+      static (shape-setting ones, strings, bools); by default those of the
+      factory's line in ``jaxcomm.registry``.
     factory: the public factory (for ``optax.inject_hyperparams``).
     kwargs: the arguments ``make`` passes to ``factory``.
     bad_args: ``[(kwargs, argument_name), ...]`` that must raise ValueError
@@ -81,7 +84,7 @@ class Entry:
   error_feedback: bool = True
   conserves: bool = True
   extra_mass: Callable[[Any], np.ndarray] | None = None
-  static_args: tuple = ()
+  static_args: tuple | None = None
   factory: Callable[..., Any] | None = None
   kwargs: dict = dataclasses.field(default_factory=dict)
   bad_args: list = dataclasses.field(default_factory=list)
@@ -93,6 +96,9 @@ class Entry:
   forced_memory: bool = False
 
   def __post_init__(self):
+    if self.static_args is None:
+      method = jaxcomm.registry.lookup(self.factory)
+      self.static_args = method.static_args if method is not None else ()
     if self.make is None:
       if self.factory is None:
         raise ValueError(f"{self.name}: give make or factory")

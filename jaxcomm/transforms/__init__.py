@@ -1,42 +1,28 @@
-"""Public compressor factories, one module per family."""
+"""Public factories and state types, one module per family.
 
-from jaxcomm.transforms._dense import cast
-from jaxcomm.transforms._dense import mean_gradients
-from jaxcomm.transforms._local import AdaCommSchedule
-from jaxcomm.transforms._local import LocalState
-from jaxcomm.transforms._local import adacomm
-from jaxcomm.transforms._local import apply_updates
-from jaxcomm.transforms._local import diloco
-from jaxcomm.transforms._local import dpsgd
-from jaxcomm.transforms._local import choco
-from jaxcomm.transforms._local import ChocoState
-from jaxcomm.transforms._local import sgp
-from jaxcomm.transforms._local import PushSumState
-from jaxcomm.transforms._local import local_sgd
-from jaxcomm.transforms._local import local_states
-from jaxcomm.transforms._local import overlap_local_sgd
-from jaxcomm.transforms._local import ZeroOneAdamState
-from jaxcomm.transforms._local import zero_one_adam
-from jaxcomm.transforms._optimizers import OneBitAdamState
-from jaxcomm.transforms._optimizers import OneBitLambState
-from jaxcomm.transforms._optimizers import onebit_adam
-from jaxcomm.transforms._optimizers import onebit_lamb
-from jaxcomm.transforms._powersgd import PowerSGDState
-from jaxcomm.transforms._powersgd import powersgd
-from jaxcomm.transforms._quantization import OneBitState
-from jaxcomm.transforms._quantization import SignumState
-from jaxcomm.transforms._quantization import ef_signsgd
-from jaxcomm.transforms._quantization import int8
-from jaxcomm.transforms._quantization import natural
-from jaxcomm.transforms._quantization import onebit
-from jaxcomm.transforms._quantization import qsgd
-from jaxcomm.transforms._quantization import signsgd
-from jaxcomm.transforms._quantization import signum
-from jaxcomm.transforms._quantization import terngrad
-from jaxcomm.transforms._quantization import uint8
-from jaxcomm.transforms._sparsification import csc
-from jaxcomm.transforms._sparsification import dgc
-from jaxcomm.transforms._sparsification import gtopk
-from jaxcomm.transforms._sparsification import randomk
-from jaxcomm.transforms._sparsification import threshold
-from jaxcomm.transforms._sparsification import topk
+Each family module lists its public names in ``__all__``; they are exported
+here and from ``jaxcomm`` (a new factory in a family module needs no line
+in either), and methods are described in ``jaxcomm.registry``.
+"""
+
+# pylint: disable=wildcard-import
+from jaxcomm.transforms._dense import *
+from jaxcomm.transforms._local import *
+from jaxcomm.transforms._optimizers import *
+from jaxcomm.transforms._powersgd import *
+from jaxcomm.transforms._quantization import *
+from jaxcomm.transforms._sparsification import *
+from jaxcomm.transforms import _dense
+from jaxcomm.transforms import _local
+from jaxcomm.transforms import _optimizers
+from jaxcomm.transforms import _powersgd
+from jaxcomm.transforms import _quantization
+from jaxcomm.transforms import _sparsification
+
+__all__ = []
+__all__ += _dense.__all__
+__all__ += _local.__all__
+__all__ += _optimizers.__all__
+__all__ += _powersgd.__all__
+__all__ += _quantization.__all__
+__all__ += _sparsification.__all__

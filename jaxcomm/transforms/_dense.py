@@ -129,3 +129,8 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
                                 error_feedback=error_feedback,
                                 policy=policy, **options)
 
+
+__all__ = [
+  "cast",
+  "mean_gradients",
+]

@@ -1395,3 +1395,22 @@ def sgp(inner: optax.GradientTransformation, *, topology="exponential",
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, PushSumSpec(topology)), update_fn)
+
+
+__all__ = [
+  "adacomm",
+  "apply_updates",
+  "choco",
+  "diloco",
+  "dpsgd",
+  "local_sgd",
+  "local_states",
+  "overlap_local_sgd",
+  "sgp",
+  "zero_one_adam",
+  "AdaCommSchedule",
+  "ChocoState",
+  "LocalState",
+  "PushSumState",
+  "ZeroOneAdamState",
+]

@@ -508,3 +508,11 @@ def onebit_lamb(
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, _compressor.spec_of(ex)), update_fn)
+
+
+__all__ = [
+  "onebit_adam",
+  "onebit_lamb",
+  "OneBitAdamState",
+  "OneBitLambState",
+]

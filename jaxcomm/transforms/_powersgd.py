@@ -369,3 +369,9 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
   return _compressor.compressed(
     codec, axis_name=axis_name, error_feedback=error_feedback,
     start_step=start_step, policy=policy, seed=int(seed), **options)
+
+
+__all__ = [
+  "powersgd",
+  "PowerSGDState",
+]

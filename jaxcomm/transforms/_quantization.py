@@ -925,6 +925,16 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
                                 seed=seed, **options)
 
 
-__all__ = ["onebit", "signsgd", "signum", "ef_signsgd", "qsgd", "terngrad",
-           "int8", "uint8", "natural", "natural_round", "bucket_layout",
-           "OneBitState", "SignumState", "device_key"]
+__all__ = [
+  "ef_signsgd",
+  "int8",
+  "natural",
+  "onebit",
+  "qsgd",
+  "signsgd",
+  "signum",
+  "terngrad",
+  "uint8",
+  "OneBitState",
+  "SignumState",
+]

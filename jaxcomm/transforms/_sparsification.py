@@ -1020,3 +1020,13 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
+
+
+__all__ = [
+  "csc",
+  "dgc",
+  "gtopk",
+  "randomk",
+  "threshold",
+  "topk",
+]

@@ -1,0 +1,135 @@
+"""Which learning rate each compressor wants: a sweep on the digits MLP.
+
+Compressors change the scale of what reaches the optimizer: a sign
+compressor hands it +-1 per coordinate (the mean of signs, or a scaled
+sign), top-k with error feedback hands it delayed but whole gradient mass,
+quantizers an unbiased estimate. So the learning rate that works for the
+dense mean is not the one that works for every compressor (signum at the
+dense rate stays at chance). This sweep trains the same MLP on the digits
+data on 8 simulated CPU devices for each compressor in ``jaxcomm.registry``
+with the optimizer its registry line names (momentum SGD, or plain SGD for
+the sign methods), over a grid of constant learning rates, and reports the
+held-out accuracy of each and the best rate, next to the rate the registry
+recommends (the README's table shows it).
+
+Run from the repository root::
+
+  python -m benchmarks.lr_sweep                 # about 10 min on 2 cores
+  python -m benchmarks.lr_sweep --methods signum,topk --steps 200
+
+Output: a markdown table on stdout and in ``--out`` (default
+``runs/lr_sweep/table.md``), and ``results.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+  _FLAGS = ("--xla_cpu_collective_timeout_seconds=900",
+            "--xla_cpu_collective_call_terminate_timeout_seconds=900")
+  _old = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = " ".join(
+    [_old] + [f for f in _FLAGS if f.split("=")[0] not in _old]).strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import train  # noqa: E402
+
+LRS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+
+# The registry's optimizer text -> train.py's --optimizer.
+_OPTIMIZER = {"sgd": "sgd", "sgd momentum 0.9": "momentum",
+              "sgd (momentum inside dgc)": "sgd"}
+
+
+def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
+  """One ``train.run`` per (method, learning rate)."""
+  import jaxcomm  # pylint: disable=import-outside-toplevel
+  rows = []
+  for name in names:
+    m = jaxcomm.registry.get(name, "compressor")
+    optimizer = _OPTIMIZER[m.optimizer]
+    for lr in lrs:
+      cfg = train.Config(
+        model="mlp", model_args="", dataset="digits", compressor=m.name,
+        compressor_args=",".join(
+          f"{k}={getattr(v, '__name__', v)}" for k, v in m.defaults.items()),
+        optimizer=optimizer, lr=lr, schedule="constant", steps=steps,
+        batch_size=128, num_devices=8, seed=0, checkpoint_every=0,
+        keep_checkpoints=1, eval_examples=512, progress=False, plot=False,
+        out_dir=os.path.join(out_root, f"{m.name}-{lr:g}"))
+      r = train.run(cfg)
+      rows.append({"method": m.name, "optimizer": optimizer, "lr": lr,
+                   "eval_loss": r["eval_loss"],
+                   "eval_accuracy": r["eval_accuracy"],
+                   "recommended_lr": m.lr})
+      print(f"{m.name:>10} {optimizer:>8} lr {lr:<6g} accuracy "
+            f"{r['eval_accuracy']:.3f} loss {r['eval_loss']:.3f}",
+            flush=True)
+  return rows
+
+
+def table(rows: list[dict], lrs) -> str:
+  """Accuracy per (method, lr); the best rate and the registry's."""
+  head = ("| method | optimizer | " + " | ".join(f"{lr:g}" for lr in lrs)
+          + " | best lr | registry lr |")
+  lines = [head, "|---|---|" + "---:|" * (len(lrs) + 2)]
+  for name in dict.fromkeys(r["method"] for r in rows):
+    mine = {r["lr"]: r for r in rows if r["method"] == name}
+    best = max(mine.values(), key=lambda r: (r["eval_accuracy"],
+                                             -r["eval_loss"]))
+    cells = []
+    for lr in lrs:
+      if lr not in mine:
+        cells.append("—")
+        continue
+      acc = f"{mine[lr]['eval_accuracy']:.3f}"
+      cells.append(f"**{acc}**" if mine[lr] is best else acc)
+    rec = best["recommended_lr"]
+    lines.append(f"| {name} | {best['optimizer']} | " + " | ".join(cells)
+                 + f" | {best['lr']:g} | "
+                 + ("—" if rec is None else f"{rec:g}") + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--methods", default=None,
+                 help="comma-separated registry names (default: every "
+                 "compressor)")
+  p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LRS),
+                 help="comma-separated learning rates")
+  p.add_argument("--steps", type=int, default=300,
+                 help="training steps per run (constant learning rate)")
+  p.add_argument("--out", default="runs/lr_sweep/table.md",
+                 help="where the markdown table goes")
+  args = p.parse_args(argv)
+  train.configure_devices(train.Config(num_devices=8))
+  import jaxcomm  # pylint: disable=import-outside-toplevel
+  names = (args.methods.split(",") if args.methods
+           else jaxcomm.registry.names("compressor"))
+  lrs = tuple(float(x) for x in args.lrs.split(","))
+  with tempfile.TemporaryDirectory() as tmp:
+    rows = sweep(names, lrs, args.steps, tmp)
+  text = (f"Digits MLP, 8 simulated CPU devices, batch 128, {args.steps} "
+          "steps at a constant learning rate, held-out accuracy (512 "
+          "examples); bold: the best rate.\n\n" + table(rows, lrs))
+  print(text)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  with open(os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                         "results.json"), "w", encoding="utf-8") as f:
+    json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

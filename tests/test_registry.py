@@ -1,0 +1,157 @@
+"""jaxcomm.registry is the one list: the package's exports, the battery,
+train.py's choices and the README's tables all agree with it."""
+
+import inspect
+import os
+import re
+
+import optax
+import pytest
+
+import jaxcomm
+import train
+from jaxcomm import registry
+from tests import registry as battery
+
+_README = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                       "README.md")
+# Public callables that are helpers, not methods.
+_HELPERS = {"apply_updates", "local_states"}
+
+
+def test_every_public_factory_is_registered_and_exported():
+  """A lowercase public callable of jaxcomm.transforms is a method of the
+  registry (or a named helper), and each method's factory is what
+  ``jaxcomm.<attr>`` is."""
+  public = {n for n in jaxcomm.transforms.__all__
+            if n[0].islower() and callable(getattr(jaxcomm.transforms, n))}
+  assert public - _HELPERS == {m.attr for m in registry.methods()}
+  for m in registry.methods():
+    assert getattr(jaxcomm, m.attr) is m.factory, m.name
+    assert registry.get(m.name) is m
+    assert registry.lookup(m.factory) is m
+  for n in jaxcomm.transforms.__all__:   # state types too
+    assert getattr(jaxcomm, n) is getattr(jaxcomm.transforms, n), n
+
+
+def test_compressors_take_the_common_keywords():
+  """Every compressor but the plain dense mean forwards the shared options
+  of ``compressed()``; the whole optimizers and local methods take the
+  axis."""
+  for m in registry.methods("compressor"):
+    params = m.parameters()
+    if m.name == "dense":
+      assert list(params) == ["axis_name"]
+      continue
+    missing = [k for k in registry.COMMON_KEYWORDS if k not in params]
+    assert not missing, f"{m.name} lacks {missing}"
+  for m in registry.methods("optimizer") + registry.methods("local"):
+    assert "axis_name" in m.parameters(), m.name
+
+
+@pytest.mark.parametrize("name", registry.names("compressor"))
+def test_defaults_build_and_static_args_are_parameters(name):
+  """``Method.make()`` builds with the registry's defaults alone, and every
+  static argument and default is a real parameter of the factory."""
+  m = registry.get(name)
+  params = m.parameters()
+  assert set(m.defaults) <= set(params), name
+  assert set(m.static_args) <= set(params), (name, m.static_args)
+  tx = m.make()
+  assert isinstance(tx, optax.GradientTransformation)
+  # inject_hyperparams with the registry's static args wraps it.
+  static = tuple(set(m.static_args) & set(m.defaults)) + ("axis_name",)
+  wrapped = optax.inject_hyperparams(m.factory, static_args=static)(
+    **m.defaults)
+  assert isinstance(wrapped, optax.GradientTransformation)
+
+
+def test_get_names_the_choices():
+  with pytest.raises(ValueError, match=r"unknown method 'nope'; valid "
+                     r"choices: dense, cast"):
+    registry.get("nope")
+  with pytest.raises(ValueError, match="of family 'compressor'"):
+    registry.get("diloco", "compressor")
+  with pytest.raises(ValueError, match="family must be one of"):
+    registry.methods("compressors")
+  assert registry.get("BF16").name == "cast"
+  assert registry.get("1bit").name == "onebit"
+
+
+def test_battery_covers_the_registry():
+  """Each compressor and whole optimizer has a battery entry, and each
+  battery entry's factory is in the registry (static args come from it)."""
+  entries = battery.load()
+  covered = {registry.lookup(e.factory).name for e in entries.values()}
+  want = set(registry.names("compressor")) | set(registry.names("optimizer"))
+  # zero_one_adam is a local-update optimizer (params per device between
+  # syncs): its reference lives in tests/test_local.py.
+  assert want - covered == {"zero_one_adam"}
+  for e in entries.values():
+    m = registry.lookup(e.factory)
+    assert m is not None, e.name
+    assert set(e.static_args) == set(m.static_args), e.name
+
+
+def test_train_reads_the_registry():
+  """train.py's choices are the registry's, and --help lists every
+  method with its paper."""
+  assert list(train.COMPRESSORS) == registry.names("compressor")
+  assert train.COMM_OPTIMIZERS == tuple(registry.names("optimizer"))
+  assert train.LOCAL_METHODS == tuple(registry.names("local"))
+  assert set(train.GOSSIP_METHODS) == {"dpsgd", "choco", "sgp"}
+  text = train.build_parser().format_help()
+  for m in registry.methods():
+    assert re.search(rf"^  {m.name} +{re.escape(m.paper)}", text,
+                     re.M), m.name
+  for alias, name in train.ALIASES.items():
+    assert train.resolve_compressor(alias) == name
+
+
+def _readme_rows():
+  """(first cell, last cell) of every README table row whose first cell
+  names a factory call."""
+  with open(_README, encoding="utf-8") as f:
+    text = f.read()
+  rows = []
+  for line in text.splitlines():
+    if re.match(r"\| `\w+\(", line):
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      rows.append((cells[0], cells))
+  return rows
+
+
+def test_readme_tables_match_the_registry():
+  """Every method has a README row (its factory called in the first cell)
+  citing the registry's paper; every factory a row names is a method."""
+  rows = _readme_rows()
+  named = set()
+  for first, _ in rows:
+    named |= set(re.findall(r"`(\w+)\(", first))
+  attrs = {m.attr for m in registry.methods()}
+  for m in registry.methods():
+    mine = [cells for first, cells in rows
+            if re.search(rf"`{m.attr}\(", first)]
+    assert mine, f"README has no table row for {m.attr}"
+    assert any(m.paper in c for cells in mine for c in cells), (
+      f"README row for {m.attr} does not cite {m.paper!r}")
+  assert named <= attrs, named - attrs
+
+
+def test_readme_gives_the_working_learning_rate():
+  """Friction: rates differ ~100x between compressors; the compressor
+  table has the optimizer and learning rate the sweep found, as the
+  registry records them."""
+  rows = dict((re.findall(r"`(\w+)\(", first)[0], cells)
+              for first, cells in _readme_rows())
+  for m in registry.methods("compressor"):
+    if m.lr is None:
+      continue
+    cells = rows[m.attr]
+    assert any(f"{m.lr:g}" in c for c in cells), (m.name, m.lr, cells)
+
+
+def test_method_validates_its_family():
+  with pytest.raises(ValueError, match="family must be one of"):
+    registry.Method("x", jaxcomm.topk, "compressors", "-")
+  assert inspect.signature(registry.Method.make)
