@@ -95,8 +95,16 @@ AXIS = "data"
 # Name on the command line -> (attribute of ``jaxcomm``, default keyword
 # arguments used when the factory takes them and the user gives none), read
 # from the library's one list of methods (jaxcomm.registry).
+def _cli_value(v):
+  """A registry default as the command line writes it (dtypes by name, so
+  configs and results stay plain JSON)."""
+  if isinstance(v, type) or isinstance(v, jnp.dtype):
+    return jnp.dtype(v).name
+  return v
+
+
 COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
-  m.name: (m.attr, dict(m.defaults))
+  m.name: (m.attr, {k: _cli_value(v) for k, v in m.defaults.items()})
   for m in jaxcomm.registry.methods("compressor")}
 ALIASES = {a: m.name for m in jaxcomm.registry.methods() for a in m.aliases}
 DEFAULT_COMPRESSOR = "powersgd"

@@ -392,8 +392,19 @@ def test_multisteps_on_8_devices(name, mesh):
         assert np.all(upd[key] == 0), f"{name}: step {t} moved {key}"
       continue
     for key, want in ref[t // k].items():
+      got = -np.asarray(upd[key], np.float64)
+      if entry.forced_memory and t // k > 0:
+        # Deterministic rounding to a coarse grid (Entry.forced_memory):
+        # after the first emission the twin's residual has drifted by
+        # float32 ulps and may cross a rounding tie. At most 0.1% of the
+        # values may then sit one code step away; the rest must match.
+        close = np.isclose(got, want, rtol=entry.rtol, atol=entry.atol)
+        assert close.mean() >= 0.999, (name, key, t, close.mean())
+        step = (want.max() - want.min()) / 255 * 1.5
+        assert np.all(np.abs(got - want)[~close] <= step), (name, key, t)
+        continue
       np.testing.assert_allclose(
-        -np.asarray(upd[key], np.float64), want, rtol=entry.rtol,
+        got, want, rtol=entry.rtol,
         atol=entry.atol, err_msg=f"{name}: update of {key!r} at step {t}")
   assert int(state.gradient_step) == 2
 
