@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test bench bench-network bench-time-to-target lint clean
+.PHONY: train convergence test bench bench-lr bench-network bench-time-to-target lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # Measured step times in a rate-limited network namespace (needs root);
+# The learning rate each compressor wants (digits MLP, ~5 min).
+bench-lr: $(STAMP)
+	$(PY) -m benchmarks.lr_sweep $(ARGS)
+
 # e.g. make bench-network ARGS=--quick
 bench-network: $(STAMP)
 	$(PY) -m benchmarks.network $(ARGS)

@@ -16,28 +16,22 @@ import jax.numpy as jnp
 import jaxcomm
 from benchmarks._common import resnet18_shapes
 
-CONFIGS = [
-  ("dense mean", lambda: jaxcomm.mean_gradients()),
-  ("bf16 cast", lambda: jaxcomm.cast(jnp.bfloat16)),
-  ("int8", lambda: jaxcomm.int8()),
-  ("uint8", lambda: jaxcomm.uint8()),
-  ("qsgd(127, 128)", lambda: jaxcomm.qsgd()),
-  ("terngrad", lambda: jaxcomm.terngrad()),
-  ("natural", lambda: jaxcomm.natural()),
-  ("onebit", lambda: jaxcomm.onebit()),
-  ("signsgd (majority)", lambda: jaxcomm.signsgd()),
-  ("signum (majority)", lambda: jaxcomm.signum()),
-  ("ef_signsgd", lambda: jaxcomm.ef_signsgd()),
-  ("topk 1%", lambda: jaxcomm.topk(0.01)),
-  ("topk 0.1%", lambda: jaxcomm.topk(0.001)),
-  ("randomk 0.1%", lambda: jaxcomm.randomk(0.001)),
-  ("threshold 1e-3", lambda: jaxcomm.threshold(1e-3)),
-  ("gtopk 0.1%", lambda: jaxcomm.gtopk(0.001)),
-  ("csc(1024, 0.1%)", lambda: jaxcomm.csc(1024, 0.001)),
-  ("dgc 0.1%", lambda: jaxcomm.dgc(0.001)),
-  ("powersgd r1", lambda: jaxcomm.powersgd(1)),
-  ("powersgd r2", lambda: jaxcomm.powersgd(2)),
-  ("powersgd r4", lambda: jaxcomm.powersgd(4)),
+def _label(m) -> str:
+  args = ", ".join(f"{k}={getattr(v, '__name__', v)}"
+                   for k, v in m.defaults.items())
+  return f"{m.attr}({args})"
+
+
+# Every compressor of jaxcomm.registry with its defaults, then the variants
+# the README's table quotes.
+CONFIGS = [(_label(m), m.make)
+           for m in jaxcomm.registry.methods("compressor")] + [
+  ("topk(ratio=0.001)", lambda: jaxcomm.topk(0.001)),
+  ("randomk(ratio=0.001)", lambda: jaxcomm.randomk(0.001)),
+  ("gtopk(ratio=0.001)", lambda: jaxcomm.gtopk(0.001)),
+  ("csc(chunk_size=1024, ratio=0.001)", lambda: jaxcomm.csc(1024, 0.001)),
+  ("powersgd(rank=1)", lambda: jaxcomm.powersgd(1)),
+  ("powersgd(rank=2)", lambda: jaxcomm.powersgd(2)),
 ]
 LINKS = (1.0, 10.0, 25.0)
 HOSTS = (8, 64)

@@ -35,6 +35,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import tempfile  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ if _ROOT not in sys.path:
 
 import train  # noqa: E402
 
-LRS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+LRS = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
 
 # The registry's optimizer text -> train.py's --optimizer.
 _OPTIMIZER = {"sgd": "sgd", "sgd momentum 0.9": "momentum",
@@ -66,7 +67,11 @@ def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
         batch_size=128, num_devices=8, seed=0, checkpoint_every=0,
         keep_checkpoints=1, eval_examples=512, progress=False, plot=False,
         out_dir=os.path.join(out_root, f"{m.name}-{lr:g}"))
-      r = train.run(cfg)
+      try:
+        r = train.run(cfg)
+      except FloatingPointError as e:   # diverged: train.run stops on NaN
+        print(f"{m.name:>10} {optimizer:>8} lr {lr:<6g} diverged: {e}")
+        r = {"eval_loss": float("nan"), "eval_accuracy": float("nan")}
       rows.append({"method": m.name, "optimizer": optimizer, "lr": lr,
                    "eval_loss": r["eval_loss"],
                    "eval_accuracy": r["eval_accuracy"],
@@ -78,18 +83,22 @@ def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
 
 
 def table(rows: list[dict], lrs) -> str:
-  """Accuracy per (method, lr); the best rate and the registry's."""
+  """Accuracy per (method, lr); the rate of the lowest held-out loss and
+  the registry's."""
   head = ("| method | optimizer | " + " | ".join(f"{lr:g}" for lr in lrs)
           + " | best lr | registry lr |")
   lines = [head, "|---|---|" + "---:|" * (len(lrs) + 2)]
   for name in dict.fromkeys(r["method"] for r in rows):
     mine = {r["lr"]: r for r in rows if r["method"] == name}
-    best = max(mine.values(), key=lambda r: (r["eval_accuracy"],
-                                             -r["eval_loss"]))
+    ok = [r for r in mine.values() if math.isfinite(r["eval_loss"])]
+    best = min(ok, key=lambda r: (r["eval_loss"], -r["eval_accuracy"]))
     cells = []
     for lr in lrs:
       if lr not in mine:
         cells.append("—")
+        continue
+      if not math.isfinite(mine[lr]["eval_loss"]):
+        cells.append("NaN")
         continue
       acc = f"{mine[lr]['eval_accuracy']:.3f}"
       cells.append(f"**{acc}**" if mine[lr] is best else acc)
@@ -121,7 +130,8 @@ def main(argv=None):
     rows = sweep(names, lrs, args.steps, tmp)
   text = (f"Digits MLP, 8 simulated CPU devices, batch 128, {args.steps} "
           "steps at a constant learning rate, held-out accuracy (512 "
-          "examples); bold: the best rate.\n\n" + table(rows, lrs))
+          "examples; NaN: the loss diverged); bold: the rate of the lowest "
+          "held-out loss.\n\n" + table(rows, lrs))
   print(text)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w", encoding="utf-8") as f:

@@ -822,12 +822,25 @@ SHARED_OPTIONS = (("start_step", None), ("clip_norm", None),
                   ("lr_schedule", None), ("residual_decay", 1.0))
 
 
+_OPTIONS_DOC = """\
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
+      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+"""
+
+
 def shared_options(factory):
   """Gives a factory that ends in ``**options`` (forwarded to
   :func:`compressed`) the shared options as explicit keyword-only
   parameters in its signature, for ``inspect.signature`` readers
   (``optax.inject_hyperparams``, train.py's argument check): a bare
-  ``**options`` makes ``inject_hyperparams`` pass ``options={}`` along."""
+  ``**options`` makes ``inject_hyperparams`` pass ``options={}`` along.
+
+  The factory's docstring gets the one description of ``**options`` and
+  its return value, at the end of its ``Args:`` (before ``Example::``)."""
   sig = inspect.signature(factory)
   params = [p for p in sig.parameters.values()
             if p.kind is not p.VAR_KEYWORD]
@@ -843,6 +856,12 @@ def shared_options(factory):
     return factory(*args, **kwargs)
 
   wrapper.__signature__ = sig.replace(parameters=params)
+  doc = wrapper.__doc__ or ""
+  if "**options" not in doc:
+    cut = doc.find("\n  Example::")
+    cut = cut if cut >= 0 else len(doc.rstrip()) + 1
+    wrapper.__doc__ = (doc[:cut].rstrip("\n") + "\n" + _OPTIONS_DOC
+                       + doc[cut:])
   return wrapper
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -195,6 +196,33 @@ def test_choco_matches_numpy(name, make, compress):
     L._close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
   assert not L._agree(hist[-1][0])
   assert int(np.asarray(s.count)) == steps
+
+
+@pytest.mark.parametrize("name,make,compress", [
+  ("topk", lambda: jaxcomm.topk(0.25, policy=_ALL),
+   lambda k, d: _np_topk(d, 0.25)),
+  ("ef_signsgd", lambda: jaxcomm.ef_signsgd(policy=_ALL),
+   lambda k, d: _np_scaled_sign(d)),
+])
+def test_choco_with_kernels_forced_matches_numpy(name, make, compress,
+                                                 monkeypatch):
+  """The accelerators' path inside the real 8-device gossip step: with
+  JAXCOMM_KERNELS=always the messages' top-k selection and sign packing
+  run as Pallas kernels (interpreted on CPU), and CHOCO still follows the
+  paper's numpy replay."""
+  del name
+  monkeypatch.setenv("JAXCOMM_KERNELS", "always")
+  calls = []
+  real = pl.pallas_call
+  monkeypatch.setattr(pl, "pallas_call",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  steps, lr, gamma = 3, 0.05, 0.4
+  tx = jaxcomm.choco(optax.sgd(lr), make(), gamma=gamma, topology="ring")
+  _, _, _, hist = L._run(tx, steps)
+  assert calls, "no Pallas kernel was traced in the gossip step"
+  want = np_choco(steps, lr, gamma, compress)
+  for t in range(steps):
+    L._close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
 
 
 def test_choco_public_copies_are_the_sum_of_messages():

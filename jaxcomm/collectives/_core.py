@@ -135,6 +135,19 @@ def is_inexact(x) -> bool:
           and int(getattr(x, "size", 1)) > 0)
 
 
+def vector(x, name: str, kind, dtype) -> jax.Array:
+  """``x`` as a 1-D array of ``dtype``, after checking that it is 1-D and
+  of ``kind`` (``jnp.floating`` or ``jnp.integer``); ValueError naming
+  ``name`` otherwise."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, kind):
+    what = "a floating" if kind is jnp.floating else "an integer"
+    raise ValueError(f"{name} must be {what} array, got {x.dtype}")
+  if x.ndim != 1:
+    raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+  return x.astype(dtype)
+
+
 def axis_size(axis_name: AxisName) -> int:
   """Static number of devices along ``axis_name`` (1 when None)."""
   size = 1

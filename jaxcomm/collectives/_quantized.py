@@ -148,12 +148,7 @@ def plan(length: int, bound: int, n: int, low: int | None = None) -> Plan:
 
 
 def _check_int(codes):
-  codes = jnp.asarray(codes)
-  if not jnp.issubdtype(codes.dtype, jnp.integer):
-    raise ValueError(f"codes must be an integer array, got {codes.dtype}")
-  if codes.ndim != 1:
-    raise ValueError(f"codes must be 1-D, got shape {codes.shape}")
-  return codes.astype(jnp.int32)
+  return _core.vector(codes, "codes", jnp.integer, jnp.int32)
 
 
 def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,

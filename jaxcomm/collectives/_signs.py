@@ -37,12 +37,7 @@ WORD_BITS = 32
 
 
 def _check_flat(x, name="x"):
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{name} must be a floating array, got {x.dtype}")
-  if x.ndim != 1:
-    raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
-  return x.astype(jnp.float32)
+  return _core.vector(x, name, jnp.floating, jnp.float32)
 
 
 def chunk_length(length: int, n: int) -> int:

@@ -110,12 +110,6 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
       elements are cast).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 

@@ -122,12 +122,6 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the worker error (the server error is always kept).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -208,12 +202,6 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(x)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -258,12 +246,6 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(m)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -332,12 +314,6 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     axis_name: the data axis.
     error_feedback: keep the residual (the paper's point; default True).
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -584,12 +560,6 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
     error_feedback: keep the quantization error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -656,12 +626,6 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     error_feedback: keep the quantization error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -717,12 +681,6 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -787,12 +745,6 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -904,12 +856,6 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     error_feedback: keep the rounding error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 

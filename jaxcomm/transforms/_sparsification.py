@@ -209,12 +209,6 @@ def topk(ratio: float, *, granularity: str = "leaf",
     error_feedback: keep the unsent coordinates (Stich et al. 2018).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by top-k itself).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -399,12 +393,6 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep the unsent coordinates.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the shared PRNG key.
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -481,12 +469,6 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
     error_feedback: keep the unsent coordinates (Strom's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -814,12 +796,6 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     axis_name: the data axis (a name, a tuple of names, or None).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the PRNG key (the threshold's samples).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -921,12 +897,6 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep what did not reach the global sum.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
@@ -997,12 +967,6 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
     error_feedback: keep the unsent chunks.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
-    **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
 
   Example::
 
