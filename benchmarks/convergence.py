@@ -166,6 +166,12 @@ METHODS = [
   _m("SparseLoCo: DiLoCo H=50 + top-k 0.02, 2-bit, EF decay 0.95",
      "topk", "ratio=0.02,value_bits=2,residual_decay=0.95", ADAM, "Adam",
      "diloco", "period=50,outer_lr=1,outer_momentum=0"),
+  # A sync sends 2% of the coordinates and the decay trims what waits in
+  # the error feedback: a larger outer rate makes up for both (swept 1-4).
+  *[_m(f"SparseLoCo, outer lr {lr}", "topk",
+       "ratio=0.02,value_bits=2,residual_decay=0.95", ADAM, "Adam",
+       "diloco", f"period=50,outer_lr={lr},outer_momentum=0")
+    for lr in (2, 3, 4)],
   _m("Streaming DiLoCo H=50, 4 fragments, tau=5", "dense", "", ADAM, "Adam",
      "diloco", "period=50,fragments=4,overlap_steps=5"),
 ]

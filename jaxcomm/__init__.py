@@ -10,6 +10,7 @@ own error-feedback state; use them inside a ``jax.shard_map`` (or
 from jaxcomm import collectives
 from jaxcomm import parallel
 from jaxcomm import wire
+from jaxcomm import advise
 from jaxcomm._compressor import Codec
 from jaxcomm._compressor import CodecResult
 from jaxcomm._compressor import CompressState

@@ -1,0 +1,124 @@
+"""The advisor's tables: which method pays on a pod, and how its model
+compares with measured steps.
+
+For ResNet-18 (CIFAR, 11.2M params) and the char-LM, on 8 hosts of 8
+accelerators (fast axis: 800 Gbit/s, 5 us; slow axis between hosts at 1,
+10 and 100 Gbit/s, 50 us), prints ``jaxcomm.advise``'s predicted
+communication per step for dense, bf16, PowerSGD r1/r4, top-k 1%/0.1%,
+onebit, local SGD H=8 and DiLoCo H=50, adds the compute overhead measured
+on an H100 for ResNet-18 (docs/benchmarks/overhead_h100.md; none for the
+char-LM, whose overhead was not measured there) and names the fastest
+within an eval-loss budget of 0.05 (gaps measured on the char-LM,
+docs/benchmarks/convergence.md).
+
+Then it puts the model next to the step times ``benchmarks/network.py``
+measured on the rate-limited loopback (4 processes, 1 Gbit/s, one device
+each; docs/benchmarks/network.md), priced for that setting: one axis of 4,
+and the loopback shared by all 4 (its bandwidth divided by 4).
+
+Run: ``python -m benchmarks.advisor [--out docs/benchmarks/advisor.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxcomm import advise  # noqa: E402
+from jaxcomm import wire  # noqa: E402
+
+BUDGET = 0.05
+HOSTS, PER_HOST = 8, 8
+# ms over the dense mean's update, ResNet-18 shapes, one H100
+# (docs/benchmarks/overhead_h100.md; README "On an H100").
+H100_OVERHEAD_MS = {"bf16 cast": 0.0, "powersgd r1": 0.42,
+                    "powersgd r4": 2.7, "topk 1%": 2.0, "topk 0.1%": 2.0,
+                    "onebit": 1.09}
+# Measured on the loopback in one run (docs/benchmarks/network.md, first
+# table): ResNet-18 shapes, 4 processes, 1 Gbit/s, median seconds per step.
+MEASURED_4P_1G = {"dense": 2.296, "bf16 cast": 1.452, "powersgd r4": 0.186,
+                  "topk 1%": 0.577, "onebit": 0.743}
+
+
+def _shapes(model: str) -> dict:
+  """Params as ShapeDtypeStructs (no arrays are made)."""
+  if model == "resnet18":
+    from benchmarks._common import resnet18_shapes  # pylint: disable=import-outside-toplevel
+    shapes = resnet18_shapes()
+  else:
+    import models  # pylint: disable=import-outside-toplevel
+    _, params, _ = models.functional(models.create("charlm"))
+    shapes = {jax.tree_util.keystr(p): x.shape
+              for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  return {k: jax.ShapeDtypeStruct(tuple(s), jnp.float32)
+          for k, s in shapes.items()}
+
+
+def pod_tables() -> str:
+  out = []
+  for model in ("resnet18", "charlm"):
+    params = _shapes(model)
+    n_params = sum(int(x.size) for x in params.values())
+    over = ({k: v / 1e3 for k, v in H100_OVERHEAD_MS.items()}
+            if model == "resnet18" else None)
+    for gbit in (1.0, 10.0, 100.0):
+      axes = [advise.Axis("dcn", HOSTS, wire.CostModel.link(gbit, 50.0)),
+              advise.Axis("ici", PER_HOST, wire.CostModel.link(800.0, 5.0))]
+      rows = advise.advise(params, axes, overhead_s=over, budget=BUDGET)
+      best = advise.recommend(rows, BUDGET)
+      out.append(f"### {model} ({n_params:,} params), {HOSTS} hosts x "
+                 f"{PER_HOST}, {gbit:g} Gbit/s between hosts\n")
+      out.append(advise.table(rows, BUDGET))
+      out.append(f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
+                 f"({best.total_s * 1e3:.2f} ms per step).\n")
+  return "\n".join(out)
+
+
+def loopback_check() -> str:
+  params = _shapes("resnet18")
+  lines = ["| method | measured s | model: 1 Gbit/s per host s | model: "
+           "shared loopback (1/4 Gbit/s) s | measured rank | model rank |",
+           "|---|---:|---:|---:|---:|---:|"]
+  want = set(MEASURED_4P_1G)
+  cands = [c for c in advise.default_candidates() if c.name in want]
+  per_host = {r.name: r.total_s for r in advise.advise(
+    params, [advise.Axis("data", 4, wire.CostModel.link(1.0, 50.0))], cands)}
+  shared = {r.name: r.total_s for r in advise.advise(
+    params, [advise.Axis("data", 4, wire.CostModel.link(0.25, 50.0))],
+    cands)}
+  m_rank = {k: i for i, k in enumerate(sorted(MEASURED_4P_1G,
+                                              key=MEASURED_4P_1G.get))}
+  s_rank = {k: i for i, k in enumerate(sorted(shared, key=shared.get))}
+  for k in sorted(MEASURED_4P_1G, key=MEASURED_4P_1G.get):
+    lines.append(f"| {k} | {MEASURED_4P_1G[k]:.3f} | {per_host[k]:.3f} | "
+                 f"{shared[k]:.3f} | {m_rank[k] + 1} | {s_rank[k] + 1} |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default=None,
+                 help="also write the markdown here")
+  args = p.parse_args(argv)
+  text = ("## Which method pays where (jaxcomm.advise)\n\n" + pod_tables()
+          + "\n## The model against measured steps\n\nResNet-18 shapes, 4 "
+          "processes on the 1 Gbit/s loopback, one run (the model has no "
+          "compute, the measured steps do: on these 2 cores top-k's "
+          "selection and onebit's packing cost more than their bytes):\n\n"
+          + loopback_check() + "\n")
+  print(text)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  main()

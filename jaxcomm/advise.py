@@ -1,0 +1,190 @@
+"""Which compressor pays where: predicted step communication on a pod.
+
+A pod has fast links inside a host or slice (ICI, NVLink) and slow ones
+between (DCN, Ethernet). The recipe compresses only over the slow axis::
+
+  optax.chain(jaxcomm.mean_gradients(axis_name="ici"),
+              jaxcomm.powersgd(4, axis_name="dcn"), optax.sgd(0.1))
+
+:func:`advise` predicts, for given params and a mesh of axes with their
+links (:class:`jaxcomm.wire.CostModel`), the communication seconds per
+step of each candidate: the dense mean over the fast axes (on their link)
+plus the candidate's own collectives over the slow axis (what it claims to
+send, ``jaxcomm.wire.claimed``, which the test battery checks against the
+compiled HLO), plus its compute overhead where the caller gives one, and
+names the fastest whose measured accuracy gap fits a budget. A local
+method syncing every ``H`` steps costs one dense all-reduce of the params
+over the slow axis divided by ``H``. The model is alpha-beta (latency plus
+bytes over bandwidth per collective); it ignores overlap with compute and
+congestion, so it ranks methods rather than promising seconds
+(``docs/benchmarks/advisor.md`` compares it with measured steps).
+
+  >>> axes = [Axis("dcn", 8, wire.CostModel.link(10)),
+  ...         Axis("ici", 8, wire.CostModel.link(400, 1))]
+  >>> rows = advise(params, axes, budget=0.05)
+  >>> print(table(rows))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+from typing import Mapping
+from typing import Sequence
+
+from jaxcomm import _checks
+from jaxcomm import wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One mesh axis: its name, its size and the link between its devices."""
+
+  name: str
+  size: int
+  link: wire.CostModel
+
+  def __post_init__(self):
+    _checks.integer("size", self.size, 1)
+    if not isinstance(self.link, wire.CostModel):
+      raise ValueError(f"Axis {self.name!r}: link must be a "
+                       f"jaxcomm.wire.CostModel, got {self.link!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A method the advisor prices.
+
+  Attributes:
+    name: its label in the table.
+    make: ``make(axis_name) -> compressor`` (a jaxcomm factory call), or
+      None for a local method (``period`` set).
+    period: for a local method (local SGD, DiLoCo), the steps between its
+      dense syncs of the params.
+    loss_gap: its measured eval-loss gap to dense (docs/benchmarks/
+      convergence.md, char-LM at 8 workers), None where not measured.
+  """
+
+  name: str
+  make: Callable | None = None
+  period: int | None = None
+  loss_gap: float | None = None
+
+
+def default_candidates() -> list[Candidate]:
+  """Dense, cast, PowerSGD ranks, top-k, onebit, DiLoCo and local SGD,
+  with the eval-loss gaps measured on the char-LM at 8 workers
+  (docs/benchmarks/convergence.md: PowerSGD r4 and onebit before Adam,
+  top-k with error feedback before momentum SGD, DiLoCo with AdamW)."""
+  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from jaxcomm import transforms as t
+  return [
+    Candidate("dense", lambda a: t.mean_gradients(axis_name=a), None, 0.0),
+    Candidate("bf16 cast", lambda a: t.cast(jnp.bfloat16, axis_name=a)),
+    Candidate("powersgd r1", lambda a: t.powersgd(1, axis_name=a)),
+    Candidate("powersgd r4", lambda a: t.powersgd(4, axis_name=a),
+              None, 0.032),
+    Candidate("topk 1%", lambda a: t.topk(0.01, axis_name=a), None, 0.075),
+    Candidate("topk 0.1%", lambda a: t.topk(0.001, axis_name=a), None,
+              0.367),
+    Candidate("onebit", lambda a: t.onebit(axis_name=a), None, 0.557),
+    Candidate("local SGD H=8", None, 8, 0.037),
+    Candidate("DiLoCo H=50", None, 50, 0.025),
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One candidate's prediction (seconds per step)."""
+
+  name: str
+  fast_s: float
+  slow_s: float
+  overhead_s: float
+  slow_bytes: float
+  loss_gap: float | None
+
+  @property
+  def total_s(self) -> float:
+    return self.fast_s + self.slow_s + self.overhead_s
+
+
+def _dense_time(params, axis: Axis) -> float:
+  return axis.link.predict([("all-reduce", wire.dense_payload(params))],
+                           axis.size)
+
+
+def advise(params, axes: Sequence[Axis], candidates=None, *,
+           overhead_s: Mapping[str, float] | None = None,
+           budget: float | None = None) -> list[Row]:
+  """Predicted communication per step of each candidate on ``axes``.
+
+  Args:
+    params: the model's params (arrays or ``jax.ShapeDtypeStruct``).
+    axes: the data axes, slowest first: ``axes[0]`` is the one compressed
+      (between hosts or slices), the rest are averaged densely on their own
+      links first (inside a host or slice). One axis: no fast stage.
+    candidates: :class:`Candidate` list (default :func:`default_candidates`).
+    overhead_s: per-candidate compute seconds per step (e.g. from
+      ``benchmarks/bench_overhead.py`` on your accelerator); 0 where absent.
+    budget: the largest eval-loss gap to dense accepted; candidates with a
+      larger or unmeasured gap are still priced but not recommended.
+
+  Returns:
+    Rows sorted by predicted total seconds, fastest first; with ``budget``
+    the first row within it is :func:`recommend`'s answer.
+  """
+  if not axes:
+    raise ValueError("axes must name at least one data axis (the slow one "
+                     "first), got none")
+  for a in axes:
+    if not isinstance(a, Axis):
+      raise ValueError(f"axes must be jaxcomm.advise.Axis values, got {a!r}")
+  if budget is not None:
+    _checks.number("budget", budget, 0.0)
+  slow, fast = axes[0], list(axes[1:])
+  overhead_s = dict(overhead_s or {})
+  fast_s = sum(_dense_time(params, a) for a in fast)
+  rows = []
+  for c in default_candidates() if candidates is None else candidates:
+    if c.period is not None:
+      _checks.integer("period", c.period, 1)
+      # Params averaged every `period` steps: one dense all-reduce over
+      # every axis, its cost spread over the period; no per-step gradient
+      # exchange at all.
+      slow_bytes = (wire.sent_bytes("all-reduce", wire.dense_payload(params),
+                                    slow.size) / c.period)
+      rows.append(Row(c.name, fast_s / c.period,
+                      _dense_time(params, slow) / c.period,
+                      overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
+      continue
+    ops = wire.claimed(c.make(slow.name), params, slow.size)
+    slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
+    rows.append(Row(c.name, fast_s, slow.link.predict(ops, slow.size),
+                    overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
+  rows.sort(key=lambda r: r.total_s)
+  return rows
+
+
+def recommend(rows: Sequence[Row], budget: float) -> Row | None:
+  """The fastest row whose measured gap is at most ``budget``."""
+  for r in rows:
+    if r.loss_gap is not None and r.loss_gap <= budget:
+      return r
+  return None
+
+
+def table(rows: Sequence[Row], budget: float | None = None) -> str:
+  """A markdown table of :func:`advise`'s rows (milliseconds)."""
+  best = recommend(rows, budget) if budget is not None else None
+  out = ["| method | fast axes ms | slow axis ms | overhead ms | total ms "
+         "| MB over the slow link | loss gap |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    gap = "—" if r.loss_gap is None else f"{r.loss_gap:+.3f}"
+    name = f"**{r.name}**" if r is best else r.name
+    out.append(f"| {name} | {r.fast_s * 1e3:.2f} | {r.slow_s * 1e3:.2f} | "
+               f"{r.overhead_s * 1e3:.2f} | {r.total_s * 1e3:.2f} | "
+               f"{r.slow_bytes / 1e6:.2f} | {gap} |")
+  return "\n".join(out)

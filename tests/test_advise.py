@@ -1,0 +1,98 @@
+"""jaxcomm.advise against the alpha-beta formulas written out by hand."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxcomm
+from jaxcomm import advise
+from jaxcomm import wire
+
+_P = {"w": jax.ShapeDtypeStruct((512, 256), jnp.float32)}
+_BYTES = 512 * 256 * 4
+_ALPHA, _GBIT = 50e-6, 10.0
+_BETA = 8.0 / (_GBIT * 1e9)
+
+
+def _ring_allreduce(n, s, alpha=_ALPHA, beta=_BETA):
+  return 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta
+
+
+def _axes(hosts=8, per_host=4):
+  return [advise.Axis("dcn", hosts, wire.CostModel.link(_GBIT, 50.0)),
+          advise.Axis("ici", per_host, wire.CostModel.link(800.0, 5.0))]
+
+
+# Every compressor's step also agrees on finiteness: one float32 flag that
+# rides in the fused dense all-reduce (mean_gradients) or in an all-reduce
+# of its own (ARCHITECTURE.md, "Non-finite gradients").
+_FLAG = 4
+
+
+def test_dense_and_local_follow_the_ring_formula():
+  cands = [advise.Candidate("dense", lambda a: jaxcomm.mean_gradients(
+             axis_name=a), None, 0.0),
+           advise.Candidate("local H=10", None, 10, 0.01)]
+  rows = {r.name: r for r in advise.advise(_P, _axes(), cands)}
+  fast = _ring_allreduce(4, _BYTES, 5e-6, 8.0 / 800e9)
+  slow = _ring_allreduce(8, _BYTES)
+  d = rows["dense"]
+  assert d.fast_s == pytest.approx(fast)
+  assert d.slow_s == pytest.approx(_ring_allreduce(8, _BYTES + _FLAG))
+  assert d.slow_bytes == pytest.approx(2 * 7 / 8 * (_BYTES + _FLAG))
+  loc = rows["local H=10"]
+  assert loc.slow_s == pytest.approx(slow / 10)
+  assert loc.fast_s == pytest.approx(fast / 10)
+  assert loc.total_s < d.total_s
+
+
+def test_powersgd_prices_its_two_factor_allreduces():
+  """Rank 1 on a 512x256 matrix: P (512x1) and Q (256x1) in float32, two
+  all-reduces over the slow axis (Vogels et al. 2019, Algorithm 1)."""
+  cands = [advise.Candidate("r1", lambda a: jaxcomm.powersgd(1, axis_name=a))]
+  (row,) = advise.advise(_P, _axes(), cands)
+  want = (_ring_allreduce(8, 512 * 4) + _ring_allreduce(8, 256 * 4)
+          + _ring_allreduce(8, _FLAG))
+  assert row.slow_s == pytest.approx(want, rel=1e-6)
+  assert row.slow_bytes == pytest.approx(2 * 7 / 8 * ((512 + 256) * 4
+                                                      + _FLAG))
+
+
+def test_recommend_respects_the_budget_and_overhead():
+  """The fastest method within the budget is named; compute overhead can
+  change the order; unmeasured gaps are never recommended."""
+  rows = advise.advise(_P, _axes(), budget=0.05)
+  assert [r.total_s for r in rows] == sorted(r.total_s for r in rows)
+  best = advise.recommend(rows, 0.05)
+  assert best.loss_gap <= 0.05
+  faster = [r for r in rows if r.total_s < best.total_s]
+  assert all(r.loss_gap is None or r.loss_gap > 0.05 for r in faster)
+  slow = advise.advise(_P, _axes(), overhead_s={best.name: 10.0},
+                       budget=0.05)
+  assert advise.recommend(slow, 0.05).name != best.name
+  assert advise.recommend(rows, -1.0) is None
+  text = advise.table(rows, 0.05)
+  assert f"**{best.name}**" in text
+
+
+def test_one_axis_has_no_fast_stage():
+  rows = advise.advise(_P, _axes()[:1])
+  assert all(r.fast_s == 0.0 for r in rows)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  ({"axes": []}, "at least one data axis"),
+  ({"axes": ["dcn"]}, "Axis values"),
+  ({"budget": -0.1}, "budget"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+  args = {"axes": _axes(), **kwargs}
+  with pytest.raises(ValueError, match=match):
+    advise.advise(_P, **args)
+
+
+def test_axis_checks_its_fields():
+  with pytest.raises(ValueError, match="size"):
+    advise.Axis("dcn", 0, wire.CostModel.link(1))
+  with pytest.raises(ValueError, match="link must be"):
+    advise.Axis("dcn", 2, 1.0)
