@@ -134,11 +134,9 @@ def _wait(procs, timeout):
 
 
 def _latest_step(out_dir):
-  try:
-    name = (out_dir / "checkpoints" / "LATEST").read_text().strip()
-  except FileNotFoundError:
-    return 0
-  return int(name.split("_")[1].split(".")[0]) if name else 0
+  """The latest complete step under ``out_dir/checkpoints`` (0: none)."""
+  import train  # pylint: disable=import-outside-toplevel
+  return train.Checkpoints(str(out_dir)).latest_step() or 0
 
 
 def _train_cli_missing():
