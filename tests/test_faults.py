@@ -143,7 +143,8 @@ def _train_cli_missing():
   path = os.path.join(ROOT, "train.py")
   if not os.path.exists(path):
     return "train.py does not exist yet"
-  text = open(path).read()
+  import train  # pylint: disable=import-outside-toplevel
+  text = train.build_parser().format_help()  # the flags live in trainer/
   for flag in ("--resume", "--coordinator", "--num-processes",
                "--process-id", "--checkpoint-every", "--out-dir"):
     if flag not in text:
