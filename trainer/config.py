@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--resume-from", default=None, metavar="PATH",
                  help="continue from this checkpoint directory (e.g. "
                  "checkpoints/step_<N>, an older one when the latest is "
-                 "corrupt) instead of the one LATEST names; implies --resume")
+                 "corrupt) instead of the latest; the newer steps are moved "
+                 "to checkpoints/abandoned/; implies --resume")
   _add_bool(g, "overwrite", d.overwrite,
             "start afresh in an --out-dir that has checkpoints")
   g.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -406,6 +407,7 @@ def parse_args(argv=None) -> Config:
   return Config(**values)
 
 
+# ------------------------------------------------------------- optimizers --
 
 def make_schedule(cfg: Config):
   """The learning-rate schedule as an optax schedule."""
