@@ -182,6 +182,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
   outs = _wait(_launch(split, 0, "--resume"), timeout=120)
   assert "resumed from" in outs[0], outs[0][-2000:]
   assert _latest_step(split) == _STEPS
+  # The manager's rotation kept the newest two (--keep-checkpoints 2).
+  steps = train.Checkpoints(str(split)).steps()
+  assert steps[0] == _STEPS and len(steps) == 2, steps
 
   a = train.Checkpoints(str(full)).read()
   b = train.Checkpoints(str(split)).read()

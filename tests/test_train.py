@@ -280,6 +280,18 @@ def test_corrupt_latest_names_the_older_checkpoint_and_resume_from_it(
   assert again["train_loss"] == full["train_loss"]
 
 
+def test_format_1_checkpoint_is_refused_by_name(tmp_path):
+  """The layout before the CheckpointManager (meta.json beside the arrays)
+  is named, not misread."""
+  step = tmp_path / "checkpoints" / "step_00000002"
+  step.mkdir(parents=True)
+  (step / "meta.json").write_text(json.dumps({"format": 1}))
+  ckpts = train.Checkpoints(str(tmp_path))
+  assert ckpts.resolve(step.name) == str(step)
+  with pytest.raises(train.CheckpointError, match="format 1"):
+    ckpts.read(str(step))
+
+
 def test_refused_restore_exits_cleanly(tmp_path):
   """A subprocess: the error, and no asyncio tracebacks at exit."""
   comp = ["--compressor", "cast", "--compressor-args", "error_feedback=True"]
