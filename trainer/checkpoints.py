@@ -63,6 +63,8 @@ def _host(tree):
 
 
 def atomic_write(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` whole or not at all (a temporary file,
+  synced, then renamed over it)."""
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
     f.write(text)
@@ -113,6 +115,7 @@ def _drained_event_loops():
 
 
 def _name_format():
+  """Step directory names: ``step_<N>``, ``N`` in eight digits."""
   import orbax.checkpoint as ocp
   return ocp.path.step.standard_name_format(step_prefix="step",
                                             step_format_fixed_length=8)
