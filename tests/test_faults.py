@@ -134,18 +134,17 @@ def _wait(procs, timeout):
 
 
 def _latest_step(out_dir):
-  try:
-    name = (out_dir / "checkpoints" / "LATEST").read_text().strip()
-  except FileNotFoundError:
-    return 0
-  return int(name.split("_")[1].split(".")[0]) if name else 0
+  """The latest complete step under ``out_dir/checkpoints`` (0: none)."""
+  import train  # pylint: disable=import-outside-toplevel
+  return train.Checkpoints(str(out_dir)).latest_step() or 0
 
 
 def _train_cli_missing():
   path = os.path.join(ROOT, "train.py")
   if not os.path.exists(path):
     return "train.py does not exist yet"
-  text = open(path).read()
+  import train  # pylint: disable=import-outside-toplevel
+  text = train.build_parser().format_help()  # the flags live in trainer/
   for flag in ("--resume", "--coordinator", "--num-processes",
                "--process-id", "--checkpoint-every", "--out-dir"):
     if flag not in text:
@@ -183,6 +182,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
   outs = _wait(_launch(split, 0, "--resume"), timeout=120)
   assert "resumed from" in outs[0], outs[0][-2000:]
   assert _latest_step(split) == _STEPS
+  # The manager's rotation kept the newest two (--keep-checkpoints 2).
+  steps = train.Checkpoints(str(split)).steps()
+  assert steps[0] == _STEPS and len(steps) == 2, steps
 
   a = train.Checkpoints(str(full)).read()
   b = train.Checkpoints(str(split)).read()

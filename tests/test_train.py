@@ -65,7 +65,8 @@ def test_resume_is_bit_identical(tmp_path):
               name="full")
   _run(tmp_path, *comp, "--steps", 6, "--stop-after", 3, name="split")
   ckpt = tmp_path / "split" / "checkpoints"
-  assert (ckpt / "LATEST").read_text() == "step_00000003"
+  assert (train.Checkpoints(str(tmp_path / "split")).latest()
+          == str(ckpt / "step_00000003"))
   resumed = _run(tmp_path, *comp, "--steps", 6, "--resume", name="split")
   a = jax.tree.leaves(jax.device_get(full["params"]))
   b = jax.tree.leaves(jax.device_get(resumed["params"]))
@@ -141,7 +142,7 @@ def test_corrupt_or_incompatible_checkpoint(tmp_path):
     _run(tmp_path, *comp, "--steps", 5, "--resume", name="c")
   assert _tree_bytes(root) == good
   # Corrupt: flip bytes in the largest array file of the latest step.
-  _flip_bytes(root / (root / "LATEST").read_text())
+  _flip_bytes(train.Checkpoints(str(tmp_path / "c")).latest())
   corrupted = _tree_bytes(root)
   with pytest.raises(train.CheckpointError, match="corrupt"):
     _run(tmp_path, *comp, "--steps", 4, "--resume", name="c")
@@ -244,8 +245,10 @@ def test_corrupt_latest_names_the_older_checkpoint_and_resume_from_it(
               name="o")
   root = tmp_path / "o" / "checkpoints"
   older, latest = root / "step_00000002", root / "step_00000004"
-  assert (root / "LATEST").read_text() == latest.name and older.is_dir()
+  ckpts = train.Checkpoints(str(tmp_path / "o"))
+  assert ckpts.latest() == str(latest) and older.is_dir()
   _flip_bytes(latest)
+  corrupted = _tree_bytes(latest)
   with pytest.raises(train.CheckpointError) as err:
     _run(tmp_path, *comp, "--steps", 4, "--resume", name="o")
   msg = str(err.value)
@@ -259,7 +262,8 @@ def test_corrupt_latest_names_the_older_checkpoint_and_resume_from_it(
   with pytest.raises(train.CheckpointError, match="--resume-from nowhere"):
     _run(tmp_path, *comp, "--steps", 4, "--resume-from", "nowhere", name="o")
   # and continues bit-identically to the end (a name under checkpoints/ is
-  # enough), truncating the metrics to its step and moving LATEST on.
+  # enough), truncating the metrics to its step; the corrupt step is moved
+  # aside, not overwritten, and the new step 4 is the latest.
   r = _run(tmp_path, *comp, "--steps", 4, "--resume-from", older.name,
            name="o")
   assert r["steps"] == 4 and np.isfinite(r["train_loss"])
@@ -268,11 +272,24 @@ def test_corrupt_latest_names_the_older_checkpoint_and_resume_from_it(
                   jax.tree.leaves(jax.device_get(r["params"])), strict=True):
     np.testing.assert_array_equal(x, y)
   assert _metrics_steps(tmp_path / "o") == [1, 2, 3, 4]
-  new = (root / "LATEST").read_text()
-  assert new == "step_00000004.1"
+  assert ckpts.latest() == str(latest) and ckpts.read()[3] == 4
+  assert _tree_bytes(root / "abandoned" / latest.name) == corrupted
+  assert ckpts.steps() == [4, 2]
   # and a plain --resume now finds the new checkpoint.
   again = _run(tmp_path, *comp, "--steps", 4, "--resume", name="o")
   assert again["train_loss"] == full["train_loss"]
+
+
+def test_format_1_checkpoint_is_refused_by_name(tmp_path):
+  """The layout before the CheckpointManager (meta.json beside the arrays)
+  is named, not misread."""
+  step = tmp_path / "checkpoints" / "step_00000002"
+  step.mkdir(parents=True)
+  (step / "meta.json").write_text(json.dumps({"format": 1}))
+  ckpts = train.Checkpoints(str(tmp_path))
+  assert ckpts.resolve(step.name) == str(step)
+  with pytest.raises(train.CheckpointError, match="format 1"):
+    ckpts.read(str(step))
 
 
 def test_refused_restore_exits_cleanly(tmp_path):

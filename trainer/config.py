@@ -1,0 +1,521 @@
+"""The command line of ``train.py``: flags, :class:`Config`, and building the
+compressor and optimizers a run names.
+
+The choices come from the library's one list of methods
+(:mod:`jaxcomm.registry`): a method registered there is selectable here
+without changing this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+import jaxcomm
+import models
+
+DESCRIPTION = "Data-parallel training with jaxcomm's gradient compressors."
+
+AXIS = "data"
+
+# ------------------------------------------------------------ compressors --
+
+# Name on the command line -> (attribute of ``jaxcomm``, default keyword
+# arguments used when the factory takes them and the user gives none), read
+# from the library's one list of methods (jaxcomm.registry).
+def _cli_value(v):
+  """A registry default as the command line writes it (dtypes by name, so
+  configs and results stay plain JSON)."""
+  if isinstance(v, type) or isinstance(v, jnp.dtype):
+    return jnp.dtype(v).name
+  return v
+
+
+COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
+  m.name: (m.attr, {k: _cli_value(v) for k, v in m.defaults.items()})
+  for m in jaxcomm.registry.methods("compressor")}
+ALIASES = {a: m.name for m in jaxcomm.registry.methods() for a in m.aliases}
+DEFAULT_COMPRESSOR = "powersgd"
+DEFAULT_COMPRESSOR_ARGS = "rank=4"
+# Used by the default job when jaxcomm has no powersgd.
+FALLBACK = ("cast", "dtype=bfloat16,error_feedback=True")
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+           "float16": jnp.float16, "fp16": jnp.float16,
+           "float32": jnp.float32}
+
+
+def available_compressors() -> list[str]:
+  """Compressor names whose factory exists in this build of jaxcomm."""
+  return [k for k, (attr, _) in COMPRESSORS.items()
+          if callable(getattr(jaxcomm, attr, None))]
+
+
+def parse_kwargs(text: str | None) -> dict[str, Any]:
+  """Parses ``"rank=4,ratio=0.01,error_feedback=false,dtype=bfloat16"``.
+
+  Values are Python literals (ints, floats, tuples, ``None``), ``true`` /
+  ``false`` in any case, or else plain strings.
+  """
+  out: dict[str, Any] = {}
+  if not text:
+    return out
+  depth, part, parts = 0, "", []
+  for ch in text:  # split on commas outside brackets
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 0:
+      parts.append(part)
+      part = ""
+    else:
+      part += ch
+  parts.append(part)
+  for item in parts:
+    item = item.strip()
+    if not item:
+      continue
+    if "=" not in item:
+      raise ValueError(f"expected key=value, got {item!r} in {text!r}")
+    key, value = (s.strip() for s in item.split("=", 1))
+    if not key.isidentifier():
+      raise ValueError(f"bad argument name {key!r} in {text!r}")
+    low = value.lower()
+    if low in ("true", "false"):
+      out[key] = low == "true"
+    elif low == "none":
+      out[key] = None
+    else:
+      try:
+        out[key] = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        out[key] = value
+  return out
+
+
+def resolve_compressor(name: str) -> str:
+  """The canonical name of ``name``; ValueError listing the choices."""
+  key = ALIASES.get(name.lower(), name.lower())
+  avail = available_compressors()
+  if key in COMPRESSORS and key in avail:
+    return key
+  missing = sorted(set(COMPRESSORS) - set(avail))
+  why = ("not in this build of jaxcomm" if key in COMPRESSORS
+         else "unknown compressor")
+  raise ValueError(
+    f"{why}: {name!r}; valid choices: {', '.join(avail)}"
+    + (f" (known but not available here: {', '.join(missing)})"
+       if missing else ""))
+
+
+def build_compressor(name: str, args: dict[str, Any] | str | None = None, *,
+                     axis_name=AXIS):
+  """``(tx, canonical_name, kwargs)`` for compressor ``name``.
+
+  The factory is looked up on ``jaxcomm`` when called, so compressors added
+  to the package are selectable without changing this file (add a row to
+  :data:`COMPRESSORS`). Defaults in the table fill the factory's parameters
+  that the user did not give; ``dtype`` strings become JAX dtypes.
+  """
+  key = resolve_compressor(name)
+  attr, defaults = COMPRESSORS[key]
+  factory = getattr(jaxcomm, attr)
+  given = parse_kwargs(args) if isinstance(args, str) else dict(args or {})
+  try:
+    sig = inspect.signature(factory)
+    params = sig.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+  except (TypeError, ValueError):  # pragma: no cover
+    params, takes_any = {}, True
+  unknown = [k for k in given if k not in params and not takes_any]
+  if unknown:
+    valid = [p for p in params if p != "axis_name"]
+    raise ValueError(
+      f"compressor {key!r} takes no argument(s) {', '.join(unknown)}; "
+      f"valid: {', '.join(valid)}")
+  kwargs = {k: v for k, v in defaults.items()
+            if (k in params or takes_any) and k not in given}
+  kwargs.update(given)
+  needed = [p.name for p in params.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                   p.KEYWORD_ONLY)
+            and p.name not in kwargs]
+  if needed:
+    raise ValueError(
+      f"compressor {key!r} needs {', '.join(needed)}: pass e.g. "
+      f"--compressor-args {needed[0]}=...")
+  call = dict(kwargs)
+  if isinstance(call.get("dtype"), str):
+    if call["dtype"] not in _DTYPES:
+      raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got "
+                       f"{call['dtype']!r}")
+    call["dtype"] = _DTYPES[call["dtype"]]
+  if "axis_name" in params or takes_any:
+    call["axis_name"] = axis_name
+  tx = factory(**call)
+  return tx, key, kwargs
+
+
+# ----------------------------------------------------------------- config --
+
+@dataclasses.dataclass
+class Config:
+  """Everything a run depends on (all settable from the command line).
+
+  The defaults are the default job: a compressed char-LSTM run on 8
+  simulated CPU devices, about 3 minutes on 2 cores.
+  """
+
+  model: str = "charlm"
+  model_args: str = "embed_dim=32,hidden_size=128,num_layers=1"
+  dataset: str = "auto"        # auto | text | digits | cifar10
+  data_dir: str | None = None  # CIFAR-10 batches
+  text_file: str | None = None  # UTF-8 text (default: pydoc_data)
+  seq_len: int = 64
+  compressor: str = DEFAULT_COMPRESSOR
+  compressor_args: str = DEFAULT_COMPRESSOR_ARGS
+  optimizer: str = "adam"      # sgd | momentum | nesterov | adam | adamw
+  #                              | lamb | onebit_adam | onebit_lamb
+  #                              | zero_one_adam
+  optimizer_args: str = ""     # e.g. freeze_step=200 (jaxcomm optimizers)
+  local: str = "none"          # none | local_sgd | adacomm |
+  #                              overlap_local_sgd | diloco
+  local_args: str = ""         # e.g. period=50,outer_lr=0.7 (see --local)
+  lr: float = 3e-3
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  schedule: str = "cosine"     # constant | cosine | warmup_cosine | step
+  warmup_steps: int = 50
+  num_devices: int = 8
+  batch_size: int = 64         # global; a multiple of num_devices
+  steps: int = 1500
+  stop_after: int | None = None  # stop (and checkpoint) at this step
+  seed: int = 0
+  out_dir: str | None = None   # default runs/<model>-<compressor>-<time>
+  checkpoint_every: int = 500
+  keep_checkpoints: int = 2
+  resume: bool = False
+  resume_from: str | None = None  # a checkpoint directory; implies resume
+  overwrite: bool = False
+  eval_every: int = 0          # 0: only at the end
+  eval_examples: int = 512
+  log_every: int = 1
+  progress: bool = True
+  plot: bool = True
+  platform: str = "cpu"        # cpu | default (whatever JAX finds)
+  coordinator: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+
+  # Fields that must agree between a checkpoint and the run resuming it.
+  RESUME_KEYS = ("model", "model_args", "dataset", "text_file", "seq_len",
+                 "compressor", "compressor_args", "optimizer",
+                 "optimizer_args", "local", "local_args", "lr",
+                 "momentum", "weight_decay", "schedule", "warmup_steps",
+                 "batch_size", "steps", "seed")
+
+
+def _add_bool(parser, name, default, help_):
+  parser.add_argument(f"--{name}", dest=name.replace("-", "_"),
+                      action=argparse.BooleanOptionalAction, default=default,
+                      help=help_)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+  """Appends "(default: ...)" to every flag's help except where the default
+  is None: those flags say in their help what leaving them out does."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    if action.default == "":
+      return action.help + " (default: none)"
+    return super()._get_help_string(action)
+
+
+def methods_epilog() -> str:
+  """The methods ``--compressor``, ``--optimizer`` and ``--local`` take,
+  one line each, from ``jaxcomm.registry``."""
+  titles = {"compressor": "--compressor (chained before --optimizer)",
+            "optimizer": "--optimizer (whole jaxcomm optimizers)",
+            "local": "--local (around --optimizer, run per device)"}
+  lines = []
+  for family, title in titles.items():
+    lines.append(f"{title}:")
+    for m in jaxcomm.registry.methods(family):
+      tail = ""
+      if m.lr is not None:
+        tail = f"  [{m.optimizer}, lr {m.lr:g}]"
+      args = ",".join(f"{k}={getattr(v, '__name__', v)}"
+                      for k, v in m.defaults.items())
+      lines.append(f"  {m.name:<18} {m.paper}"
+                   + (f" (default {args})" if args else "") + tail)
+  return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line: every flag with a help text and its default."""
+  d = Config()
+  p = argparse.ArgumentParser(
+    prog="train.py", description=DESCRIPTION,
+    epilog=methods_epilog(), formatter_class=_HelpFormatter)
+  g = p.add_argument_group("model and data")
+  g.add_argument("--model", default=d.model,
+                 help=f"one of {', '.join(models.MODELS)}")
+  g.add_argument("--model-args", default=None,
+                 help="constructor arguments, k=v,... (default for charlm: "
+                 f"{d.model_args})")
+  g.add_argument("--dataset", default=d.dataset,
+                 choices=("auto", "text", "digits", "cifar10"),
+                 help="auto: the model's own (text for charlm, digits for "
+                 "mlp and cnn, cifar10 for resnet20)")
+  g.add_argument("--data-dir", default=None,
+                 help="directory of the CIFAR-10 python batches")
+  g.add_argument("--text-file", default=None,
+                 help="UTF-8 text for charlm (default: pydoc_data topics)")
+  g.add_argument("--seq-len", type=int, default=d.seq_len,
+                 help="characters per training sequence (charlm)")
+  g = p.add_argument_group("compression and optimization")
+  g.add_argument("--compressor", default=None,
+                 help=f"one of {', '.join(COMPRESSORS)} (those in this "
+                 f"build of jaxcomm; default {d.compressor}, or "
+                 f"{FALLBACK[0]} where jaxcomm has no {d.compressor})")
+  g.add_argument("--compressor-args", default=None,
+                 help="factory arguments, e.g. rank=4,start_step=10 "
+                 f"(default for {d.compressor}: {d.compressor_args})")
+  g.add_argument("--optimizer", default=d.optimizer,
+                 choices=OPTIMIZERS,
+                 help="applied to the compressed mean; onebit_adam, "
+                 "onebit_lamb and zero_one_adam are whole optimizers that "
+                 "exchange their own 1-bit momentum (use them with "
+                 "--compressor dense, the default for them)")
+  g.add_argument("--optimizer-args", default=d.optimizer_args,
+                 help="arguments of a jaxcomm optimizer, e.g. "
+                 "freeze_step=200")
+  g.add_argument("--local", default=d.local, choices=("none",)
+                 + LOCAL_METHODS,
+                 help="local-update training: each device runs --optimizer "
+                 "alone and the devices sync every `period` steps (diloco: "
+                 "an outer Nesterov SGD on the averaged pseudo-gradient, "
+                 "compressed by --compressor when it is not dense)")
+  g.add_argument("--local-args", default=d.local_args,
+                 help="arguments of --local, e.g. period=8 (local_sgd: "
+                 "start_step; adacomm: interval, max_period; "
+                 "overlap_local_sgd: alpha; diloco: outer_lr=0.7, "
+                 "outer_momentum=0.9, fragments, overlap_steps, alpha; "
+                 "dpsgd: topology=ring|torus|hypercube|exponential, no "
+                 "period; choco: topology=ring|torus, gamma=0.5, "
+                 "compressing with --compressor; sgp: "
+                 "topology=exponential)")
+  g.add_argument("--lr", type=float, default=d.lr,
+                 help="peak learning rate of --optimizer (of the inner "
+                 "optimizer with --local)")
+  g.add_argument("--momentum", type=float, default=d.momentum,
+                 help="momentum of --optimizer momentum and nesterov")
+  g.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                 help="decoupled weight decay (adamw, lamb and the jaxcomm "
+                 "optimizers)")
+  g.add_argument("--schedule", default=d.schedule,
+                 choices=("constant", "cosine", "warmup_cosine", "step"),
+                 help="learning-rate schedule over --steps (step: x0.1 "
+                 "at 50%% and again at 75%% of them)")
+  g.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                 help="linear warm-up steps of --schedule warmup_cosine")
+  g = p.add_argument_group("run")
+  g.add_argument("--num-devices", type=int, default=d.num_devices,
+                 help="data-parallel devices (global)")
+  g.add_argument("--batch-size", type=int, default=d.batch_size,
+                 help="global batch size")
+  g.add_argument("--steps", type=int, default=d.steps,
+                 help="training steps (the schedule's length)")
+  g.add_argument("--stop-after", type=int, default=None,
+                 help="stop early at this step (checkpointed); the "
+                 "schedule still spans --steps")
+  g.add_argument("--seed", type=int, default=d.seed,
+                 help="seed of the initial params, the data split and the "
+                 "batch order")
+  g.add_argument("--out-dir", default=None,
+                 help="where metrics, plots and checkpoints go (default: "
+                 "runs/<model>-<compressor>-<time>)")
+  g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                 help="save a checkpoint every this many steps (0: only "
+                 "at the end)")
+  g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                 help="checkpoints kept (the newest ones)")
+  _add_bool(g, "resume", d.resume, "continue from --out-dir's checkpoint")
+  g.add_argument("--resume-from", default=None, metavar="PATH",
+                 help="continue from this checkpoint directory (e.g. "
+                 "checkpoints/step_<N>, an older one when the latest is "
+                 "corrupt) instead of the latest; the newer steps are moved "
+                 "to checkpoints/abandoned/; implies --resume")
+  _add_bool(g, "overwrite", d.overwrite,
+            "start afresh in an --out-dir that has checkpoints")
+  g.add_argument("--eval-every", type=int, default=d.eval_every,
+                 help="held-out evaluation every this many steps (0: only "
+                 "at the end)")
+  g.add_argument("--eval-examples", type=int, default=d.eval_examples,
+                 help="held-out examples per evaluation")
+  g.add_argument("--log-every", type=int, default=d.log_every,
+                 help="a metrics.jsonl line every this many steps")
+  _add_bool(g, "progress", d.progress, "tqdm progress bar")
+  _add_bool(g, "plot", d.plot, "write curves.png")
+  g.add_argument("--platform", default=d.platform,
+                 choices=("cpu", "default"),
+                 help="cpu: simulated CPU devices; default: JAX's choice")
+  g = p.add_argument_group("multi-process")
+  g.add_argument("--coordinator", default=None,
+                 help="host:port of process 0 of a multi-process job "
+                 "(jax.distributed); default: a single process")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help="processes in the job (with --coordinator)")
+  g.add_argument("--process-id", type=int, default=None,
+                 help="this process's index, 0 .. --num-processes - 1")
+  return p
+
+
+def parse_args(argv=None) -> Config:
+  """Builds a :class:`Config` from command-line arguments."""
+  d = Config()
+  ns = build_parser().parse_args(argv)
+  values = vars(ns)
+  if values["model_args"] is None:
+    values["model_args"] = d.model_args if ns.model == "charlm" else ""
+  if values["compressor"] is None and (ns.optimizer in COMM_OPTIMIZERS
+                                      or ns.local != "none"):
+    values["compressor"] = "dense"
+  if values["compressor"] is None:
+    values["compressor"] = d.compressor
+    if d.compressor not in available_compressors():
+      print(f"note: this build of jaxcomm has no {d.compressor}; using "
+            f"{FALLBACK[0]}({FALLBACK[1]}) instead")
+      values["compressor"] = FALLBACK[0]
+      if values["compressor_args"] is None:
+        values["compressor_args"] = FALLBACK[1]
+  if values["compressor_args"] is None:
+    same = ALIASES.get(values["compressor"].lower(),
+                       values["compressor"].lower())
+    values["compressor_args"] = (d.compressor_args
+                                 if same == d.compressor else "")
+  if values["resume_from"] is not None:
+    values["resume"] = True
+  return Config(**values)
+
+
+# ------------------------------------------------------------- optimizers --
+
+def make_schedule(cfg: Config):
+  """The learning-rate schedule as an optax schedule."""
+  if cfg.schedule == "constant":
+    return optax.constant_schedule(cfg.lr)
+  if cfg.schedule == "cosine":
+    return optax.cosine_decay_schedule(cfg.lr, max(cfg.steps, 1))
+  if cfg.schedule == "warmup_cosine":
+    return optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
+      max(cfg.steps, 1))
+  if cfg.schedule == "step":
+    return optax.piecewise_constant_schedule(
+      cfg.lr, {int(cfg.steps * 0.5): 0.1, int(cfg.steps * 0.75): 0.1})
+  raise ValueError(f"unknown schedule {cfg.schedule!r}; valid: constant, "
+                   "cosine, warmup_cosine, step")
+
+
+# Whole optimizers that exchange their own (1-bit) momentum.
+COMM_OPTIMIZERS = tuple(jaxcomm.registry.names("optimizer"))
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw",
+              "lamb") + COMM_OPTIMIZERS
+
+
+def make_comm_optimizer(cfg: Config, schedule):
+  """A jaxcomm optimizer (``--optimizer onebit_adam|onebit_lamb``) with
+  ``--optimizer-args`` (``freeze_step`` defaults to 20% of the steps)."""
+  factory = getattr(jaxcomm, cfg.optimizer)
+  kwargs = parse_kwargs(cfg.optimizer_args)
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params
+             or k in ("learning_rate", "axis_name")]
+  if unknown:
+    valid = [k for k in params if k not in ("learning_rate", "axis_name")]
+    raise ValueError(f"--optimizer {cfg.optimizer} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  kwargs.setdefault("var_freeze_step" if cfg.optimizer == "zero_one_adam"
+                    else "freeze_step", max(cfg.steps // 5, 1))
+  kwargs.setdefault("weight_decay", cfg.weight_decay)
+  return factory(schedule, axis_name=AXIS, **kwargs)
+
+
+LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
+# Decentralized methods: no sync period, params never agree exactly.
+GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
+                       if m.gossip)
+
+
+def make_local_optimizer(cfg: Config, inner, compressor, schedule):
+  """``--local METHOD --local-args ...`` around the inner optimizer;
+  diloco's outer optimizer is SGD with ``outer_lr`` (0.7),
+  ``outer_momentum`` (0.9) and ``outer_nesterov`` (True), as in the paper;
+  ``compressor`` (None for dense) compresses its pseudo-gradients."""
+  kwargs = parse_kwargs(cfg.local_args)
+  factory = getattr(jaxcomm, cfg.local)
+  if "period" not in kwargs and cfg.local not in GOSSIP_METHODS:
+    raise ValueError(f"--local {cfg.local} needs --local-args period=H "
+                     "(steps between syncs)")
+  if cfg.local == "choco" and compressor is None:
+    raise ValueError(
+      "--local choco gossips compressed model differences: give "
+      "--compressor topk, randomk or ef_signsgd (e.g. --compressor topk "
+      "--compressor-args ratio=0.1)")
+  if compressor is not None and cfg.local not in ("diloco", "choco"):
+    raise ValueError(
+      f"--local {cfg.local} averages params with a dense all-reduce; "
+      "--compressor applies to diloco's pseudo-gradients only (use "
+      "--compressor dense)")
+  extra = {}
+  if cfg.local == "diloco":
+    lr = kwargs.pop("outer_lr", 0.7)
+    mom = kwargs.pop("outer_momentum", 0.9)
+    nesterov = kwargs.pop("outer_nesterov", True)
+    extra["outer"] = optax.sgd(lr, momentum=mom or None,
+                               nesterov=bool(nesterov and mom))
+    extra["compressor"] = compressor
+  if cfg.local == "choco":
+    extra["compressor"] = compressor
+    kwargs.setdefault("gamma", 0.5)
+  if cfg.local == "adacomm":
+    kwargs.setdefault("learning_rate", schedule)
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params
+             or k in ("inner", "outer", "compressor", "axis_name")]
+  if unknown:
+    valid = [k for k in params if k not in ("inner", "outer", "compressor",
+                                            "axis_name")]
+    if cfg.local == "diloco":
+      valid += ["outer_lr", "outer_momentum", "outer_nesterov"]
+    raise ValueError(f"--local {cfg.local} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  return factory(inner, axis_name=AXIS, **extra, **kwargs)
+
+
+def make_optimizer(cfg: Config, schedule):
+  """The optimizer applied to the compressed mean gradient."""
+  if cfg.optimizer == "sgd":
+    return optax.sgd(schedule)
+  if cfg.optimizer == "momentum":
+    return optax.sgd(schedule, momentum=cfg.momentum)
+  if cfg.optimizer == "nesterov":
+    return optax.sgd(schedule, momentum=cfg.momentum, nesterov=True)
+  if cfg.optimizer == "adam":
+    return optax.adam(schedule)
+  if cfg.optimizer == "adamw":
+    return optax.adamw(schedule, weight_decay=cfg.weight_decay)
+  if cfg.optimizer == "lamb":
+    return optax.lamb(schedule, weight_decay=cfg.weight_decay)
+  raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: "
+                   f"{', '.join(OPTIMIZERS)}")
+

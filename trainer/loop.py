@@ -1,0 +1,517 @@
+"""The training loop of ``train.py``: :func:`run` trains as a
+:class:`~trainer.config.Config` says, evaluates, logs ``metrics.jsonl``,
+checkpoints, and reports (:func:`summary_table`, :func:`summary_line`,
+:func:`plot_curves`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+import models
+from jaxcomm import parallel
+from jaxcomm import wire
+from models import data as mdata
+from trainer.checkpoints import CheckpointError
+from trainer.checkpoints import Checkpoints
+from trainer.checkpoints import atomic_write
+from trainer.checkpoints import check_compatible
+from trainer.checkpoints import resume_path
+from trainer.config import AXIS
+from trainer.config import COMM_OPTIMIZERS
+from trainer.config import GOSSIP_METHODS
+from trainer.config import Config
+from trainer.config import build_compressor
+from trainer.config import make_comm_optimizer
+from trainer.config import make_local_optimizer
+from trainer.config import make_optimizer
+from trainer.config import make_schedule
+from trainer.config import parse_kwargs
+from trainer.config import resolve_compressor
+from trainer.model import build_model
+from trainer.model import load_data
+
+
+def _identical_across_devices(tree, per_device: bool = False) -> bool:
+  """Whether every addressable copy of every replicated leaf is equal (with
+  ``per_device``: every device's row of the per-device params)."""
+  for x in jax.tree.leaves(tree):
+    shards = [np.asarray(s.data) for s in x.addressable_shards]
+    if per_device:
+      shards = [row for s in shards for row in s]
+    if any(not np.array_equal(shards[0], s) for s in shards[1:]):
+      return False
+  return True
+
+
+def _make_eval(loss_fn, mesh):
+  def local(params, batch):
+    _, m = loss_fn(params, batch)
+    cnt = jnp.sum(batch["mask"].astype(jnp.float32))
+    vals = jnp.stack([m["loss"] * cnt, m["accuracy"] * cnt, cnt])
+    return jax.lax.psum(vals, AXIS)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)),
+                               out_specs=P()))
+
+
+def evaluate(eval_fn, params, test, cfg: Config, dp) -> dict[str, float]:
+  """Held-out loss and accuracy over at most ``eval_examples`` examples."""
+  n = min(len(next(iter(test.values()))), cfg.eval_examples)
+  part = {k: v[:n] for k, v in test.items()}
+  totals = np.zeros(3)
+  nproc, pid = jax.process_count(), jax.process_index()
+  for batch in mdata.eval_batches(part, cfg.batch_size,
+                                  num_shards=dp.num_devices):
+    if nproc > 1:
+      batch = mdata.local_slice(batch, pid, nproc)
+    totals += np.asarray(eval_fn(params, dp.shard_batch(batch)))
+  return {"eval_loss": float(totals[0] / max(totals[2], 1)),
+          "eval_accuracy": float(totals[1] / max(totals[2], 1))}
+
+
+def _scalar(x) -> float:
+  """A metric as a float: a replicated scalar, or the mean of a per-device
+  one (local-update steps) over this process's devices."""
+  if not isinstance(x, jax.Array):
+    return float(x)
+  vals = [np.asarray(s.data, np.float64).reshape(-1)
+          for s in x.addressable_shards]
+  if x.ndim == 0:
+    return float(vals[0][0])
+  return float(np.mean(np.concatenate(vals)))
+
+
+def _stats(opt_state) -> dict[str, float]:
+  out = {}
+  found = jaxcomm.stats(opt_state)
+  if found:
+    st = found[0]
+    norms = [np.asarray(s.data) for s in st.residual_norm.addressable_shards]
+    out["residual_norm"] = float(np.sqrt(np.mean(np.concatenate(
+      [np.reshape(x, -1) for x in norms]) ** 2)))
+    out["nonfinite_steps"] = int(np.max(np.concatenate(
+      [np.reshape(np.asarray(s.data), -1)
+       for s in st.nonfinite_steps.addressable_shards])))
+  return out
+
+
+def _fmt_bytes(b: float) -> str:
+  for unit in ("B", "KB", "MB", "GB"):
+    if abs(b) < 1024 or unit == "GB":
+      return f"{b:,.1f} {unit}" if unit != "B" else f"{b:,.0f} B"
+    b /= 1024
+  return str(b)  # pragma: no cover
+
+
+def default_out_dir(cfg: Config) -> str:
+  return os.path.join("runs", f"{cfg.model}-{cfg.compressor}-"
+                      f"n{cfg.num_devices}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def run(cfg: Config, *, devices=None) -> dict[str, Any]:
+  """Trains as ``cfg`` says; returns the final figures (see ``summary``).
+
+  Uses the first ``cfg.num_devices`` of ``devices`` (default
+  ``jax.devices()``): this function never changes the device count, so it
+  can run in a process whose JAX backend is already up.
+  """
+  t_start = time.time()
+  cfg = dataclasses.replace(cfg)
+  if cfg.resume_from is not None:
+    cfg.resume = True
+  canon = resolve_compressor(cfg.compressor)
+  cfg.compressor = canon
+  if cfg.num_devices < 1:
+    raise ValueError(f"--num-devices must be >= 1, got {cfg.num_devices}")
+  if cfg.batch_size % cfg.num_devices:
+    raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of "
+                     f"--num-devices {cfg.num_devices}")
+  if cfg.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+  for flag, value, lo in (("--eval-examples", cfg.eval_examples, 1),
+                          ("--log-every", cfg.log_every, 1),
+                          ("--checkpoint-every", cfg.checkpoint_every, 0)):
+    if value < lo:
+      raise ValueError(f"{flag} must be >= {lo}, got {value}")
+  if cfg.stop_after is not None and cfg.stop_after < 1:
+    raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
+  if not math.isfinite(cfg.lr) or cfg.lr < 0:
+    raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+  devices = list(devices if devices is not None else jax.devices())
+  if cfg.num_devices > len(devices):
+    raise ValueError(f"--num-devices {cfg.num_devices} but JAX has "
+                     f"{len(devices)} devices ({devices[0].platform})")
+  out_dir = cfg.out_dir or default_out_dir(cfg)
+  cfg.out_dir = out_dir
+  main_proc = jax.process_index() == 0
+  if not cfg.resume and Checkpoints(out_dir).steps():
+    if not cfg.overwrite:
+      raise ValueError(
+        f"{out_dir} already holds checkpoints: pass --resume to continue "
+        "them, --overwrite to start afresh, or another --out-dir")
+    if main_proc:
+      shutil.rmtree(os.path.join(out_dir, "checkpoints"))
+  ckpts = Checkpoints(out_dir, cfg.keep_checkpoints, writer=True)
+  resume_at = resume_path(ckpts, cfg) if cfg.resume else None
+
+  train, test, data_kwargs, dataset = load_data(cfg)
+  cfg.dataset = dataset
+  fn = build_model(cfg, data_kwargs)
+  loss_fn = models.make_loss_fn(cfg.model, fn.apply)
+  comp, _, comp_kwargs = build_compressor(canon, cfg.compressor_args)
+  schedule = make_schedule(cfg)
+  local_tx = None
+  if cfg.local != "none":
+    if cfg.optimizer in COMM_OPTIMIZERS:
+      raise ValueError(f"--local {cfg.local} runs --optimizer on each "
+                       f"device alone; {cfg.optimizer} exchanges its own "
+                       "momentum every step: pick sgd, momentum, nesterov, "
+                       "adam, adamw or lamb")
+    local_tx = make_local_optimizer(
+      cfg, make_optimizer(cfg, schedule),
+      None if canon == "dense" else comp, schedule)
+    comp = tx = local_tx
+  elif cfg.optimizer in COMM_OPTIMIZERS:
+    if canon != "dense":
+      raise ValueError(
+        f"--optimizer {cfg.optimizer} exchanges its own 1-bit momentum: use "
+        f"--compressor dense (got {canon!r})")
+    # The optimizer is the exchange: its wire is what a step moves.
+    comp = tx = make_comm_optimizer(cfg, schedule)
+    if jaxcomm.local_states(jax.eval_shape(tx.init, fn.params)):
+      local_tx = tx   # 0/1 Adam: params per device, bytes per step vary
+  else:
+    tx = optax.chain(comp, make_optimizer(cfg, schedule))
+  mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)
+  dp = parallel.DataParallel(loss_fn, tx, mesh, AXIS, has_aux=True)
+  params, opt_state = dp.init(fn.params)
+  n = cfg.num_devices
+
+  # Bytes per device per step, as the compressor claims (checked against the
+  # compiled HLO by the test battery), and the dense psum it replaces.
+  # Before a start_step (freeze_step) a step moves the dense phase's psum.
+  from jaxcomm import _compressor
+  dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
+                                          fn.params, n), n, fn.params)
+  if local_tx is not None:
+    # A local-update step moves bytes only when it syncs: the summary's
+    # bytes per step are the average over the run's steps, and each
+    # logged step records what it moved.
+    lspec = _compressor.spec_of(local_tx)
+    sync_bytes = (wire.summarize(lspec.wire(fn.params, n), n).total_sent
+                  if n > 1 else 0.0)
+    if lspec.adaptive:
+      bytes_at = None  # read from the state: the period follows the loss
+      per_step = float("nan")
+    else:
+      per_step_cache = {}
+
+      def bytes_at(s):
+        if s not in per_step_cache:
+          per_step_cache[s] = (wire.summarize(wire.claimed(local_tx,
+                               fn.params, n, step=s), n).total_sent
+                               if n > 1 else 0.0)
+        return per_step_cache[s]
+      per_step = (sum(bytes_at(s) for s in range(cfg.steps)) / cfg.steps)
+    start_dense = 0
+  else:
+    start_dense = _compressor.spec_of(comp).start_step
+    rep = wire.summarize(wire.claimed(comp, fn.params, n, step=start_dense),
+                         n, fn.params)
+    warm_rep = (wire.summarize(wire.claimed(comp, fn.params, n, step=0), n,
+                               fn.params) if start_dense else rep)
+    bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
+                          else rep.total_sent)
+    per_step = rep.total_sent
+  num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
+
+  meta_cfg = {k: v for k, v in dataclasses.asdict(cfg).items()}
+  start = 0
+  if cfg.resume:
+    path = resume_at
+    try:
+      meta, p_leaves, s_leaves, start = ckpts.read(path)
+    except CheckpointError as e:
+      raise CheckpointError(f"{e}{ckpts.fallback_hint(path)}") from None
+    check_compatible(meta, cfg, params, opt_state, dp.layout, path,
+                     per_device_params=dp.per_device_params)
+    treedef_p = jax.tree.structure(params)
+    treedef_s = jax.tree.structure(opt_state)
+    host_state = jax.tree.unflatten(treedef_s, s_leaves)
+    old_n = int(meta["num_devices"])
+    if old_n != n:
+      host_state = parallel.resize_state(host_state, dp.layout, n)
+      if main_proc:
+        print(f"resumed a {old_n}-device checkpoint on {n} devices "
+              "(residuals resized, total preserved)")
+    host_params = jax.tree.unflatten(treedef_p, p_leaves)
+    if dp.per_device_params and old_n != n:
+      host_params = parallel.resize_params(host_params, n)
+    params = dp.place_params(host_params)
+    opt_state = _place_state(host_state, dp.layout, mesh)
+    if main_proc:
+      print(f"resumed from {path} at step {start}")
+    moved = ckpts.set_aside_after(start)
+    if main_proc and moved:
+      print(f"moved the checkpoints after step {start} aside (kept, no "
+            f"longer the latest): {', '.join(moved)}")
+
+  os.makedirs(out_dir, exist_ok=True)
+  metrics_path = os.path.join(out_dir, "metrics.jsonl")
+  history = []
+  if main_proc:
+    atomic_write(os.path.join(out_dir, "config.json"),
+                  json.dumps(meta_cfg, indent=1))
+    if cfg.resume and os.path.exists(metrics_path):
+      with open(metrics_path) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+      history = [h for h in history if h.get("step", 0) <= start]
+      atomic_write(metrics_path, "".join(json.dumps(h) + "\n"
+                                          for h in history))
+    elif os.path.exists(metrics_path):
+      os.remove(metrics_path)
+  log = open(metrics_path, "a") if main_proc else None
+
+  stop = min(cfg.stop_after if cfg.stop_after is not None else cfg.steps,
+             cfg.steps)
+  if start >= stop:  # a resumed run with nothing left to train
+    if main_proc:
+      why = (f"run already complete at step {start}" if start >= cfg.steps
+             else f"checkpoint at step {start}, --stop-after "
+             f"{cfg.stop_after}")
+      print(f"{why}: nothing to train; evaluating the restored parameters")
+    stop = start
+  it = mdata.batches(train, cfg.batch_size, seed=cfg.seed, num_shards=n,
+                     start_step=start)
+  eval_fn = _make_eval(loss_fn, mesh)
+  nproc, pid = jax.process_count(), jax.process_index()
+  bar = None
+  if cfg.progress and main_proc and stop > start:
+    from tqdm import tqdm
+    bar = tqdm(total=stop, initial=start, desc=f"{canon} n={n}",
+               dynamic_ncols=True, file=sys.stderr)
+  if bytes_at is not None:
+    cum_bytes = sum(bytes_at(s) for s in range(start))
+  else:  # adacomm: what the run logged so far
+    cum_bytes = float(history[-1].get("bytes_total", 0.0)) if history else 0.0
+
+  def step_bytes(step, opt_state):
+    if bytes_at is not None:
+      return bytes_at(step)
+    synced = jax.tree.leaves(jaxcomm.local_states(opt_state)[0].synced)[0]
+    return sync_bytes if _scalar(synced) else 0.0
+  t_loop = time.time()
+  t_last, steps_since, rate = time.time(), 0, 0.0
+  last = {}
+  meta_base = {"config": meta_cfg, "num_devices": n}
+  try:
+    for step in range(start, stop):
+      batch = next(it)
+      if nproc > 1:
+        batch = mdata.local_slice(batch, pid, nproc)
+      params, opt_state, m = dp.step(params, opt_state, dp.shard_batch(batch))
+      done = step + 1
+      moved = step_bytes(step, opt_state)
+      cum_bytes += moved
+      steps_since += 1
+      if done % cfg.log_every == 0 or done == stop:
+        now = time.time()
+        rate = steps_since / max(now - t_last, 1e-9)
+        t_last, steps_since = now, 0
+        last = {"step": done, "loss": _scalar(m["loss"]),
+                "accuracy": _scalar(m["aux"]["accuracy"]),
+                "lr": float(schedule(step)),
+                "bytes_per_step": moved, "bytes_total": cum_bytes,
+                "steps_per_s": rate, "time": now - t_start}
+        last.update(_stats(opt_state))
+        if cfg.local in GOSSIP_METHODS:
+          last["consensus_distance"] = _scalar(
+            parallel.consensus_distance(params))
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != stop:
+          last.update(evaluate(eval_fn, dp.synchronized(params), test, cfg,
+                               dp))
+        if log is not None:
+          log.write(json.dumps(last) + "\n")
+          log.flush()
+        history.append(last)
+        if bar is not None:
+          bar.set_postfix_str(
+            f"loss={last['loss']:.3f} {rate:.1f} steps/s "
+            f"{_fmt_bytes(last['bytes_per_step'])}/step", refresh=False)
+      if bar is not None:
+        bar.update(1)
+      if not math.isfinite(last.get("loss", 0.0)):
+        raise FloatingPointError(f"loss is {last['loss']} at step {done}")
+      if done == stop or (cfg.checkpoint_every
+                          and done % cfg.checkpoint_every == 0):
+        ckpts.save(done, params, opt_state, dp.layout, meta_base)
+  finally:
+    ckpts.close()
+    if bar is not None:
+      bar.close()
+    if log is not None:
+      log.close()
+  train_time = time.time() - t_loop
+  steps_run = stop - start
+  # Nothing trained (a finished run resumed): the train figures are the last
+  # ones recorded, and the speed is the one the run reported when it ran.
+  before = {}
+  if not last:
+    last = next((h for h in reversed(history) if "loss" in h), {})
+    before = _previous_result(out_dir, stop) if main_proc else {}
+
+  final = evaluate(eval_fn, dp.synchronized(params), test, cfg, dp)
+  if bytes_at is None:  # adacomm: the average of what the steps moved
+    per_step = cum_bytes / max(stop, 1)
+  result = {
+    "model": cfg.model, "dataset": dataset,
+    "compressor": (cfg.local + ("" if canon == "dense" else f"+{canon}")
+                   if cfg.local != "none"
+                   else cfg.optimizer if cfg.optimizer in COMM_OPTIMIZERS
+                   else canon),
+    "compressor_args": (parse_kwargs(cfg.optimizer_args)
+                        if cfg.optimizer in COMM_OPTIMIZERS else comp_kwargs),
+    "optimizer": cfg.optimizer, "num_devices": n, "steps": stop,
+    "num_params": num_params,
+    "train_loss": last.get("loss", float("nan")),
+    "train_accuracy": last.get("accuracy", float("nan")),
+    **final,
+    "bytes_per_step": per_step,
+    "dense_bytes_per_step": dense_rep.total_sent,
+    "compression_ratio": (dense_rep.total_sent / per_step
+                          if per_step else math.inf),
+    "bytes_total": cum_bytes,
+    "steps_per_s": (steps_run / train_time if steps_run
+                    else before.get("steps_per_s", 0.0)),
+    "train_time_s": train_time if steps_run else before.get("train_time_s",
+                                                            0.0),
+    "wall_time_s": time.time() - t_start,
+    "identical_params": _identical_across_devices(params,
+                                                  dp.per_device_params),
+    "out_dir": out_dir,
+  }
+  result.update(_stats(opt_state))
+  summary_path = os.path.join(out_dir, "summary.md")
+  if (main_proc and not math.isfinite(result["train_loss"])
+      and os.path.exists(summary_path)):
+    print(f"note: {metrics_path} records no train loss at step {stop}: "
+          f"{summary_path} and result.json are left as they were")
+  elif main_proc:
+    table = summary_table([result])
+    atomic_write(summary_path, table + "\n")
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+      json.dump(result, f, indent=1)
+    if cfg.plot and history:
+      plot_curves({f"{canon}": history}, os.path.join(out_dir,
+                                                      "curves.png"))
+  result["params"] = params
+  result["opt_state"] = opt_state
+  result["layout"] = dp.layout
+  result["history"] = history
+  return result
+
+
+def _previous_result(out_dir: str, step: int) -> dict[str, Any]:
+  """``result.json`` of an earlier run in ``out_dir`` that ended at ``step``."""
+  try:
+    with open(os.path.join(out_dir, "result.json")) as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(before, dict) or before.get("steps") != step:
+    return {}
+  return before
+
+
+def _place_state(host_state, layout, mesh):
+  from jax.sharding import NamedSharding
+  rep = NamedSharding(mesh, P())
+  dev = NamedSharding(mesh, P(AXIS))
+  return jax.tree.map(
+    lambda x, b: parallel._global(x, dev if b else rep), host_state, layout)
+
+
+# ------------------------------------------------------------ reporting --
+
+def _ratio_text(r: dict[str, Any]) -> str:
+  """The compression ratio, or why there is none (one device: nothing
+  crosses the wire, compressed or not)."""
+  if not r["dense_bytes_per_step"]:
+    return "- (one device: no traffic)"
+  return f"{r['compression_ratio']:,.1f}x"
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+  """A markdown table: final figures next to wire bytes/step vs dense."""
+  rows = ["| model | compressor | args | devices | steps | train loss | "
+          "eval loss | eval acc | bytes/step/device | dense bytes/step | "
+          "ratio | steps/s |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in results:
+    args = ",".join(f"{k}={v}" for k, v in r["compressor_args"].items())
+    rows.append(
+      f"| {r['model']} | {r['compressor']} | {args or '-'} | "
+      f"{r['num_devices']} | {r['steps']} | {r['train_loss']:.4f} | "
+      f"{r['eval_loss']:.4f} | {r['eval_accuracy']:.4f} | "
+      f"{r['bytes_per_step']:,.0f} | {r['dense_bytes_per_step']:,.0f} | "
+      f"{_ratio_text(r)} | {r['steps_per_s']:.1f} |")
+  return "\n".join(rows)
+
+
+def plot_curves(histories: dict[str, list[dict]], path: str,
+                title: str | None = None) -> None:
+  """Loss against step and against bytes sent per device (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  for label, hist in histories.items():
+    steps = [h["step"] for h in hist]
+    loss = [h["loss"] for h in hist]
+    mb = [h["bytes_total"] / 2**20 for h in hist]
+    a.plot(steps, loss, label=label, lw=1)
+    b.plot(mb, loss, label=label, lw=1)
+  a.set_xlabel("step")
+  b.set_xlabel("MiB sent per device (cumulative)")
+  b.set_xscale("log")
+  for ax in (a, b):
+    ax.set_ylabel("train loss")
+    ax.grid(alpha=0.3)
+  a.legend(fontsize=7)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def summary_line(r: dict[str, Any]) -> str:
+  """The run's last printed line: figures and what crossed the wire (on one
+  device nothing does, so there is no ratio to give)."""
+  if r["dense_bytes_per_step"]:
+    wire = (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
+            f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
+            f"({r['compression_ratio']:.1f}x less)")
+  else:
+    wire = "one device: nothing crosses the wire"
+  return (f"{r['model']} on {r['dataset']}, {r['num_devices']} devices, "
+          f"{r['steps']} steps in {r['train_time_s']:.0f}s "
+          f"({r['wall_time_s']:.0f}s with set-up): held-out loss "
+          f"{r['eval_loss']:.4f}, accuracy {r['eval_accuracy']:.4f}; "
+          f"{wire}. Outputs: {r['out_dir']}")
+
