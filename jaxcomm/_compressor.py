@@ -130,6 +130,9 @@ class Codec:
       what it decodes to; no collective. None: the codec cannot gossip.
     decode: ``decode(words, ctx) -> float32[layout.size]``, a received
       message decoded (``decode(message(x)[0]) == message(x)[1]``).
+    wire_at: for a codec whose exchange changes with the step (DGC's
+      warm-up stages, behind a ``lax.switch``): ``wire_at(layout | shapes,
+      n, step)``, what that step moves. None: ``wire``, every step.
   """
 
   name: str
@@ -140,6 +143,7 @@ class Codec:
   flat: bool = False
   message: Callable[[Any, Context], tuple[Any, Any]] | None = None
   decode: Callable[[Any, Context], Any] | None = None
+  wire_at: Callable[[Any, int, int], list[Collective]] | None = None
 
 
 class CompressStats(NamedTuple):
@@ -250,7 +254,10 @@ class Spec:
         out.append(("all-reduce", 4 * lay.size))
       if codec_phase:
         arg = lay if self.codec.flat else list(lay.shapes)
-        out.extend(self.codec.wire(arg, n))
+        if step is not None and self.codec.wire_at is not None:
+          out.extend(self.codec.wire_at(arg, n, step))
+        else:
+          out.extend(self.codec.wire(arg, n))
     dense = sum(_policy.real_size(l) for l in _policy.select(leaves, paths,
                                                     _policy.DENSE))
     # The fused dense psum always carries one extra float32: the flag that

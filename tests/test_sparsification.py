@@ -432,3 +432,29 @@ def test_threshold_value_can_be_injected():
   upd, _ = jax.jit(tx.update)(x, state, x)
   assert np.count_nonzero(np.asarray(upd["w"])) == np.sum(
     np.abs(np.asarray(x["w"])) >= 0.9)
+
+
+def test_dgc_claims_each_warmup_stage_at_its_step():
+  """With warm-up stages the compiled step holds every stage's exchange
+  behind a lax.switch (step=None claims them all, as the HLO lists them);
+  a given step moves only its stage's: densities 25%, 6.25%, 1.56%, 0.4%
+  for ``warmup_steps_per_stage`` steps each, then the final ratio. The
+  pairs one stage sends grow with its density."""
+  params = {"w": jnp.zeros((64, 128), jnp.float32)}
+  tx = jaxcomm.dgc(0.001, warmup_steps_per_stage=3)
+  every = jaxcomm.wire.claimed(tx, params, 8)
+  per_stage = [jaxcomm.wire.claimed(tx, params, 8, step=3 * i)
+               for i in range(5)]
+  # The compiled step's list is the five stages' exchanges together, in
+  # order, then the one float32 finiteness flag every step all-reduces.
+  flag = ("all-reduce", 4)
+  assert all(ops[-1] == flag for ops in per_stage) and every[-1] == flag
+  assert [op for ops in per_stage for op in ops[:-1]] == list(every[:-1])
+  # Steps inside a stage claim the same; stage bytes fall stage by stage.
+  for i in range(5):
+    for s in (3 * i + 1, 3 * i + 2):
+      assert jaxcomm.wire.claimed(tx, params, 8, step=s) == per_stage[i]
+  sent = [jaxcomm.wire.summarize(ops, 8).total_sent for ops in per_stage]
+  assert sent == sorted(sent, reverse=True) and sent[0] > 50 * sent[-1]
+  # After the warm-up the claim stays at the final stage.
+  assert jaxcomm.wire.claimed(tx, params, 8, step=1000) == per_stage[-1]

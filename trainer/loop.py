@@ -237,6 +237,19 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
                           else rep.total_sent)
     per_step = rep.total_sent
+    spec = _compressor.spec_of(comp)
+    if getattr(spec.codec, "wire_at", None) is not None and n > 1:
+      # The exchange changes with the step (DGC's warm-up stages): each
+      # step's own claim; the summary's bytes per step are the last
+      # step's (after the warm-up).
+      at = {}
+
+      def bytes_at(s):  # pylint: disable=function-redefined
+        if s not in at:
+          at[s] = wire.summarize(wire.claimed(comp, fn.params, n, step=s),
+                                 n, fn.params).total_sent
+        return at[s]
+      per_step = bytes_at(cfg.steps - 1)
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
 
   meta_cfg = {k: v for k, v in dataclasses.asdict(cfg).items()}

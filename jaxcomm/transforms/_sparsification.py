@@ -725,8 +725,16 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
       out += _sparse.sparse_psum_wire(_num_pairs(segs, d), layout.size, n)
     return out
 
+  def wire_at(layout, n, step):
+    # ``step`` is the global step count, as ``ctx.step``.
+    stage = min(max(step, 0) // steps_per_stage, len(densities) - 1) if (
+      len(densities) > 1) else 0
+    return _sparse.sparse_psum_wire(
+      _num_pairs(_segments(layout), densities[stage]), layout.size, n)
+
   return _compressor.Codec(name=f"dgc({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True)
+                           apply=apply, wire=wire, flat=True,
+                           wire_at=wire_at)
 
 
 @_compressor.shared_options
