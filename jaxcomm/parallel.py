@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import time
 from typing import Callable
 
@@ -351,6 +352,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   """
   n = _data_size(mesh, axis_name)
   names = _names(axis_name)
+  _check_nnx_params(params, "state_layout")
   if specs is None:
     specs = param_specs(params, mesh, axis_name)
   model_axes = set()
@@ -443,14 +445,24 @@ def state_specs(layout, axis_name: str = "data"):
   return jax.tree.map(lambda b: _leaf_spec(b, axis_name), layout)
 
 
+def _map_laid_out(fn, state, layout, who: str):
+  try:
+    return jax.tree.map(fn, state, layout)
+  except ValueError:
+    _check_state_tree(state, layout, who)  # names what does not fit
+    raise
+
+
 def to_local(state, layout):
   """Inside shard_map: drops the leading size-1 axis of per-device leaves."""
-  return jax.tree.map(lambda x, b: x[0] if b else x, state, layout)
+  return _map_laid_out(lambda x, b: x[0] if b else x, state, layout,
+                       "to_local")
 
 
 def to_global(state, layout):
   """Inside shard_map: adds the leading axis back to per-device leaves."""
-  return jax.tree.map(lambda x, b: x[None] if b else x, state, layout)
+  return _map_laid_out(lambda x, b: x[None] if b else x, state, layout,
+                       "to_global")
 
 
 def init_state(tx: optax.GradientTransformation, params, mesh,
@@ -462,6 +474,7 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
   the rest is replicated. With params sharded over model axes (``specs``,
   default :func:`param_specs`), ``tx.init`` runs on each device's block.
   """
+  _check_nnx_params(params, "init_state")
   if specs is None:
     specs = param_specs(params, mesh, axis_name)
   if layout is None:
@@ -528,9 +541,33 @@ class DataParallel:
   step passes each device its own row and the loss as ``value``, and
   :meth:`synchronized` gives the model to evaluate or export.
 
+  Mutable model state and randomness (BatchNorm statistics, dropout) are
+  optional arguments of :meth:`step`: with ``model_state=`` the loss is
+  called as ``loss_fn(params, batch, model_state=...)`` and returns
+  ``(out, new_model_state)`` (``out`` is what it returns without:
+  ``loss``, or ``(loss, aux)`` with ``has_aux``); the new state's floating
+  leaves are averaged over the data axes (one fused all-reduce; BatchNorm's
+  running statistics become the device mean) and ``step`` returns it as a
+  fourth value. With ``rng=key`` the loss gets ``rng=`` this device's key,
+  ``jax.random.fold_in(key, i)`` for its index ``i`` along the data axes,
+  so dropout masks differ between devices; pass a new key each step (e.g.
+  ``jax.random.fold_in(base, step)``) for them to differ between steps::
+
+    def loss_fn(params, batch, model_state, rng):
+      logits, new_state = apply(params, model_state, batch["x"], rng)
+      return cross_entropy(logits, batch["y"]), new_state
+
+    params, opt_state, metrics, model_state = dp.step(
+      params, opt_state, batch, model_state=model_state,
+      rng=jax.random.fold_in(key, t))
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
-      ``has_aux``) on the device's local batch.
+      ``has_aux``) on the device's local batch; ``model_state`` and ``rng``
+      keyword arguments when :meth:`step` is given them (above). With Flax
+      NNX, ``params`` is ``nnx.state(model, nnx.Param)`` (from
+      ``graphdef, params = nnx.split(model, nnx.Param)``) and the loss
+      calls ``nnx.merge(graphdef, params)``.
     tx: the optimizer.
     mesh: a mesh with an axis named ``axis_name``.
     axis_name: the data axis, or a tuple of them (e.g. ``("dcn", "ici")``
@@ -571,7 +608,7 @@ class DataParallel:
     self.layout = None
     self.per_device_params = False
     self.param_specs = None
-    self._step = None
+    self._steps = {}
     if block is not None:
       _checks.boolean("block", block)
     self.block = (block if block is not None else
@@ -584,6 +621,7 @@ class DataParallel:
 
   def init(self, params):
     """Replicated params and the laid-out optimizer state."""
+    _check_nnx_params(params, "DataParallel.init")
     for path, x in jax.tree_util.tree_leaves_with_path(params):
       dtype = jnp.result_type(x)
       if not (jnp.issubdtype(dtype, jnp.floating)
@@ -639,20 +677,47 @@ class DataParallel:
     """This process's slice of a batch as global arrays (see shard_batch)."""
     return shard_batch(batch, self.mesh, self.axis_name)
 
-  def _build(self):
+  def _build(self, with_state: bool, with_rng: bool):
     axis, layout, tx = self.axis_name, self.layout, self.tx
     loss_fn, has_aux = self.loss_fn, self.has_aux
 
     per_device = self.per_device_params
 
-    def step(params, state, batch):
+    def step(params, state, batch, *extra):
       local = to_local(state, layout)
       if per_device:
         params = jax.tree.map(lambda x: x[0], params)
-      varying = _core.pvary(params, axis)
-      grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-      out, grads = grad_fn(varying, batch)
-      loss, aux = out if has_aux else (out, {})
+      kwargs = {}
+      extra = list(extra)
+      if with_state:
+        kwargs["model_state"] = extra.pop(0)
+      if with_rng:
+        # This device's key: i along the data axes folded into the step's.
+        kwargs["rng"] = jax.random.fold_in(extra.pop(0),
+                                           _core.axis_index(axis))
+
+      def loss_and_more(p):
+        inside = dict(kwargs)
+        if with_state:
+          # Fresh nodes, made inside the differentiated function: a Flax
+          # NNX Variable (BatchNorm's statistics) may be updated only at
+          # the trace level that made it.
+          inside["model_state"] = jax.tree.map(lambda x: x,
+                                               kwargs["model_state"])
+        out = loss_fn(p, batch, **inside)
+        new_model_state = None
+        if with_state:
+          if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+              "loss_fn: with model_state it must return (out, "
+              "new_model_state), where out is the loss (or (loss, aux) "
+              f"with has_aux); got {type(out).__name__}")
+          out, new_model_state = out
+        loss, aux = out if has_aux else (out, {})
+        return loss, (aux, new_model_state)
+
+      (loss, (aux, new_model_state)), grads = jax.value_and_grad(
+        loss_and_more, has_aux=True)(_core.pvary(params, axis))
       extra = {"value": loss} if per_device else {}
       updates, new_local = tx.update(grads, local, params, **extra)
       new_params = _local.apply_updates(params, updates, new_local)
@@ -665,47 +730,138 @@ class DataParallel:
       metrics = {"loss": reduce(loss)}
       if has_aux:
         metrics["aux"] = jax.tree.map(reduce, aux)
-      return new_params, to_global(new_local, layout), metrics
+      out = (new_params, to_global(new_local, layout), metrics)
+      if with_state:
+        out += (_device_mean(new_model_state, axis),)
+      return out
 
     specs = state_specs(layout, axis)
     p_spec = jax.tree.map(
       lambda sp: _with_data(sp, axis) if per_device else sp,
       self.param_specs, is_leaf=lambda x: isinstance(x, P))
     m_spec = P(axis) if per_device else P()
-    mapped = jax.shard_map(step, mesh=self.mesh,
-                           in_specs=(p_spec, specs, P(axis)),
-                           out_specs=(p_spec, specs, m_spec))
-    return jax.jit(mapped, donate_argnums=(0, 1) if self.donate else ())
+    extra_specs = (P(),) * (with_state + with_rng)
+    mapped = jax.shard_map(
+      step, mesh=self.mesh, in_specs=(p_spec, specs, P(axis)) + extra_specs,
+      out_specs=(p_spec, specs, m_spec) + ((P(),) if with_state else ()))
+    donated = (0, 1, 3) if with_state else (0, 1)
+    return jax.jit(mapped, donate_argnums=donated if self.donate else ())
 
-  def step(self, params, state, batch):
-    """One step: ``(params, state, metrics)``; batch from :meth:`shard_batch`
-    (plain host arrays are sharded here). Metrics are device averages; with
-    a local-update optimizer (``per_device_params``) they are per device
-    (leading axis n), since those steps send nothing between syncs."""
+  def _prepare(self, params, state, batch, model_state, rng):
+    """Checks the inputs and returns the built step and its arguments."""
     if self.layout is None:
       raise ValueError("call DataParallel.init(params) before step()")
-    for name, tree in (("params", params), ("state", state)):
+    if model_state is not None and self.per_device_params:
+      raise ValueError(
+        "model_state is not supported with a local-update optimizer "
+        "(per-device params): its steps send nothing between syncs, and "
+        "model_state is averaged over the devices every step")
+    _check_state_tree(state, self.layout, "DataParallel.step")
+    for name, tree in (("params", params), ("state", state),
+                       ("model_state", model_state)):
       if any(isinstance(x, jax.Array) and x.is_deleted()
              for x in jax.tree.leaves(tree)):
         raise ValueError(
           f"{name} holds buffers donated to an earlier step (DataParallel "
-          "donates params and state by default): pass the params and state "
-          "that step returned, or build DataParallel(..., donate=False)")
-    if self._step is None:
-      self._step = self._build()
-    if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
-               for x in jax.tree.leaves(batch)) and self.num_devices > 1:
-      batch = self.shard_batch(batch)
+          "donates params, state and model_state by default): pass the "
+          "ones that step returned, or build DataParallel(..., "
+          "donate=False)")
+    kind = (model_state is not None, rng is not None)
+    if kind not in self._steps:
+      self._steps[kind] = self._build(*kind)
+    if self.num_devices > 1:
+      if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
+                 for x in jax.tree.leaves(batch)):
+        batch = self.shard_batch(batch)
+      if model_state is not None and not all(
+          isinstance(x, jax.Array) and len(x.devices()) > 1
+          for x in jax.tree.leaves(model_state)):
+        model_state = replicate(model_state, self.mesh)
+    extra = tuple(x for x in (model_state, rng) if x is not None)
+    return self._steps[kind], (params, state, batch) + extra
+
+  def step(self, params, state, batch, *, model_state=None, rng=None):
+    """One step: ``(params, state, metrics)``, plus the new model state as
+    a fourth value when ``model_state`` is given; batch from
+    :meth:`shard_batch` (plain host arrays are sharded here). Metrics are
+    device averages; with a local-update optimizer (``per_device_params``)
+    they are per device (leading axis n), since those steps send nothing
+    between syncs.
+
+    Args:
+      params: the params :meth:`init` (or the previous step) returned.
+      state: the optimizer state, likewise.
+      batch: the global batch; its leading axes are split over the data
+        axes.
+      model_state: mutable non-parameter model state (e.g. BatchNorm
+        statistics, ``nnx.state(model, nnx.BatchStat)``), replicated;
+        ``loss_fn`` gets it as ``model_state=`` and returns ``(out,
+        new_model_state)``; the new state's floating leaves are averaged
+        over the data axes, others must come out equal on every device.
+      rng: a PRNG key for this step; ``loss_fn`` gets ``rng=
+        jax.random.fold_in(rng, i)`` on the device of index ``i`` along the
+        data axes.
+    """
+    fn, args = self._prepare(params, state, batch, model_state, rng)
     if self.block:
       # The previous step's outputs: at most one step queued (see block).
-      jax.block_until_ready((params, state))
-    return self._step(params, state, batch)
+      jax.block_until_ready((params, state, model_state))
+    return fn(*args)
 
-  def lower(self, params, state, batch):
+  def lower(self, params, state, batch, *, model_state=None, rng=None):
     """The lowered step (for :func:`jaxcomm.wire.report`)."""
-    if self._step is None:
-      self._step = self._build()
-    return self._step.lower(params, state, batch)
+    fn, args = self._prepare(params, state, batch, model_state, rng)
+    return fn.lower(*args)
+
+
+def _device_mean(tree, axis_name):
+  """Inside shard_map: ``tree``'s floating leaves averaged over
+  ``axis_name`` (those that vary over it, in one fused float32 psum,
+  cast back), the other leaves as they are; a non-floating leaf that
+  varies over ``axis_name`` is refused by name (its mean is not a value of
+  its dtype)."""
+  names = set(_names(axis_name))
+  paths, leaves = [], []
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if names & _core.varying_axes(x):
+      if not _core.is_inexact(x):
+        raise ValueError(
+          f"model_state leaf {jax.tree_util.keystr(path)} "
+          f"({jnp.result_type(x)}) differs between devices after the step, "
+          "and only floating leaves are averaged: keep it equal on every "
+          "device (e.g. a counter that does not read the batch) or make it "
+          "floating")
+      paths.append(path)
+      leaves.append(x)
+  n = _core.axis_size(axis_name)
+  summed = _core.fused_psum(leaves, axis_name)
+  means = {jax.tree_util.keystr(p): (s / n).astype(x.dtype)
+           for p, s, x in zip(paths, summed, leaves)}
+  return jax.tree_util.tree_map_with_path(
+    lambda p, x: means.get(jax.tree_util.keystr(p), x), tree)
+
+
+def _check_nnx_params(params, who: str) -> None:
+  """Refuses Flax NNX Variables other than ``nnx.Param`` in params (a
+  whole ``nnx.state(model)``: BatchNorm statistics would be
+  differentiated and updated as parameters, RNG keys and counts are not
+  even floating)."""
+  nnx = sys.modules.get("flax.nnx")
+  var = getattr(nnx, "Variable", None)
+  if var is None:
+    return
+  for path, v in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, var))[0]:
+    if isinstance(v, var) and not isinstance(v, nnx.Param):
+      raise ValueError(
+        f"{who}: params leaf {jax.tree_util.keystr(path)} is a flax.nnx "
+        f"{type(v).__name__}, not an nnx.Param: the optimizer would "
+        "differentiate and update it as a parameter. Pass the parameters "
+        "only, graphdef, params, rest = nnx.split(model, nnx.Param, ...) "
+        "(or nnx.state(model, nnx.Param)), and merge them in the loss; "
+        "BatchNorm statistics (nnx.BatchStat) are model state "
+        "(DataParallel.step(model_state=...)), RNG streams stay in `rest` "
+        "(DataParallel.step(rng=...) gives each device its own key)")
 
 
 def synchronized(params, mesh, specs=None):
@@ -826,7 +982,15 @@ def _additive_paths(state) -> list:
     elif x is None:
       return
     else:
-      flags.append(kind)
+      # Any other pytree node (a Flax nnx.State or nnx.Param inside an
+      # optax state built on NNX params): its children in JAX's order.
+      children = jax.tree_util.tree_flatten(
+        x, is_leaf=lambda y: y is not x)[0]
+      if len(children) == 1 and children[0] is x:
+        flags.append(kind)
+      else:
+        for y in children:
+          visit(y, kind)
 
   visit(state, False)
   return flags
@@ -865,14 +1029,54 @@ def _containers(tree) -> set:
   return kinds
 
 
-def _check_restored_structure(state, layout) -> None:
-  """Names a state whose tree is not its layout's, above all one restored
-  from a checkpoint without a target (orbax then gives dicts and lists, a
-  NamedTuple's fields as sorted dict keys, so leaves pair up wrongly)."""
+def _nnx_classes(tree) -> set:
+  """Names of the Flax NNX containers in ``tree`` (Variables such as
+  ``OptArray``, ``State``, ``Pytree`` objects such as ``nnx.Optimizer``);
+  empty when Flax NNX is not loaded (jaxcomm does not import flax)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return set()
+  kinds = tuple(k for k in (getattr(nnx, n, None) for n in (
+    "Variable", "State", "Pytree")) if isinstance(k, type))
+  names = set()
+
+  def visit(x):
+    if isinstance(x, kinds):
+      names.add(type(x).__name__)
+    children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+    if not (len(children) == 1 and children[0] is x):
+      for y in children:
+        visit(y)
+
+  visit(tree)
+  return names
+
+
+def _check_state_tree(state, layout, who: str) -> None:
+  """Names a state whose tree is not its layout's: an NNX optimizer's
+  state, one restored from a checkpoint without a target (orbax then gives
+  dicts and lists, a NamedTuple's fields as sorted dict keys, so leaves
+  pair up wrongly), or another tree."""
   want = jax.tree.structure(layout)
   got = jax.tree.structure(state)
   if want == got:
     return
+  extra = _nnx_classes(state) - _nnx_classes(layout)
+  if extra:
+    raise ValueError(
+      f"{who}: state holds Flax NNX containers "
+      f"({', '.join(sorted(extra))}) that its layout does not: an "
+      "nnx.Optimizer's opt_state (leaves wrapped in OptArray/OptVariable) "
+      "or nnx.state(optimizer) (NamedTuples turned into mappings) is not "
+      "the tree tx.init(params) returns, which jaxcomm.parallel lays out. "
+      "Keep the optax state itself: graphdef, params = nnx.split(model, "
+      "nnx.Param); opt_state = jaxcomm.parallel.init_state(tx, params, "
+      "mesh); after training, nnx.update(model, params) (README: Flax NNX "
+      "and Linen)")
+  _check_restored_structure(state, layout, got, want)
+
+
+def _check_restored_structure(state, layout, got, want) -> None:
   named = {k for k in _containers(layout) if hasattr(k, "_fields")}
   restored = (not named & _containers(state)
               and {dict, list} & _containers(state))
@@ -912,7 +1116,7 @@ def resize_state(state, layout, num_devices: int):
       one another.
   """
   num_devices = _checks.integer("num_devices", num_devices, 1)
-  _check_restored_structure(state, layout)
+  _check_state_tree(state, layout, "resize_state")
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
   additive = _additive_paths(state)
