@@ -49,6 +49,14 @@ _GRANULARITIES = ("leaf", "model")
 DGC_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)
 
 
+def _checked_codec(make_codec, ratio, granularity, *args):
+  """``make_codec(ratio, granularity, *args)`` after the checks every
+  k-of-n factory shares (``ratio`` in ``(0, 1]``, a known granularity)."""
+  ratio = _checks.ratio("ratio", ratio)
+  _checks.choice("granularity", granularity, _GRANULARITIES)
+  return make_codec(ratio, granularity, *args)
+
+
 # ------------------------------------------------------------- helpers ----
 
 def num_selected(ratio: float, size: int) -> int:
@@ -220,17 +228,15 @@ def topk(ratio: float, *, granularity: str = "leaf",
     Stich et al, `Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>`_, 2018.
   """
-  ratio = _checks.ratio("ratio", ratio)
-  _checks.choice("granularity", granularity, _GRANULARITIES)
   if value_bits is not None:
     if isinstance(value_bits, bool):   # True == 1 would pass the choice
       raise ValueError(f"value_bits must be one of {_sparse.VALUE_BITS} or "
                        f"None, got {value_bits!r}")
     _checks.choice("value_bits", value_bits, _sparse.VALUE_BITS)
-  return _compressor.compressed(_topk_codec(ratio, granularity, value_bits),
-                                axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy,
-                                seed=seed, **options)
+  return _compressor.compressed(
+    _checked_codec(_topk_codec, ratio, granularity, value_bits),
+    axis_name=axis_name, error_feedback=error_feedback, policy=policy,
+    seed=seed, **options)
 
 
 # ------------------------------------------------------------ random-k ----
@@ -402,12 +408,9 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     Stich et al, `Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>`_, 2018.
   """
-  ratio = _checks.ratio("ratio", ratio)
-  _checks.choice("granularity", granularity, _GRANULARITIES)
-  return _compressor.compressed(_randomk_codec(ratio, granularity),
-                                axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy,
-                                seed=seed, **options)
+  return _compressor.compressed(
+    _checked_codec(_randomk_codec, ratio, granularity), axis_name=axis_name,
+    error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
 # ----------------------------------------------------------- threshold ----
@@ -915,12 +918,9 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     Sparsification for Low Bandwidth Networks
     <https://arxiv.org/abs/1901.04359>`_, 2019.
   """
-  ratio = _checks.ratio("ratio", ratio)
-  _checks.choice("granularity", granularity, _GRANULARITIES)
-  return _compressor.compressed(_gtopk_codec(ratio, granularity),
-                                axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy,
-                                seed=seed, **options)
+  return _compressor.compressed(
+    _checked_codec(_gtopk_codec, ratio, granularity), axis_name=axis_name,
+    error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
 # ----------------------------------------------------------------- CSC ----
