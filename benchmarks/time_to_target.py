@@ -54,6 +54,11 @@ METHODS = {
     "--local", "diloco", "--local-args",
     "period=50,outer_lr=1,outer_momentum=0", "--compressor", "topk",
     "--compressor-args", "ratio=0.02,value_bits=2,residual_decay=0.95"],
+  # The outer rate that closed the gap in the convergence table.
+  "diloco H=50 + sparseloco, outer lr 4": ADAM + [
+    "--local", "diloco", "--local-args",
+    "period=50,outer_lr=4,outer_momentum=0", "--compressor", "topk",
+    "--compressor-args", "ratio=0.02,value_bits=2,residual_decay=0.95"],
   "dense momentum sgd": MSGD + ["--compressor", "dense"],
   "local sgd H=8": MSGD + ["--local", "local_sgd", "--local-args",
                            "period=8"],
@@ -63,6 +68,7 @@ BASELINE = {"dense adam": "dense adam",
             "powersgd r4 -> adam": "dense adam",
             "diloco H=50": "dense adam",
             "diloco H=50 + sparseloco": "dense adam",
+            "diloco H=50 + sparseloco, outer lr 4": "dense adam",
             "dense momentum sgd": "dense momentum sgd",
             "local sgd H=8": "dense momentum sgd"}
 SMOOTH = 20
