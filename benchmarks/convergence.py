@@ -128,6 +128,12 @@ METHODS = [
      ("momentum", "", 0.3), "momentum SGD"),
   _m("top-k 0.001, no EF", "topk", "ratio=0.001,error_feedback=False", MSGD,
      "momentum SGD"),
+  # EF21-SGDM (Fatkhullin et al. 2023): each device's momentum, not its
+  # gradient, is what EF21 tracks; plain SGD after it.
+  _m("top-k 0.001 + EF21-SGDM", "topk",
+     "ratio=0.001,error_feedback=ef21,momentum=0.9", SGD, "momentum SGD"),
+  _m("top-k 0.01 + EF21-SGDM", "topk",
+     "ratio=0.01,error_feedback=ef21,momentum=0.9", SGD, "momentum SGD"),
   _m("DGC 0.001 -> SGD", "dgc", "ratio=0.001", SGD, "momentum SGD"),
   # The paper's warm-up: densities 25%, 6.25%, 1.56%, 0.4%, then 0.1%
   # (here 80 steps each, 20% of the run, as its 4 of ~100 epochs are not).

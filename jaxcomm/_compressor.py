@@ -380,10 +380,13 @@ def compressed(
       gradient estimate ``h_i`` and sends the compressed change
       ``C(g_i - h_i)``; the update is the aggregate ``h = mean_i h_i``,
       kept replicated. For contractive compressors (top-k, signs, low
-      rank); not with ``momentum`` or ``lr_schedule``. ``False``: none.
+      rank); not with ``lr_schedule``. ``False``: none.
     momentum: if set, DGC's momentum correction (Lin et al. 2018): the codec
       compresses the accumulated velocity ``v += u``, ``u = m u + g``;
       use a downstream optimizer without momentum. Implies error feedback.
+      With ``error_feedback="ef21"`` it is EF21-SGDM (Fatkhullin et al.
+      2023): each device's momentum ``u = m u + g`` replaces ``g``, so the
+      codec sends ``C(u_i - h_i)`` (no masking, no residual).
     momentum_masking: zero ``u`` where this device sent a coordinate (DGC's
       momentum factor masking). Only used with ``momentum``.
     clip_norm: local gradient clipping by global norm before accumulation,
@@ -421,11 +424,6 @@ def compressed(
   _checks.error_feedback(error_feedback)
   ef21 = error_feedback == _checks.EF21
   use_momentum = momentum is not None
-  if ef21 and use_momentum:
-    raise ValueError(
-      f"{codec.name}: error_feedback='ef21' needs momentum=None: momentum "
-      "correction accumulates the velocity in the classic residual "
-      f"(got momentum={momentum!r})")
   if ef21 and lr_schedule is not None:
     raise ValueError(
       f"{codec.name}: error_feedback='ef21' takes no lr_schedule: EF21 keeps "
@@ -437,7 +435,7 @@ def compressed(
   start_step = _checks.integer("start_step", start_step, 0)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
-  keep_residual = error_feedback is True or use_momentum
+  keep_residual = error_feedback is True or (use_momentum and not ef21)
   residual_decay = _checks.number("residual_decay", residual_decay, 0.0,
                                   1.0)
   if not isinstance(residual_decay, jax.core.Tracer) and \
@@ -602,15 +600,17 @@ def accumulate(opts: _Options, g: list, state: CompressState, n: int):
   if not (isinstance(opts.residual_decay, float)
           and opts.residual_decay == 1.0) and residual:
     residual = [r * opts.residual_decay for r in residual]
-  if opts.use_momentum:
+  if opts.ef21:
+    # EF21, or with momentum EF21-SGDM: the momentum stands for g.
+    u = ([opts.momentum * m + x for m, x in zip(state.momentum, g)]
+         if opts.use_momentum else [])
+    xs = [x - h for x, h in zip(u or g, state.estimate)]
+  elif opts.use_momentum:
     u = [opts.momentum * m + x for m, x in zip(state.momentum, g)]
     xs = [r + m for r, m in zip(residual, u)]
   elif opts.keep_residual:
     u = []
     xs = [r + x for r, x in zip(residual, g)]
-  elif opts.ef21:
-    u = []
-    xs = [x - h for x, h in zip(g, state.estimate)]
   else:
     u = []
     xs = list(g)
@@ -674,7 +674,7 @@ def update_memory(opts: _Options, xs: list, sent: list, u: list,
   new_u = []
   if opts.use_momentum:
     new_u = ([jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
-             if opts.momentum_masking else list(u))
+             if opts.momentum_masking and not opts.ef21 else list(u))
     if opts.start_step > 0:
       new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
   return new_res, new_u

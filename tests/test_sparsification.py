@@ -458,3 +458,45 @@ def test_dgc_claims_each_warmup_stage_at_its_step():
   assert sent == sorted(sent, reverse=True) and sent[0] > 50 * sent[-1]
   # After the warm-up the claim stays at the final stage.
   assert jaxcomm.wire.claimed(tx, params, 8, step=1000) == per_stage[-1]
+
+
+def _np_topk_leaf(d, ratio):
+  """Top-k by magnitude of one leaf, the rest zero (numpy)."""
+  flat = d.reshape(-1)
+  k = max(1, int(math.ceil(ratio * flat.size - 1e-9)))
+  keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+  out = np.zeros_like(flat)
+  out[keep] = flat[keep]
+  return out.reshape(d.shape)
+
+
+def test_ef21_with_momentum_is_ef21_sgdm(mesh):
+  """``topk(error_feedback="ef21", momentum=m)`` against EF21-SGDM
+  (Fatkhullin et al. 2023) in numpy on 8 devices: ``u_i = m u_i + g_i``;
+  ``c_i = topk(u_i - h_i)``; ``h_i += c_i``; the update is
+  ``mean_i h_i`` (no residual, no momentum masking)."""
+  m, ratio, steps = 0.9, 0.1, 4
+  params = {"w": jnp.zeros((64, 48), jnp.float32)}
+  tx = optax.chain(jaxcomm.topk(ratio, error_feedback="ef21", momentum=m,
+                                policy=jaxcomm.LeafPolicy(min_size=1)),
+                   optax.sgd(1.0))
+  grads = harness.make_grads(seed=5, steps=steps, params=params)
+  updates, _, _ = harness.device_run(tx, mesh, grads, params=params)
+  n = harness.N
+  u = [np.zeros((64, 48)) for _ in range(n)]
+  h = [np.zeros((64, 48)) for _ in range(n)]
+  for t in range(steps):
+    g = np.asarray(grads[t]["w"], np.float64)
+    for i in range(n):
+      u[i] = m * u[i] + g[i]
+      h[i] = h[i] + _np_topk_leaf(u[i] - h[i], ratio)
+    want = np.mean(h, axis=0)
+    np.testing.assert_allclose(-np.asarray(updates[t]["w"], np.float64),
+                               want, rtol=1e-4, atol=1e-5,
+                               err_msg=f"step {t}")
+  # Not the plain EF21 update: the momentum changes what is sent.
+  plain = optax.chain(jaxcomm.topk(ratio, error_feedback="ef21",
+                                   policy=jaxcomm.LeafPolicy(min_size=1)),
+                      optax.sgd(1.0))
+  other, _, _ = harness.device_run(plain, mesh, grads, params=params)
+  assert not np.allclose(other[-1]["w"], updates[-1]["w"])
