@@ -134,6 +134,9 @@ METHODS = [
      "ratio=0.001,error_feedback=ef21,momentum=0.9", SGD, "momentum SGD"),
   _m("top-k 0.01 + EF21-SGDM", "topk",
      "ratio=0.01,error_feedback=ef21,momentum=0.9", SGD, "momentum SGD"),
+  *[_m(f"top-k 0.001 + EF21-SGDM, lr {lr}", "topk",
+       "ratio=0.001,error_feedback=ef21,momentum=0.9", ("sgd", "", lr),
+       "momentum SGD") for lr in (1.0, 0.3)],
   _m("DGC 0.001 -> SGD", "dgc", "ratio=0.001", SGD, "momentum SGD"),
   # The paper's warm-up: densities 25%, 6.25%, 1.56%, 0.4%, then 0.1%
   # (here 80 steps each, 20% of the run, as its 4 of ~100 epochs are not).
