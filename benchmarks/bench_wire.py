@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import jaxcomm
 from benchmarks._common import resnet18_shapes
 
+
 def _label(m) -> str:
   args = ", ".join(f"{k}={getattr(v, '__name__', v)}"
                    for k, v in m.defaults.items())

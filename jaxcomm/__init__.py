@@ -7,10 +7,11 @@ own error-feedback state; use them inside a ``jax.shard_map`` (or
   tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
 """
 
+from jaxcomm import advise
 from jaxcomm import collectives
 from jaxcomm import parallel
+from jaxcomm import registry
 from jaxcomm import wire
-from jaxcomm import advise
 from jaxcomm._compressor import Codec
 from jaxcomm._compressor import CodecResult
 from jaxcomm._compressor import CompressState
@@ -22,6 +23,5 @@ from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import *  # pylint: disable=wildcard-import
-from jaxcomm import registry
 
 __version__ = "0.1.0"

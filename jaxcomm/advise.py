@@ -78,6 +78,7 @@ def default_candidates() -> list[Candidate]:
   top-k with error feedback before momentum SGD, DiLoCo with AdamW)."""
   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp
+
   from jaxcomm import transforms as t
   return [
     Candidate("dense", lambda a: t.mean_gradients(axis_name=a), None, 0.0),

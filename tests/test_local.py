@@ -18,7 +18,6 @@ import pytest
 import jaxcomm
 from jaxcomm import parallel
 from jaxcomm import wire
-from jaxcomm.transforms import _local
 from tests import harness
 
 N = 8

@@ -21,10 +21,10 @@ from jaxcomm.collectives._core import scatter_gather_sum
 from jaxcomm.collectives._core import to_words
 from jaxcomm.collectives._core import varying_axes
 from jaxcomm.collectives._gossip import gossip_average
-from jaxcomm.collectives._gossip import gossip_mix
 from jaxcomm.collectives._gossip import gossip_messages
-from jaxcomm.collectives._gossip import push_sum_mix
+from jaxcomm.collectives._gossip import gossip_mix
 from jaxcomm.collectives._gossip import mixing_matrix
+from jaxcomm.collectives._gossip import push_sum_mix
 from jaxcomm.collectives._lowrank import lowrank_allreduce
 from jaxcomm.collectives._quantized import integer_allreduce
 from jaxcomm.collectives._quantized import natural_allreduce

@@ -167,8 +167,9 @@ def gossip_mix(leaves, axis_name, topology: str, step):
   traced int): all leaves travel as one float32 buffer, one
   collective-permute per neighbour; time-varying topologies pick their
   phase with ``lax.switch``. Returns the mixed leaves (typed varying)."""
-  from jaxcomm import _buckets  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from jaxcomm import _buckets  # pylint: disable=import-outside-toplevel
   if axis_name is None or not leaves:
     return list(leaves)
   n = _core.axis_size(axis_name)

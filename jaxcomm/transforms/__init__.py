@@ -6,18 +6,18 @@ in either), and methods are described in ``jaxcomm.registry``.
 """
 
 # pylint: disable=wildcard-import
-from jaxcomm.transforms._dense import *
-from jaxcomm.transforms._local import *
-from jaxcomm.transforms._optimizers import *
-from jaxcomm.transforms._powersgd import *
-from jaxcomm.transforms._quantization import *
-from jaxcomm.transforms._sparsification import *
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
 from jaxcomm.transforms import _quantization
 from jaxcomm.transforms import _sparsification
+from jaxcomm.transforms._dense import *
+from jaxcomm.transforms._local import *
+from jaxcomm.transforms._optimizers import *
+from jaxcomm.transforms._powersgd import *
+from jaxcomm.transforms._quantization import *
+from jaxcomm.transforms._sparsification import *
 
 __all__ = []
 __all__ += _dense.__all__

@@ -31,8 +31,10 @@ leaves every device holds equal to ``anchor`` after this step;
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
