@@ -27,11 +27,8 @@ import os
 import sys
 
 if __name__ == "__main__":
-  _FLAGS = ("--xla_cpu_collective_timeout_seconds=900",
-            "--xla_cpu_collective_call_terminate_timeout_seconds=900")
-  _old = os.environ.get("XLA_FLAGS", "")
-  os.environ["XLA_FLAGS"] = " ".join(
-    [_old] + [f for f in _FLAGS if f.split("=")[0] not in _old]).strip()
+  from benchmarks._xla import raise_cpu_collective_timeouts
+  raise_cpu_collective_timeouts()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -24,6 +24,7 @@ from jaxcomm.transforms import _sparsification as sp
 from tests import entries_sparsification as ref
 from tests import harness
 from tests import registry
+from tests.test_decentralized import _np_topk
 
 
 def _submesh(k):
@@ -460,16 +461,6 @@ def test_dgc_claims_each_warmup_stage_at_its_step():
   assert jaxcomm.wire.claimed(tx, params, 8, step=1000) == per_stage[-1]
 
 
-def _np_topk_leaf(d, ratio):
-  """Top-k by magnitude of one leaf, the rest zero (numpy)."""
-  flat = d.reshape(-1)
-  k = max(1, int(math.ceil(ratio * flat.size - 1e-9)))
-  keep = np.argsort(-np.abs(flat), kind="stable")[:k]
-  out = np.zeros_like(flat)
-  out[keep] = flat[keep]
-  return out.reshape(d.shape)
-
-
 def test_ef21_with_momentum_is_ef21_sgdm(mesh):
   """``topk(error_feedback="ef21", momentum=m)`` against EF21-SGDM
   (Fatkhullin et al. 2023) in numpy on 8 devices: ``u_i = m u_i + g_i``;
@@ -489,7 +480,7 @@ def test_ef21_with_momentum_is_ef21_sgdm(mesh):
     g = np.asarray(grads[t]["w"], np.float64)
     for i in range(n):
       u[i] = m * u[i] + g[i]
-      h[i] = h[i] + _np_topk_leaf(u[i] - h[i], ratio)
+      h[i] = h[i] + _np_topk(u[i] - h[i], ratio)
     want = np.mean(h, axis=0)
     np.testing.assert_allclose(-np.asarray(updates[t]["w"], np.float64),
                                want, rtol=1e-4, atol=1e-5,
