@@ -84,23 +84,29 @@ def test_dpsgd_matches_numpy(topology):
   assert int(np.asarray(s.count)) == steps
 
 
+def _permute_bytes(tx, k: int) -> float:
+  """Bytes one device sends in ``tx``'s compiled step on ``k`` devices,
+  after checking that the HLO holds collective-permutes only, exactly
+  those ``tx`` claims."""
+  mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
+  p, s = dp.init(L._params())
+  ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
+    L._batches(1, n=k)[0])))
+  assert {op.kind for op in ops} == {"collective-permute"}, ops
+  assert sorted((o.kind, o.payload) for o in ops) == sorted(
+    wire.claimed(tx, L._params(), k))
+  return wire.summarize(ops, k).total_sent
+
+
 def test_traffic_is_collective_permutes_flat_in_devices():
   """No all-reduce or all-gather: per device, one permute of the params
   per neighbour, the same bytes on 2, 4 and 8 devices (from the HLO)."""
   size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params()))
-  per_device = []
-  for k in (2, 4, 8):
-    mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    tx = jaxcomm.dpsgd(optax.sgd(0.05), topology="ring")
-    dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
-    p, s = dp.init(L._params())
-    ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
-      L._batches(1, n=k)[0])))
-    assert {op.kind for op in ops} == {"collective-permute"}, ops
-    assert sorted((o.kind, o.payload) for o in ops) == sorted(
-      wire.claimed(tx, L._params(), k))
-    per_device.append(wire.summarize(ops, k).total_sent)
+  per_device = [_permute_bytes(jaxcomm.dpsgd(optax.sgd(0.05),
+                                             topology="ring"), k)
+                for k in (2, 4, 8)]
   assert per_device[1] == per_device[2] == 2 * 4 * size, per_device
 
 
@@ -252,19 +258,9 @@ def test_choco_moves_only_messages_flat_in_devices(make, ratio):
   4 and 8 devices, and fewer than D-PSGD's float32 params."""
   del ratio
   size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params()))
-  per_device = []
-  for k in (4, 8):
-    mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    tx = jaxcomm.choco(optax.sgd(0.05), make(), gamma=0.5)
-    dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
-    p, s = dp.init(L._params())
-    ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
-      L._batches(1, n=k)[0])))
-    assert {op.kind for op in ops} == {"collective-permute"}, ops
-    assert sorted((o.kind, o.payload) for o in ops) == sorted(
-      wire.claimed(tx, L._params(), k))
-    per_device.append(wire.summarize(ops, k).total_sent)
+  per_device = [_permute_bytes(jaxcomm.choco(optax.sgd(0.05), make(),
+                                             gamma=0.5), k)
+                for k in (4, 8)]
   assert per_device[0] == per_device[1] < 2 * 4 * size / 2.5, per_device
 
 
@@ -397,16 +393,8 @@ def test_sgp_traffic_is_collective_permutes():
   for k, topo, want in ((4, "exponential", 4 * size),
                         (8, "exponential", 4 * size),
                         (8, _DIRECTED, 2 * 4 * size)):
-    mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
-                         axis_types=(jax.sharding.AxisType.Auto,))
     tx = jaxcomm.sgp(optax.sgd(0.05), topology=topo)
-    dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
-    p, s = dp.init(L._params())
-    ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
-      L._batches(1, n=k)[0])))
-    assert {op.kind for op in ops} == {"collective-permute"}, ops
-    assert sorted((o.kind, o.payload) for o in ops) == sorted(
-      wire.claimed(tx, L._params(), k))
+    _permute_bytes(tx, k)
     assert sorted(wire.claimed(tx, L._params(), k, step=0)) == sorted(
       [("collective-permute", 4 * size)] * (want // (4 * size)))
 
