@@ -11,6 +11,12 @@ The loopback is one shared medium: every byte any process sends passes the
 one filter, so ``n`` processes each sending ``b`` bytes at the same time take
 ``n b / B`` seconds, not ``b / B`` as on ``n`` separate host links.
 
+:class:`Hosts` instead builds several namespaces ("hosts") joined through a
+bridge, each by its own veth pair rate-limited in both directions: traffic
+inside a host stays on its loopback (fast), traffic between hosts crosses
+its host's link (the tbf rate), like a cluster whose machines each have one
+network card.
+
 Needs root and iproute2; :func:`unavailable` says why not, without raising.
 """
 
@@ -18,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -70,7 +78,29 @@ def burst_bytes(gbit: float) -> int:
   return max(256 * 1024, int(gbit * 1e9 / 8 * 1e-3))
 
 
-class Namespace:
+class _Managed:
+  """A context manager that builds in ``_setup`` and always ``close``s:
+  on exit, and when ``_setup`` fails part way."""
+
+  def _setup(self) -> None:
+    raise NotImplementedError
+
+  def close(self) -> None:
+    raise NotImplementedError
+
+  def __enter__(self):
+    try:
+      self._setup()
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+class Namespace(_Managed):
   """A network namespace whose loopback is up, removed on exit.
 
   Example::
@@ -84,31 +114,28 @@ class Namespace:
     self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     self.rate = None
 
-  def __enter__(self) -> "Namespace":
+  def _setup(self) -> None:
     _run(["ip", "netns", "add", self.name])
-    try:
-      _run(self.command(["ip", "link", "set", "lo", "up"]))
-    except BaseException:
-      self.close()
-      raise
-    return self
+    _run(self.command(["ip", "link", "set", "lo", "up"]))
 
-  def __exit__(self, *exc):
-    self.close()
-
-  def command(self, argv: list[str]) -> list[str]:
-    """``argv`` run inside the namespace."""
+  def command(self, argv: list[str], host: int = 0) -> list[str]:
+    """``argv`` run inside the namespace (there is one host, 0)."""
+    if host != 0:
+      raise ValueError(f"a Namespace has one host (0), got host={host}")
     return ["ip", "netns", "exec", self.name] + list(argv)
+
+  def address(self, host: int = 0) -> str:
+    """The address processes on ``host`` listen on."""
+    del host
+    return "127.0.0.1"
 
   def set_rate(self, gbit: float | None) -> None:
     """Rate-limits the loopback to ``gbit`` Gbit/s (None: no limit)."""
     _run(self.command(["tc", "qdisc", "del", "dev", "lo", "root"]),
          check=False)
     if gbit is not None:
-      _run(self.command([
-        "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-        f"{int(round(gbit * 1000))}mbit", "burst", str(burst_bytes(gbit)),
-        "latency", "50ms"]))
+      _run(self.command(["tc", "qdisc", "add", "dev", "lo", "root"]
+                        + _tbf(gbit)))
     self.rate = gbit
 
   def qdisc(self) -> str:
@@ -118,13 +145,115 @@ class Namespace:
 
   def close(self) -> None:
     """Stops any process left in the namespace and removes it."""
-    pids = _run(["ip", "netns", "pids", self.name], check=False).stdout
-    for pid in pids.split():
-      try:
-        os.kill(int(pid), signal.SIGKILL)
-      except (OSError, ValueError):
-        pass
-    _run(["ip", "netns", "del", self.name], check=False)
+    _remove(self.name)
+
+
+def _remove(name: str) -> None:
+  """Kills the processes in namespace ``name`` and deletes it."""
+  pids = _run(["ip", "netns", "pids", name], check=False).stdout
+  for pid in pids.split():
+    try:
+      os.kill(int(pid), signal.SIGKILL)
+    except (OSError, ValueError):
+      pass
+  _run(["ip", "netns", "del", name], check=False)
+
+
+def _tbf(gbit: float) -> list[str]:
+  return ["tbf", "rate", f"{int(round(gbit * 1000))}mbit", "burst",
+          str(burst_bytes(gbit)), "latency", "50ms"]
+
+
+class Hosts(_Managed):
+  """``n`` network namespaces ("hosts") joined by a bridge, removed on exit.
+
+  Host ``i`` has address ``10.X.0.(i+1)`` on a veth whose other end sits in
+  a switch namespace's bridge. :meth:`set_rate` puts a token-bucket filter
+  on both ends of every host's veth: each host sends and receives at most
+  ``gbit`` Gbit/s to the others, whatever the number of processes on it,
+  while processes on one host talk over its loopback without a limit.
+
+  Each host namespace gets an ``/etc/netns/<name>/hosts`` (bind-mounted
+  over ``/etc/hosts`` by ``ip netns exec``) that resolves this machine's
+  hostname to the host's own address, so a library that binds to
+  ``gethostname()`` (gloo does) listens where the other hosts can reach it.
+
+  Example::
+
+    with Hosts(2) as h:
+      h.set_rate(1.0)
+      cmd = h.command(["python", "worker.py", h.address(0)], host=1)
+  """
+
+  def __init__(self, n: int, prefix: str = "jxh"):
+    if n < 2:
+      raise ValueError(f"Hosts needs n >= 2 hosts, got {n}")
+    tag = uuid.uuid4().hex[:5]
+    self.n = n
+    self.switch = f"{prefix}-{tag}-sw"
+    self.names = [f"{prefix}-{tag}-{i}" for i in range(n)]
+    self._veth = [(f"h{i}{tag}", f"s{i}{tag}") for i in range(n)]
+    self._net = f"10.{random.randint(64, 250)}.{random.randint(0, 250)}"
+    self.rate = None
+
+  def address(self, host: int = 0) -> str:
+    """The address processes on ``host`` listen on."""
+    return f"{self._net}.{host + 1}"
+
+  def command(self, argv: list[str], host: int = 0) -> list[str]:
+    """``argv`` run inside host ``host``'s namespace."""
+    if not 0 <= host < self.n:
+      raise ValueError(f"host must be in [0, {self.n}), got {host}")
+    return ["ip", "netns", "exec", self.names[host]] + list(argv)
+
+  def _setup(self) -> None:
+    _run(["ip", "netns", "add", self.switch])
+    sw = ["ip", "-n", self.switch]
+    _run(sw + ["link", "add", "br0", "type", "bridge"])
+    _run(sw + ["link", "set", "br0", "up"])
+    hostname = socket.gethostname()
+    for i, (name, (inner, outer)) in enumerate(zip(self.names, self._veth)):
+      _run(["ip", "netns", "add", name])
+      os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+      with open(f"/etc/netns/{name}/hosts", "w", encoding="utf-8") as f:
+        f.write(f"127.0.0.1 localhost\n{self.address(i)} {hostname}\n")
+      _run(["ip", "link", "add", inner, "netns", name, "type", "veth",
+            "peer", "name", outer, "netns", self.switch])
+      _run(sw + ["link", "set", outer, "master", "br0"])
+      _run(sw + ["link", "set", outer, "up"])
+      h = ["ip", "-n", name]
+      _run(h + ["addr", "add", f"{self.address(i)}/24", "dev", inner])
+      _run(h + ["link", "set", inner, "up"])
+      _run(h + ["link", "set", "lo", "up"])
+
+  def set_rate(self, gbit: float | None) -> None:
+    """Each host's link to the others at ``gbit`` Gbit/s each way (None:
+    no limit)."""
+    for name, (inner, outer) in zip(self.names, self._veth):
+      for ns, dev in ((name, inner), (self.switch, outer)):
+        base = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+        _run(base + ["del", "dev", dev, "root"], check=False)
+        if gbit is not None:
+          _run(base + ["add", "dev", dev, "root"] + _tbf(gbit))
+    self.rate = gbit
+
+  def sent(self) -> list[int]:
+    """Bytes each host has sent to the others through its link's filter
+    (since the last :meth:`set_rate`; 0 while no limit is set)."""
+    out = []
+    for name, (inner, _) in zip(self.names, self._veth):
+      text = _run(["ip", "netns", "exec", name, "tc", "-s", "qdisc", "show",
+                   "dev", inner], check=False).stdout
+      words = text.split()
+      out.append(int(words[words.index("Sent") + 1])
+                 if "Sent" in words else 0)
+    return out
+
+  def close(self) -> None:
+    """Stops the processes left in the hosts and removes every namespace."""
+    for name in self.names + [self.switch]:
+      _remove(name)
+      shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 def run_group(commands: list[list[str]], timeout_s: float, env=None,

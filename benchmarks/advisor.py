@@ -16,6 +16,16 @@ measured on the rate-limited loopback (4 processes, 1 Gbit/s, one device
 each; docs/benchmarks/network.md), priced for that setting: one axis of 4,
 and the loopback shared by all 4 (its bandwidth divided by 4).
 
+And next to the two-level run (``benchmarks/network.py --hosts 2``): 2
+namespaces ("hosts") of 2 processes each, loopback inside a host, each
+host's link to the other limited to 1 Gbit/s each way, the pod recipe (a
+dense mean inside each host, the method between hosts). There both
+processes of a host send their exchange over its one link at once: the
+slow axis is priced with ``shared=2``. The measured step without a limit
+(compute, the mean inside the host, the exchange at full speed) is given
+as the overhead, so the model's column is that step plus the predicted
+seconds between hosts at 1 Gbit/s.
+
 Run: ``python -m benchmarks.advisor [--out docs/benchmarks/advisor.md]``.
 """
 
@@ -103,6 +113,45 @@ def loopback_check() -> str:
   return "\n".join(lines)
 
 
+# Measured in one run of
+#   python -m benchmarks.network --hosts 2 --processes 4 --rates none,1 \
+#     --models resnet18 --torch no --methods dense,dense-flat,bf16,\
+#     powersgd4,topk1%+ef,onebit,localsgd8,diloco50
+# (docs/benchmarks/network.md, "Two hosts"): ResNet-18 shapes, median
+# seconds per step (local methods: mean over whole periods), without a
+# limit and at 1 Gbit/s between the hosts.
+MEASURED_2H = {"dense": (0.389, 1.087), "bf16 cast": (0.726, 1.075),
+               "powersgd r4": (0.607, 0.584), "topk 1%": (0.784, 0.838),
+               "onebit": (1.110, 1.062), "local SGD H=8": (0.310, 0.328),
+               "DiLoCo H=50": (0.392, 0.423)}
+
+
+def two_level_check() -> str:
+  params = _shapes("resnet18")
+  names = {c.name: c for c in advise.default_candidates()}
+  lines = ["| method | measured, no limit s | measured, 1 Gbit/s s | "
+           "model: no-limit step + between hosts s | model / measured | "
+           "measured rank | model rank |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  cands = [names[k] for k in MEASURED_2H]
+  free = {k: v[0] for k, v in MEASURED_2H.items()}
+  # The mean inside a host is part of the measured no-limit step (the
+  # overhead here): the fast axis is priced at (almost) nothing.
+  axes = [advise.Axis("dcn", 2, wire.CostModel.link(1.0, 50.0), shared=2),
+          advise.Axis("ici", 2, wire.CostModel.link(1e6, 0.0))]
+  rows = {r.name: r for r in advise.advise(params, axes, cands,
+                                           overhead_s=free)}
+  pred = {k: r.overhead_s + r.slow_s for k, r in rows.items()}
+  meas = {k: v[1] for k, v in MEASURED_2H.items()}
+  m_rank = {k: i for i, k in enumerate(sorted(meas, key=meas.get))}
+  p_rank = {k: i for i, k in enumerate(sorted(pred, key=pred.get))}
+  for k in sorted(meas, key=meas.get):
+    lines.append(f"| {k} | {free[k]:.3f} | {meas[k]:.3f} | {pred[k]:.3f} | "
+                 f"{pred[k] / meas[k]:.2f} | {m_rank[k] + 1} | "
+                 f"{p_rank[k] + 1} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default=None,
@@ -113,7 +162,14 @@ def main(argv=None):
           "processes on the 1 Gbit/s loopback, one run (the model has no "
           "compute, the measured steps do: on these 2 cores top-k's "
           "selection and onebit's packing cost more than their bytes):\n\n"
-          + loopback_check() + "\n")
+          + loopback_check() + "\n\n## Two hosts: the model against "
+          "measured steps\n\nResNet-18 shapes, 2 hosts of 2 processes, 1 "
+          "Gbit/s between the hosts each way, the pod recipe, one run of 24 "
+          "steps per rate (docs/benchmarks/network.md, \"Two hosts\"). "
+          "The model: the step measured without a limit plus the predicted "
+          "seconds between hosts, each host's link shared by its 2 "
+          "processes (a local method's sync divided by its period):\n\n"
+          + two_level_check() + "\n")
   print(text)
   if args.out:
     with open(args.out, "w", encoding="utf-8") as f:

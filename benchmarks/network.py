@@ -25,7 +25,16 @@ with its own link of the given rate, and for the namespace's loopback, which
 is one medium shared by all processes (``n`` senders at once: the per-host
 model with bandwidth ``B / n``).
 
-Prints markdown tables, writes ``runs/bench/network.{json,md,png}``. If
+With ``--hosts H`` the processes are split over ``H`` namespaces ("hosts",
+``_netns.Hosts``): loopback inside a host, each host's link to the others
+rate-limited each way. The mesh is ("dcn", "ici"), every compressor runs
+as the pod recipe (a dense mean over "ici", then the method over "dcn";
+``dense-flat`` and the local methods run over both axes at once), and
+the table adds the bytes each host's link carried per step (its filter's
+counters) against the claimed collectives.
+
+Prints markdown tables, writes ``runs/bench/network.{json,md,png}``
+(``network-Hhosts.*`` with hosts). If
 network namespaces cannot be used (no root, no iproute2, a sandbox that
 forbids them) it says so and exits 0.
 
@@ -34,6 +43,8 @@ Example::
   sudo .venv/bin/python -m benchmarks.network --quick
   sudo .venv/bin/python -m benchmarks.network \\
       --processes 2,4 --rates none,1,10 --models resnet18,charlm
+  sudo .venv/bin/python -m benchmarks.network --hosts 2 --processes 4 \\
+      --rates none,1 --models resnet18 --torch no
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -102,35 +114,47 @@ def _torch_layout(shape):
   return tuple(shape)
 
 
-# name -> (jaxcomm attribute, builder). The builder gets the jaxcomm module.
+# name -> (jaxcomm attribute, builder). The builder gets the jaxcomm module,
+# jax.numpy and the axis it compresses over: the data axis, or with
+# --hosts > 1 the axis between hosts ("dcn"), after a dense mean inside
+# each host ("ici"); "dense-flat" gets both axes and no mean before it.
 METHODS = {
-  "dense": ("mean_gradients", lambda jc, jnp: jc.mean_gradients()),
-  "bf16": ("cast", lambda jc, jnp: jc.cast(jnp.bfloat16)),
-  "powersgd4": ("powersgd", lambda jc, jnp: jc.powersgd(4)),
-  "topk1%+ef": ("topk", lambda jc, jnp: jc.topk(0.01, error_feedback=True)),
-  "dgc0.1%": ("dgc", lambda jc, jnp: jc.dgc(0.001)),
-  "onebit": ("onebit", lambda jc, jnp: jc.onebit()),
+  "dense": ("mean_gradients",
+            lambda jc, jnp, ax: jc.mean_gradients(axis_name=ax)),
+  "dense-flat": ("mean_gradients",
+                 lambda jc, jnp, ax: jc.mean_gradients(axis_name=ax)),
+  "bf16": ("cast", lambda jc, jnp, ax: jc.cast(jnp.bfloat16, axis_name=ax)),
+  "powersgd4": ("powersgd", lambda jc, jnp, ax: jc.powersgd(4, axis_name=ax)),
+  "topk1%+ef": ("topk", lambda jc, jnp, ax: jc.topk(
+    0.01, error_feedback=True, axis_name=ax)),
+  "dgc0.1%": ("dgc", lambda jc, jnp, ax: jc.dgc(0.001, axis_name=ax)),
+  "onebit": ("onebit", lambda jc, jnp, ax: jc.onebit(axis_name=ax)),
 }
+# Methods that run over every data axis at once, with no mean inside hosts
+# first (--hosts > 1).
+FLAT_METHODS = ("dense-flat",)
 # Local-update optimizers (whole optimizers, not chained before SGD) and
 # their period: a sync every H steps, so they are timed over a whole
 # number of periods and reported as the mean step time.
 LOCAL_METHODS = {
-  "localsgd8": ("local_sgd", 8, lambda jc, optax: jc.local_sgd(
-    optax.sgd(1e-4, momentum=0.9), 8)),
-  "diloco50": ("diloco", 50, lambda jc, optax: jc.diloco(
-    optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50)),
-  "diloco50+topk2%2bit": ("diloco", 50, lambda jc, optax: jc.diloco(
+  "localsgd8": ("local_sgd", 8, lambda jc, optax, ax: jc.local_sgd(
+    optax.sgd(1e-4, momentum=0.9), 8, axis_name=ax)),
+  "diloco50": ("diloco", 50, lambda jc, optax, ax: jc.diloco(
     optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50,
-    compressor=jc.topk(0.02, value_bits=2))),
+    axis_name=ax)),
+  "diloco50+topk2%2bit": ("diloco", 50, lambda jc, optax, ax: jc.diloco(
+    optax.adamw(1e-4), optax.sgd(0.7, momentum=0.9, nesterov=True), 50,
+    compressor=jc.topk(0.02, value_bits=2, axis_name=ax), axis_name=ax)),
   # Decentralized: every step gossips with the neighbours (period 1).
-  "dpsgd-ring": ("dpsgd", 1, lambda jc, optax: jc.dpsgd(
-    optax.sgd(1e-4, momentum=0.9), topology="ring")),
-  "dpsgd-exp": ("dpsgd", 1, lambda jc, optax: jc.dpsgd(
-    optax.sgd(1e-4, momentum=0.9), topology="exponential")),
-  "choco-ring+topk10%": ("choco", 1, lambda jc, optax: jc.choco(
-    optax.sgd(1e-4, momentum=0.9), jc.topk(0.1), gamma=0.5)),
-  "sgp-exp": ("sgp", 1, lambda jc, optax: jc.sgp(
-    optax.sgd(1e-4, momentum=0.9))),
+  "dpsgd-ring": ("dpsgd", 1, lambda jc, optax, ax: jc.dpsgd(
+    optax.sgd(1e-4, momentum=0.9), topology="ring", axis_name=ax)),
+  "dpsgd-exp": ("dpsgd", 1, lambda jc, optax, ax: jc.dpsgd(
+    optax.sgd(1e-4, momentum=0.9), topology="exponential", axis_name=ax)),
+  "choco-ring+topk10%": ("choco", 1, lambda jc, optax, ax: jc.choco(
+    optax.sgd(1e-4, momentum=0.9), jc.topk(0.1, axis_name=ax), gamma=0.5,
+    axis_name=ax)),
+  "sgp-exp": ("sgp", 1, lambda jc, optax, ax: jc.sgp(
+    optax.sgd(1e-4, momentum=0.9), axis_name=ax)),
 }
 # Time-varying gossip compiles every phase's permutes; a step runs one.
 GOSSIP_METHODS = ("dpsgd-ring", "dpsgd-exp", "choco-ring+topk10%",
@@ -167,11 +191,21 @@ def _jax_worker(a) -> int:
 
   import jaxcomm  # pylint: disable=import-outside-toplevel
 
-  jaxcomm.parallel.initialize(f"127.0.0.1:{a.port}", a.nproc, a.pid,
+  jaxcomm.parallel.initialize(f"{a.coordinator}:{a.port}", a.nproc, a.pid,
                               local_device_count=a.local_devices,
                               timeout_s=a.init_timeout)
-  mesh = jaxcomm.parallel.make_mesh()
-  n = mesh.shape["data"]
+  if a.hosts > 1:
+    # One row of the ("dcn", "ici") mesh per host: processes are numbered
+    # host by host (see _run_jax).
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jaxcomm.parallel.make_pod_mesh(num_slices=a.hosts,
+                                          devices=devices)
+    axes, slow = ("dcn", "ici"), "dcn"
+  else:
+    mesh = jaxcomm.parallel.make_mesh()
+    axes, slow = "data", "data"
+  n = mesh.devices.size
+  n_slow = mesh.shape[slow]
   shapes = model_shapes(a.model)
   rng = np.random.RandomState(0)
   params0 = [0.01 * rng.standard_normal(s).astype(np.float32)
@@ -196,14 +230,22 @@ def _jax_worker(a) -> int:
                       f"jaxcomm.{attr} does not exist in this checkout"})
       continue
     try:
-      period = 1
+      period, ops_n, inside = 1, n_slow, None
       if method in LOCAL_METHODS:
         _, period, make = LOCAL_METHODS[method]
-        comp = tx = make(jaxcomm, optax)
-      else:
-        comp = build(jaxcomm, jnp)
+        comp = tx = make(jaxcomm, optax, axes)
+        ops_n = n
+      elif method in FLAT_METHODS or a.hosts == 1:
+        comp = build(jaxcomm, jnp, axes)
         tx = optax.chain(comp, optax.sgd(1e-4))
-      dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+        ops_n = n
+      else:
+        # The pod recipe: a dense mean inside each host, then the method
+        # between hosts.
+        inside = jaxcomm.mean_gradients(axis_name="ici")
+        comp = build(jaxcomm, jnp, slow)
+        tx = optax.chain(inside, comp, optax.sgd(1e-4))
+      dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh, axis_name=axes)
       params, state = dp.init(params0)
       batch = dp.shard_batch(local)
       t0 = time.perf_counter()
@@ -212,10 +254,14 @@ def _jax_worker(a) -> int:
       first = time.perf_counter() - t0
       abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
       ops = jaxcomm.wire.claimed(
-        comp, abstract, n, step=0 if method in GOSSIP_METHODS else None)
+        comp, abstract, ops_n,
+        step=0 if method in GOSSIP_METHODS else None)
       # Bytes per step: a local-update step sends one sync's bytes every
-      # `period` steps.
-      sent = jaxcomm.wire.summarize(ops, n).total_sent / period
+      # `period` steps. With hosts, the mean inside a host is not counted:
+      # it stays on the host's loopback.
+      sent = jaxcomm.wire.summarize(ops, ops_n).total_sent / period
+      inside_ops = ([] if inside is None else jaxcomm.wire.claimed(
+        inside, abstract, n // n_slow))
       timed = -(-max(a.steps, period) // period) * period
       for ri in range(a.nrates):
         # The driver sets rate ri on the loopback, then says go.
@@ -237,7 +283,9 @@ def _jax_worker(a) -> int:
         if out:
           _append(out, {"method": method, "ri": ri, "times": times,
                         "first_step": first, "ops": ops, "sent": sent,
-                        "devices": n, "finite": finite, "period": period})
+                        "devices": n, "ops_n": ops_n,
+                        "inside_ops": inside_ops, "finite": finite,
+                        "period": period})
     except Exception as e:  # pylint: disable=broad-except
       if out:
         _append(out, {"method": method,
@@ -349,16 +397,27 @@ def _run_jax(ns, ports, a, nproc, rates, model, tmp) -> list[dict]:
     attempt += 1
     out = os.path.join(tmp, f"jax-{model}-{nproc}-{attempt}.jsonl")
     port = ports.take()
+    hosts = getattr(ns, "n", 1)
+    # Processes numbered host by host: pids [h p, (h + 1) p) on host h.
     cmds = [ns.command(_worker_argv(
       "jax", pid, nproc, port, out, a, model=model,
-      methods=",".join(remaining), local_devices=1, nrates=len(rates)))
-      for pid in range(nproc)]
+      methods=",".join(remaining), local_devices=1, nrates=len(rates),
+      hosts=hosts, coordinator=ns.address(0)),
+      host=pid // (nproc // hosts)) for pid in range(nproc)]
     group = _netns.Group(cmds, env=_env(), cwd=ROOT)
     seen, last, timed_out = 0, time.monotonic(), False
+    # With hosts: the bytes through each host's link while a method was
+    # timed at a rate, read when its record arrives (the workers then
+    # compile the next method or wait for the next go: no traffic).
+    link = {}
     while group.running():
       recs = _netns.read_json_lines(out)
       for r in recs[seen:]:
         last = time.monotonic()
+        if (hosts > 1 and r.get("times") and ns.rate is not None):
+          link[(r["method"], r["ri"])] = ns.sent()
+          print(f"    bytes each host sent through its link: "
+                f"{link[(r['method'], r['ri'])]}", flush=True)
         if r.get("event") == "ready":
           ns.set_rate(rates[r["ri"]])
           open(_go_path(out, r["mi"], r["ri"]), "w").close()
@@ -381,7 +440,11 @@ def _run_jax(ns, ports, a, nproc, rates, model, tmp) -> list[dict]:
               r.get("event") is None]
       for r in done:
         rate = rates[r["ri"]] if "ri" in r else None
-        rows.append(dict(r, model=model, procs=nproc, rate=rate))
+        rows.append(dict(r, model=model, procs=nproc, rate=rate,
+                         hosts=hosts))
+        if (r.get("method"), r.get("ri")) in link:
+          rows[-1]["link_bytes"] = link[(r["method"], r["ri"])]
+          rows[-1]["link_steps"] = a.warmup + len(r["times"])
       complete = (any("skipped" in r or "error" in r for r in done)
                   or len({r.get("ri") for r in done}) == len(rates))
       if complete:
@@ -494,15 +557,23 @@ def _median(r):
 
 
 def _predictions(r, rate, latency_us):
-  """(per-host link, shared loopback) seconds for a row's claimed ops."""
+  """(own link, shared link) seconds for a row's claimed ops.
+
+  Own link: every process has a link of ``rate`` to itself. Shared: the
+  processes that send over one link at once share it: all of them on the
+  single loopback, the processes of one host on its link (``--hosts``).
+  With hosts, only the ops between hosts are priced (the mean inside a
+  host stays on its loopback).
+  """
   import jaxcomm  # pylint: disable=import-outside-toplevel
   if rate is None or not r.get("ops"):
     return math.nan, math.nan
-  n = r["devices"]
+  n = r.get("ops_n", r["devices"])
   ops = [tuple(o) for o in r["ops"]]
   period = r.get("period", 1)
+  share = r["procs"] // r.get("hosts", 1)
   link = jaxcomm.wire.CostModel.link(rate, latency_us).predict(ops, n)
-  shared = jaxcomm.wire.CostModel.link(rate / r["procs"],
+  shared = jaxcomm.wire.CostModel.link(rate / share,
                                        latency_us).predict(ops, n)
   return link / period, shared / period
 
@@ -517,7 +588,7 @@ def table(rows, latency_us) -> str:
   lines = [
     "| shapes | procs | link | method | step s (median; local: mean) "
     "| vs dense "
-    "| MB sent/device | model: per-host links s | model: shared loopback s "
+    "| MB sent/device | model: own links s | model: shared link s "
     "| note |",
     "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
   dense = {(r["model"], r["procs"], r["rate"]): _median(r) for r in rows
@@ -539,11 +610,38 @@ def table(rows, latency_us) -> str:
   return "\n".join(lines)
 
 
+def link_table(rows) -> str:
+  """With hosts: bytes each host's link carried per step, as read from its
+  filter's counters, against the claimed collectives.
+
+  Claimed per host: with the mean inside hosts first, every process of a
+  host sends its own exchange between hosts (sent per device x processes
+  per host); a flat ring over all processes (numbered host by host) leaves
+  each host once, carrying one process's ring traffic (sent per device).
+  The counters include TCP/IP headers and acknowledgements. Local-update
+  methods are left out: their syncs do not fall evenly on the timed steps.
+  """
+  lines = ["| link | method | MB/step through each host's link: measured "
+           "| claimed | measured / claimed |", "|---|---|---:|---:|---:|"]
+  for r in rows:
+    if not r.get("link_bytes") or r.get("period", 1) != 1:
+      continue
+    per_host = r["procs"] // r["hosts"]
+    flat = r.get("ops_n", r["devices"]) == r["devices"]
+    claimed = r["sent"] * (1 if flat else per_host)
+    got = statistics.fmean(r["link_bytes"]) / r["link_steps"]
+    lines.append(f"| {_rate_label(r['rate'])} | {r['method']} | "
+                 f"{got / 1e6:.3f} | {claimed / 1e6:.3f} | "
+                 f"{got / claimed:.3f} |")
+  return "\n".join(lines)
+
+
 def targets(rows) -> str:
   """The issue's two ratio targets, from the rows of this run."""
   out = []
   for r in rows:
     if (r["method"] != "powersgd4" or r["model"] != "resnet18"
+        or r.get("hosts", 1) > 1
         or r["rate"] != 1.0 or not r.get("times")):
       continue
     key = (r["model"], r["procs"], r["rate"])
@@ -643,6 +741,12 @@ def main(argv=None) -> int:
                  help="seconds for one PyTorch run (start-up included)")
   p.add_argument("--init-timeout", type=int, default=120)
   p.add_argument("--latency-us", type=float, default=50.0)
+  p.add_argument("--hosts", type=int, default=1,
+                 help="simulated hosts: > 1 puts the processes, in equal "
+                 "numbers, in that many namespaces joined by links "
+                 "rate-limited each way (fast loopback inside a host), on "
+                 "a ('dcn', 'ici') mesh: a dense mean inside each host, "
+                 "then the method between hosts")
   p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench"))
   p.add_argument("--quick", action="store_true",
                  help="2 processes, 1 Gbit/s, ResNet-18 shapes, 3 steps")
@@ -651,7 +755,8 @@ def main(argv=None) -> int:
   for flag, typ in (("pid", int), ("nproc", int), ("port", int),
                     ("out", str), ("model", str), ("local-devices", int),
                     ("bucket-mb", float), ("hook", str), ("rank", int),
-                    ("label", str), ("nrates", int)):
+                    ("label", str), ("nrates", int),
+                    ("coordinator", str)):
     p.add_argument(f"--{flag}", type=typ, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker == "jax":
@@ -673,8 +778,29 @@ def main(argv=None) -> int:
   rates = _parse_rates(a.rates)
   model_names = a.models.split(",")
   use_torch = a.torch == "auto" and _torch_available()
+  if a.hosts < 1:
+    p.error(f"--hosts must be >= 1, got {a.hosts}")
+  if a.hosts > 1:
+    bad = [x for x in procs if x % a.hosts or x == a.hosts]
+    if bad:
+      p.error(f"--processes {bad}: with --hosts {a.hosts} each count must "
+              "be a multiple of it, with at least 2 processes per host")
+    gossip = [m for m in a.methods if m in GOSSIP_METHODS]
+    if gossip:
+      p.error(f"--hosts > 1 runs the pod recipe; gossip methods {gossip} "
+              "have no such form")
+    if use_torch:
+      print("note: PyTorch DDP rows are measured on one namespace only "
+            "(--hosts 1); skipped")
+      use_torch = False
 
   reason = _netns.unavailable()
+  if not reason and a.hosts > 1:
+    try:
+      with _netns.Hosts(a.hosts):
+        pass
+    except (subprocess.CalledProcessError, OSError) as e:
+      reason = f"cannot join namespaces by veth and bridge: {_netns._err(e)}"
   if reason:
     print(f"network benchmark skipped: {reason}. Nothing was measured.")
     return 0
@@ -704,8 +830,13 @@ def main(argv=None) -> int:
   ports = _Ports()
   rows = []
   t_all = time.perf_counter()
-  with _netns.Namespace() as ns:
-    print(f"namespace {ns.name}: loopback only", flush=True)
+  with (_netns.Hosts(a.hosts) if a.hosts > 1
+        else _netns.Namespace()) as ns:
+    if a.hosts > 1:
+      print(f"{a.hosts} hosts ({', '.join(ns.names)}) joined by a bridge; "
+            "the rate limits each host's link both ways", flush=True)
+    else:
+      print(f"namespace {ns.name}: loopback only", flush=True)
     for nproc in procs:
       for model in model_names:
         t0 = time.perf_counter()
@@ -729,25 +860,34 @@ def main(argv=None) -> int:
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         rows += got
   rows.sort(key=lambda r: (r["model"], r["procs"], _rate_key(r["rate"])))
-  md = ["## Measured step times on a rate-limited loopback", "",
+  where = ("a rate-limited loopback" if a.hosts == 1 else
+           f"{a.hosts} hosts joined by rate-limited links (loopback inside "
+           "each; the method between hosts after a dense mean inside)")
+  md = [f"## Measured step times on {where}", "",
         f"Processes {a.processes}; rates (Gbit/s) {a.rates}; one CPU device "
         f"per process; median of {a.steps} steps after {a.warmup} warm-up "
         f"steps at each rate; "
         f"model columns: jaxcomm.wire.CostModel.link(rate, "
         f"{a.latency_us:g} us) on the claimed collectives "
         "(communication only).", "",
-        table(rows, a.latency_us), "", "Targets:", targets(rows)]
+        table(rows, a.latency_us), ""]
+  if a.hosts > 1:
+    md += ["Bytes through each host's link (its tbf counters; TCP/IP "
+           "headers included):", "", link_table(rows)]
+  else:
+    md += ["Targets:", targets(rows)]
   text = "\n".join(md)
   print("\n" + text)
-  with open(os.path.join(a.out_dir, "network.md"), "w") as f:
+  stem = "network" if a.hosts == 1 else f"network-{a.hosts}hosts"
+  with open(os.path.join(a.out_dir, f"{stem}.md"), "w") as f:
     f.write(text + "\n")
-  with open(os.path.join(a.out_dir, "network.json"), "w") as f:
+  with open(os.path.join(a.out_dir, f"{stem}.json"), "w") as f:
     json.dump({"args": {k: v for k, v in vars(a).items()
                         if not k.startswith("_")}, "rows": rows}, f,
               indent=1, default=str)
   try:
-    plot(rows, os.path.join(a.out_dir, "network.png"), a.latency_us)
-    print(f"\nplot: {os.path.join(a.out_dir, 'network.png')}")
+    plot(rows, os.path.join(a.out_dir, f"{stem}.png"), a.latency_us)
+    print(f"\nplot: {os.path.join(a.out_dir, stem + '.png')}")
   except Exception as e:  # pylint: disable=broad-except
     print(f"plot failed: {type(e).__name__}: {e}")
   print(f"(total {time.perf_counter() - t_all:.0f} s)")

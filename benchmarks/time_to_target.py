@@ -9,8 +9,8 @@ link rate. From process 0's ``metrics.jsonl`` it reports the training wall
 time (from the end of step 1, so compilation is left out), and the seconds
 and steps until the training loss (mean of the last 20 steps) first reaches
 a target: the smoothed loss of the dense run of the same optimizer (Adam,
-or momentum SGD) at two thirds of its steps, found in the same sweep. Bytes per step are the run's mean (local-update
-methods send only at syncs).
+or momentum SGD) at two thirds of its steps, found in the same sweep. Bytes
+per step are the run's mean (local-update methods send only at syncs).
 
 Methods: dense Adam, PowerSGD rank 4 -> Adam, DiLoCo H=50 (Adam inside,
 Nesterov outside), DiLoCo H=50 with SparseLoCo's 2-bit top-k 2%, dense

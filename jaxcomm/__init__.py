@@ -7,7 +7,6 @@ own error-feedback state; use them inside a ``jax.shard_map`` (or
   tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
 """
 
-from jaxcomm import advise
 from jaxcomm import collectives
 from jaxcomm import parallel
 from jaxcomm import registry
@@ -25,3 +24,12 @@ from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import *  # pylint: disable=wildcard-import
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  # jaxcomm.advise loads on first use, so that ``python -m jaxcomm.advise``
+  # runs it as a script without a second copy of the module.
+  if name == "advise":
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module("jaxcomm.advise")
+  raise AttributeError(f"module 'jaxcomm' has no attribute {name!r}")

@@ -38,17 +38,35 @@ from jaxcomm import wire
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
-  """One mesh axis: its name, its size and the link between its devices."""
+  """One mesh axis: its name, its size and the link between its devices.
+
+  Attributes:
+    name: the mesh axis name.
+    size: devices along it.
+    link: the link each exchange along it crosses.
+    shared: devices that send over one such link at the same time, e.g. the
+      devices of a host that share its one network card (each runs its own
+      exchange over the slow axis); each gets ``1 / shared`` of its
+      bandwidth. 1 (the default) is a link per device, as on GPU nodes with
+      a network card per GPU.
+  """
 
   name: str
   size: int
   link: wire.CostModel
+  shared: int = 1
 
   def __post_init__(self):
     _checks.integer("size", self.size, 1)
+    _checks.integer("shared", self.shared, 1)
     if not isinstance(self.link, wire.CostModel):
       raise ValueError(f"Axis {self.name!r}: link must be a "
                        f"jaxcomm.wire.CostModel, got {self.link!r}")
+
+  @property
+  def effective_link(self) -> wire.CostModel:
+    """The link as one of its ``shared`` senders sees it."""
+    return dataclasses.replace(self.link, beta=self.link.beta * self.shared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +130,8 @@ class Row:
 
 
 def _dense_time(params, axis: Axis) -> float:
-  return axis.link.predict([("all-reduce", wire.dense_payload(params))],
-                           axis.size)
+  return axis.effective_link.predict(
+    [("all-reduce", wire.dense_payload(params))], axis.size)
 
 
 def advise(params, axes: Sequence[Axis], candidates=None, *,
@@ -162,7 +180,8 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       continue
     ops = wire.claimed(c.make(slow.name), params, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
-    rows.append(Row(c.name, fast_s, slow.link.predict(ops, slow.size),
+    rows.append(Row(c.name, fast_s,
+                    slow.effective_link.predict(ops, slow.size),
                     overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
   rows.sort(key=lambda r: r.total_s)
   return rows
@@ -189,3 +208,104 @@ def table(rows: Sequence[Row], budget: float | None = None) -> str:
                f"{r.overhead_s * 1e3:.2f} | {r.total_s * 1e3:.2f} | "
                f"{r.slow_bytes / 1e6:.2f} | {gap} |")
   return "\n".join(out)
+
+
+def _params_from_args(model: str | None, shapes: str | None):
+  """Abstract params: a registered model's (``models``) or given shapes."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  if (model is None) == (shapes is None):
+    raise ValueError("give one of --model (a name from models.MODELS) or "
+                     "--shapes (e.g. '1024x1024,1024')")
+  if shapes is not None:
+    out = {}
+    for i, text in enumerate(t for t in shapes.split(",") if t.strip()):
+      try:
+        dims = tuple(int(d) for d in text.strip().split("x"))
+      except ValueError:
+        raise ValueError(f"--shapes: {text!r} is not dims joined by 'x' "
+                         "(e.g. 1024x1024)") from None
+      if not dims or min(dims) < 1:
+        raise ValueError(f"--shapes: {text!r} needs positive dims")
+      out[f"p{i}"] = jax.ShapeDtypeStruct(dims, jnp.float32)
+    if not out:
+      raise ValueError("--shapes gave no shapes")
+    return out
+  try:
+    from flax import nnx
+
+    import models
+  except ImportError as e:
+    raise ValueError(f"--model needs the repository's models package "
+                     f"({e}); give --shapes instead") from None
+  abstract = nnx.eval_shape(lambda: models.create(model))
+  return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def _overheads(text: str | None) -> dict:
+  out = {}
+  for item in (t for t in (text or "").split(",") if t.strip()):
+    name, sep, ms = item.rpartition("=")
+    try:
+      out[name.strip()] = float(ms) / 1e3
+    except ValueError:
+      sep = ""
+    if not sep or not name.strip():
+      raise ValueError(f"--overhead-ms: {item!r} is not NAME=MS")
+  return out
+
+
+def main(argv=None) -> int:
+  """``python -m jaxcomm.advise``: the table for a model on a two-level
+  mesh."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  p = argparse.ArgumentParser(
+    prog="python -m jaxcomm.advise",
+    description="Predicted communication per step of dense, bf16, "
+    "PowerSGD, top-k, onebit, local SGD and DiLoCo on a mesh of hosts, "
+    "and the fastest within a loss budget.")
+  p.add_argument("--model", help="a model name from models.MODELS "
+                 "(e.g. charlm, resnet20)")
+  p.add_argument("--shapes", help="parameter shapes instead, e.g. "
+                 "'1024x1024,1024' (float32)")
+  p.add_argument("--hosts", type=int, required=True,
+                 help="devices along the slow axis (hosts or slices)")
+  p.add_argument("--per-host", type=int, default=1,
+                 help="devices along the fast axis, inside a host")
+  p.add_argument("--slow-gbit", type=float, required=True,
+                 help="link between hosts, Gbit/s")
+  p.add_argument("--slow-latency-us", type=float, default=50.0)
+  p.add_argument("--fast-gbit", type=float, default=800.0,
+                 help="link inside a host, Gbit/s")
+  p.add_argument("--fast-latency-us", type=float, default=5.0)
+  p.add_argument("--shared", type=int, default=1,
+                 help="devices of a host sharing one link between hosts")
+  p.add_argument("--budget", type=float, default=0.05,
+                 help="largest eval-loss gap to dense accepted")
+  p.add_argument("--overhead-ms", default=None,
+                 help="measured compute per method, e.g. "
+                 "'powersgd r4=2.7,topk 1%%=2.0'")
+  a = p.parse_args(argv)
+  try:
+    params = _params_from_args(a.model, a.shapes)
+    axes = [Axis("dcn", a.hosts, wire.CostModel.link(a.slow_gbit,
+                                                     a.slow_latency_us),
+                 shared=a.shared)]
+    if a.per_host > 1:
+      axes.append(Axis("ici", a.per_host, wire.CostModel.link(
+        a.fast_gbit, a.fast_latency_us)))
+    rows = advise(params, axes, overhead_s=_overheads(a.overhead_ms),
+                  budget=a.budget)
+  except ValueError as e:
+    p.error(str(e))
+  print(table(rows, a.budget))
+  best = recommend(rows, a.budget)
+  print(f"\nWithin a loss gap of {a.budget:g}: "
+        + (f"{best.name} ({best.total_s * 1e3:.2f} ms per step)" if best
+           else "none of the measured methods"))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

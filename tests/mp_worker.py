@@ -1,7 +1,8 @@
 """A dense data-parallel training run, as one of several processes.
 
 Run by tests/test_multiprocess.py:
-  python -m tests.mp_worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES OUT [pod]
+  python -m tests.mp_worker PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES OUT \
+      [pod]
 With NUM_PROCESSES == 1 it runs alone, without jax.distributed. With
 ``pod`` the mesh is ("dcn", "ici") = 2 x 4 (slices by process) and the
 optimizer the hierarchical chain (dense over "ici", PowerSGD over "dcn").

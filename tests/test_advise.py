@@ -1,5 +1,7 @@
 """jaxcomm.advise against the alpha-beta formulas written out by hand."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -44,6 +46,24 @@ def test_dense_and_local_follow_the_ring_formula():
   assert loc.slow_s == pytest.approx(slow / 10)
   assert loc.fast_s == pytest.approx(fast / 10)
   assert loc.total_s < d.total_s
+
+
+def test_a_link_shared_by_a_hosts_devices_divides_its_bandwidth():
+  """Four devices per host each run the slow exchange over the host's one
+  link: each moves its bytes at a quarter of the bandwidth. Latency is
+  per message and does not change; the fast axis is left alone."""
+  dense = [advise.Candidate("dense", lambda a: jaxcomm.mean_gradients(
+             axis_name=a), None, 0.0)]
+  axes = _axes()
+  shared = [dataclasses.replace(axes[0], shared=4), axes[1]]
+  (own,) = advise.advise(_P, axes, dense)
+  (row,) = advise.advise(_P, shared, dense)
+  assert row.slow_s == pytest.approx(
+    _ring_allreduce(8, _BYTES + _FLAG, beta=4 * _BETA))
+  assert row.fast_s == pytest.approx(own.fast_s)
+  assert row.slow_bytes == pytest.approx(own.slow_bytes)
+  with pytest.raises(ValueError, match="shared"):
+    advise.Axis("dcn", 8, wire.CostModel.link(1.0), shared=0)
 
 
 def test_powersgd_prices_its_two_factor_allreduces():
@@ -96,3 +116,54 @@ def test_axis_checks_its_fields():
     advise.Axis("dcn", 0, wire.CostModel.link(1))
   with pytest.raises(ValueError, match="link must be"):
     advise.Axis("dcn", 2, 1.0)
+
+
+def test_command_line_prices_the_given_shapes(capsys):
+  """``python -m jaxcomm.advise`` on one 512x256 matrix, 8 hosts of 4 at
+  10 Gbit/s: the dense row's slow-axis milliseconds are the ring formula,
+  the named method fits the budget, and a shared link halves bandwidth."""
+  def dense_slow_ms(argv):
+    advise.main(argv)
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| dense")]
+    return float(row[0].split("|")[3]), out
+  base = ["--shapes", "512x256", "--hosts", "8", "--per-host", "4",
+          "--slow-gbit", "10"]
+  ms, out = dense_slow_ms(base)
+  assert ms == pytest.approx(_ring_allreduce(8, _BYTES + _FLAG) * 1e3,
+                             abs=0.006)
+  assert "Within a loss gap of 0.05: " in out
+  best = out.rsplit("Within a loss gap of 0.05: ", 1)[1].split(" (")[0]
+  gaps = {c.name: c.loss_gap for c in advise.default_candidates()}
+  assert gaps[best] is not None and gaps[best] <= 0.05
+  shared_ms, _ = dense_slow_ms(base + ["--shared", "2"])
+  assert shared_ms == pytest.approx(
+    _ring_allreduce(8, _BYTES + _FLAG, beta=2 * _BETA) * 1e3, abs=0.006)
+
+
+@pytest.mark.parametrize("argv,match", [
+  (["--hosts", "8", "--slow-gbit", "10"], "one of --model"),
+  (["--shapes", "512xq", "--hosts", "8", "--slow-gbit", "10"], "512xq"),
+  (["--model", "nope", "--hosts", "8", "--slow-gbit", "10"], "nope"),
+  (["--shapes", "8", "--hosts", "8", "--slow-gbit", "10",
+    "--overhead-ms", "dense"], "NAME=MS"),
+])
+def test_command_line_names_bad_arguments(argv, match, capsys):
+  with pytest.raises(SystemExit):
+    advise.main(argv)
+  assert match in capsys.readouterr().err
+
+
+def test_command_line_reads_a_registered_model(capsys):
+  """--model builds abstract params: the table's dense bytes are the
+  model's parameter bytes (ring over 2 hosts sends each byte once)."""
+  from flax import nnx
+
+  import models
+  abstract = nnx.eval_shape(lambda: models.create("charlm"))
+  n = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  advise.main(["--model", "charlm", "--hosts", "2", "--slow-gbit", "1"])
+  out = capsys.readouterr().out
+  row = [line for line in out.splitlines() if line.startswith("| dense")]
+  assert float(row[0].split("|")[6]) == pytest.approx((4 * n + _FLAG) / 1e6,
+                                                     abs=0.006)

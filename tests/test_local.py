@@ -521,7 +521,7 @@ def np_zero_one_adam(steps, lr, vfs, vus, lss, lsc, b1=0.9, b2=0.999,
     count = t + 1
     grads = [np_grad(xs[i], xi, yi)
              for i, (xi, yi) in enumerate(_device_slices(*batches[t]))]
-    denom = lambda: {k: np.sqrt(nu[k]) + eps for k in nu}
+    denom = lambda: {k: np.sqrt(nu[k]) + eps for k in nu}  # noqa: B023
     if count <= vfs:
       is_var = count % vi == 0
       if is_var:

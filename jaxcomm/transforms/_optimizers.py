@@ -277,8 +277,8 @@ def onebit_adam(
   .. math::
     m_i = \\beta_1 m + (1 - \\beta_1) g_i, \\quad
     m = \\operatorname{onebit}(m_i), \\quad
-    x \\leftarrow x - \\eta_t \\Big(\\frac{\\hat m}{\\sqrt{\\hat v_T} + \\epsilon}
-      + \\lambda x\\Big)
+    x \\leftarrow x - \\eta_t \\Big(
+      \\frac{\\hat m}{\\sqrt{\\hat v_T} + \\epsilon} + \\lambda x\\Big)
 
   (``onebit``: :func:`jaxcomm.onebit`'s two-phase exchange, about 2 bits
   sent per element per device whatever the device count; ``v_T`` the

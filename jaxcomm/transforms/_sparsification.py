@@ -356,9 +356,9 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
 
   def indices(ctx):
     segs = _segments(ctx.layout, granularity)
-    return _randomk_flat(ctx.key, ratio, [(s.offset + r * s.size, s.size,
-                                           s.ids[r])
-                                          for s in segs for r in range(s.count)])
+    rows = [(s.offset + r * s.size, s.size, s.ids[r])
+            for s in segs for r in range(s.count)]
+    return _randomk_flat(ctx.key, ratio, rows)
 
   def message(x, ctx):
     gi = indices(ctx)        # from the shared key: the same on every device
