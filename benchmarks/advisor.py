@@ -115,12 +115,14 @@ def loopback_check() -> str:
 
 # Measured in one run of
 #   python -m benchmarks.network --hosts 2 --processes 4 --rates none,1 \
-#     --models resnet18 --torch no --methods dense,dense-flat,bf16,\
-#     powersgd4,topk1%+ef,onebit,localsgd8,diloco50
+#     --models resnet18 --torch no --steps 24 \
+#     --methods dense,dense-flat,bf16,powersgd4,topk1%+ef,onebit,localsgd8,\
+#     diloco50
 # (docs/benchmarks/network.md, "Two hosts"): ResNet-18 shapes, median
 # seconds per step (local methods: mean over whole periods), without a
 # limit and at 1 Gbit/s between the hosts.
-MEASURED_2H = {"dense": (0.389, 1.087), "bf16 cast": (0.726, 1.075),
+MEASURED_2H = {"dense": (0.389, 1.087), "dense, flat": (0.290, 0.774),
+               "bf16 cast": (0.726, 1.075),
                "powersgd r4": (0.607, 0.584), "topk 1%": (0.784, 0.838),
                "onebit": (1.110, 1.062), "local SGD H=8": (0.310, 0.328),
                "DiLoCo H=50": (0.392, 0.423)}
@@ -168,7 +170,9 @@ def main(argv=None):
           "steps per rate (docs/benchmarks/network.md, \"Two hosts\"). "
           "The model: the step measured without a limit plus the predicted "
           "seconds between hosts, each host's link shared by its 2 "
-          "processes (a local method's sync divided by its period):\n\n"
+          "processes (a local method's sync divided by its period; "
+          "dense, flat: one ring over the 4, one stream per host link):"
+          "\n\n"
           + two_level_check() + "\n")
   print(text)
   if args.out:

@@ -12,7 +12,9 @@ step of each candidate: the dense mean over the fast axes (on their link)
 plus the candidate's own collectives over the slow axis (what it claims to
 send, ``jaxcomm.wire.claimed``, which the test battery checks against the
 compiled HLO), plus its compute overhead where the caller gives one, and
-names the fastest whose measured accuracy gap fits a budget. A local
+names the fastest whose measured accuracy gap fits a budget. A flat
+candidate (``dense, flat``: one mean over all axes) is one ring over every
+device instead. A local
 method syncing every ``H`` steps costs one dense all-reduce of the params
 over the slow axis divided by ``H``. The model is alpha-beta (latency plus
 bytes over bandwidth per collective); it ignores overlap with compute and
@@ -28,6 +30,7 @@ congestion, so it ranks methods rather than promising seconds
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 from typing import Mapping
 from typing import Sequence
@@ -81,12 +84,18 @@ class Candidate:
       dense syncs of the params.
     loss_gap: its measured eval-loss gap to dense (docs/benchmarks/
       convergence.md, char-LM at 8 workers), None where not measured.
+    flat: the method runs once over all the axes together (``make`` gets
+      the tuple of their names), not after a mean over the fast ones. It
+      is priced as one ring over every device, numbered host by host: its
+      pace is set by the edges between hosts, one per host, so a link
+      shared by a host's devices still carries a single stream.
   """
 
   name: str
   make: Callable | None = None
   period: int | None = None
   loss_gap: float | None = None
+  flat: bool = False
 
 
 def default_candidates() -> list[Candidate]:
@@ -100,6 +109,8 @@ def default_candidates() -> list[Candidate]:
   from jaxcomm import transforms as t
   return [
     Candidate("dense", lambda a: t.mean_gradients(axis_name=a), None, 0.0),
+    Candidate("dense, flat", lambda a: t.mean_gradients(axis_name=a), None,
+              0.0, flat=True),
     Candidate("bf16 cast", lambda a: t.cast(jnp.bfloat16, axis_name=a)),
     Candidate("powersgd r1", lambda a: t.powersgd(1, axis_name=a)),
     Candidate("powersgd r4", lambda a: t.powersgd(4, axis_name=a),
@@ -177,6 +188,14 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       rows.append(Row(c.name, fast_s / c.period,
                       _dense_time(params, slow) / c.period,
                       overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
+      continue
+    if c.flat:
+      n = math.prod(a.size for a in axes)
+      ops = wire.claimed(c.make(tuple(a.name for a in axes)), params, n)
+      rows.append(Row(c.name, 0.0, slow.link.predict(ops, n),
+                      overhead_s.get(c.name, 0.0),
+                      sum(wire.sent_bytes(k, p, n) for k, p in ops),
+                      c.loss_gap))
       continue
     ops = wire.claimed(c.make(slow.name), params, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)

@@ -66,6 +66,31 @@ def test_a_link_shared_by_a_hosts_devices_divides_its_bandwidth():
     advise.Axis("dcn", 8, wire.CostModel.link(1.0), shared=0)
 
 
+def test_flat_dense_is_one_ring_over_every_device():
+  """A flat mean over 8 hosts x 4 is one ring of 32 whose pace is set by
+  the edges between hosts (one per host): no fast stage, and a link shared
+  by a host's 4 devices carries one stream. So, bandwidth-bound (64 MB of
+  params), the hierarchical mean wins with a link per device and the flat
+  one when the 4 share one; its 62 latencies make it lose on small
+  params."""
+  axes = _axes()
+  shared = [dataclasses.replace(axes[0], shared=4), axes[1]]
+  for ax in (axes, shared):
+    rows = {r.name: r for r in advise.advise(_P, ax)}
+    flat = rows["dense, flat"]
+    assert flat.fast_s == 0.0
+    assert flat.slow_s == pytest.approx(_ring_allreduce(32, _BYTES + _FLAG))
+    assert flat.slow_bytes == pytest.approx(2 * 31 / 32 * (_BYTES + _FLAG))
+    assert flat.loss_gap == 0.0
+  big = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+  own = {r.name: r.total_s for r in advise.advise(big, axes)}
+  assert own["dense"] < own["dense, flat"]
+  one_card = {r.name: r.total_s for r in advise.advise(big, shared)}
+  assert one_card["dense, flat"] < one_card["dense"]
+  small = {r.name: r.total_s for r in advise.advise(_P, shared)}
+  assert small["dense"] < small["dense, flat"]
+
+
 def test_powersgd_prices_its_two_factor_allreduces():
   """Rank 1 on a 512x256 matrix: P (512x1) and Q (256x1) in float32, two
   all-reduces over the slow axis (Vogels et al. 2019, Algorithm 1)."""
