@@ -133,6 +133,11 @@ METHODS = {
 # Methods that run over every data axis at once, with no mean inside hosts
 # first (--hosts > 1).
 FLAT_METHODS = ("dense-flat",)
+# With --hosts > 1 only: the method between hosts once per host, each
+# device of a host exchanging its share (jaxcomm.parallel.sharded_exchange).
+SHARDED = "-sharded"
+METHODS.update({m + SHARDED: METHODS[m]
+                for m in ("dense", "bf16", "topk1%+ef", "onebit")})
 # Local-update optimizers (whole optimizers, not chained before SGD) and
 # their period: a sync every H steps, so they are timed over a whole
 # number of periods and reported as the mean step time.
@@ -231,10 +236,21 @@ def _jax_worker(a) -> int:
       continue
     try:
       period, ops_n, inside = 1, n_slow, None
+      claim_for, inside_ops = None, []
       if method in LOCAL_METHODS:
         _, period, make = LOCAL_METHODS[method]
         comp = tx = make(jaxcomm, optax, axes)
         ops_n = n
+      elif method.endswith(SHARDED):
+        per_host = n // n_slow
+        comp = build(jaxcomm, jnp, slow)
+        tx = optax.chain(jaxcomm.parallel.sharded_exchange(
+          comp, "ici", fast_size=per_host), optax.sgd(1e-4))
+        size = sum(math.prod(s) for s in shapes)
+        share = -(-size // per_host)
+        claim_for = [jax.ShapeDtypeStruct((share,), jnp.float32)]
+        inside_ops = [("reduce-scatter", 4 * share * per_host),
+                      ("all-gather", 4 * share * per_host)]
       elif method in FLAT_METHODS or a.hosts == 1:
         comp = build(jaxcomm, jnp, axes)
         tx = optax.chain(comp, optax.sgd(1e-4))
@@ -254,14 +270,14 @@ def _jax_worker(a) -> int:
       first = time.perf_counter() - t0
       abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
       ops = jaxcomm.wire.claimed(
-        comp, abstract, ops_n,
+        comp, abstract if claim_for is None else claim_for, ops_n,
         step=0 if method in GOSSIP_METHODS else None)
       # Bytes per step: a local-update step sends one sync's bytes every
       # `period` steps. With hosts, the mean inside a host is not counted:
       # it stays on the host's loopback.
       sent = jaxcomm.wire.summarize(ops, ops_n).total_sent / period
-      inside_ops = ([] if inside is None else jaxcomm.wire.claimed(
-        inside, abstract, n // n_slow))
+      if inside is not None:
+        inside_ops = jaxcomm.wire.claimed(inside, abstract, n // n_slow)
       timed = -(-max(a.steps, period) // period) * period
       for ri in range(a.nrates):
         # The driver sets rate ri on the loopback, then says go.
@@ -793,6 +809,9 @@ def main(argv=None) -> int:
       print("note: PyTorch DDP rows are measured on one namespace only "
             "(--hosts 1); skipped")
       use_torch = False
+  elif any(m.endswith(SHARDED) for m in a.methods):
+    p.error("the -sharded methods split the exchange between hosts over a "
+            "host's processes: they need --hosts > 1")
 
   reason = _netns.unavailable()
   if not reason and a.hosts > 1:

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,117 @@ def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
       arr[i, j] = d
   return jax.sharding.Mesh(arr, (slow_axis, fast_axis),
                            axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+class ShardedExchangeState(NamedTuple):
+  """State of :func:`sharded_exchange`: the inner compressor's, for this
+  device's share of the flattened gradient."""
+
+  inner: optax.OptState
+
+
+def sharded_exchange(compressor: optax.GradientTransformation,
+                     fast_axis: str = "ici", *, fast_size: int
+                     ) -> optax.GradientTransformation:
+  """Runs ``compressor`` between hosts once per host, not once per device.
+
+  In the pod recipe (``mean_gradients(axis_name="ici")`` then a compressor
+  over "dcn") every device of a host exchanges the same averaged values
+  between hosts: a host's link carries ``d`` copies for ``d`` devices, and
+  each device compresses the whole gradient. Here the devices of a host
+  split the work: the gradient is flattened (float32), averaged and
+  scattered over ``fast_axis`` (one reduce-scatter: device ``j`` of ``d``
+  gets the ``j``-th ``1/d`` of it, zero-padded to a multiple of ``d``), the
+  compressor runs on that share between hosts, and the shares are gathered
+  back over ``fast_axis`` (one all-gather). Each device's error feedback
+  covers its own share.
+
+  The compressor sees one flat vector (a single leaf, ``{"share": v}``),
+  so methods defined per matrix lose their structure: PowerSGD (matrices
+  only), or a leaf policy that would pass the vector through dense, is
+  refused at ``init``. Elementwise and sparsifying compressors (cast,
+  top-k, DGC, onebit, the quantizers) work, with top-k's ``k`` taken over
+  each share.
+
+  Args:
+    compressor: a jaxcomm compressor whose ``axis_name`` is the slow axis
+      (e.g. ``jaxcomm.topk(0.01, axis_name="dcn")``).
+    fast_axis: the mesh axis inside a host.
+    fast_size: its size, ``mesh.shape[fast_axis]`` (the state's shape
+      depends on it, and ``init`` may run outside the mesh).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; all floating gradients
+    come back as the mean update in their own shapes and dtypes.
+
+  Example::
+
+    tx = optax.chain(
+      jaxcomm.parallel.sharded_exchange(
+        jaxcomm.topk(0.01, axis_name="dcn"), fast_size=mesh.shape["ici"]),
+      optax.sgd(0.1))
+    dp = DataParallel(loss_fn, tx, mesh, axis_name=("dcn", "ici"))
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxcomm import _compressor
+  spec = _compressor.spec_of(compressor)
+  if not isinstance(fast_axis, str):
+    raise ValueError(f"fast_axis must be one mesh axis name, got "
+                     f"{fast_axis!r}")
+  d = _checks.integer("fast_size", fast_size, 1)
+  slow = spec.axis_name
+  if slow is None or fast_axis in _core._names(slow):
+    raise ValueError(
+      f"the compressor's axis_name={slow!r} must be the slow axis, other "
+      f"than fast_axis={fast_axis!r}")
+
+  def _share(params, d):
+    leaves = jax.tree.leaves(params)
+    bad = [x for x in leaves if not _core.is_inexact(x)]
+    if bad:
+      raise ValueError("sharded_exchange: every gradient leaf must be "
+                       f"floating, got {[str(x.dtype) for x in bad]}")
+    n = sum(int(np.prod(x.shape)) for x in leaves)
+    return n, -(-n // d)
+
+  def init_fn(params):
+    _, share = _share(params, d)
+    tree = {"share": jnp.zeros((share,), jnp.float32)}
+    from jaxcomm import _policy  # pylint: disable=import-outside-toplevel
+    # The dense mean compresses nothing by design; anything else must.
+    if (spec.codec.name != "mean_gradients"
+        and spec.paths(tree) != [_policy.COMPRESS]):
+      raise ValueError(
+        f"sharded_exchange: {spec.codec.name} would not compress this "
+        f"device's share (a vector of {share} values): its leaf policy or "
+        "the method itself (PowerSGD takes matrices only) passes it "
+        "through dense. Use the compressor after "
+        f"mean_gradients(axis_name={fast_axis!r}) instead")
+    return ShardedExchangeState(compressor.init(tree))
+
+  def update_fn(updates, state, params=None, **extra):
+    del params
+    size = _core.check_axis(fast_axis, "sharded_exchange", grads=updates)
+    if size != d:
+      raise ValueError(f"sharded_exchange: fast_size={d} but axis "
+                       f"{fast_axis!r} has {size} devices")
+    n, share = _share(updates, d)
+    leaves, treedef = jax.tree.flatten(updates)
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32)
+                            for x in leaves])
+    flat = jnp.pad(flat, (0, share * d - n))
+    mine = jax.lax.psum_scatter(flat, fast_axis, tiled=True) / d
+    out, inner = compressor.update({"share": mine}, state.inner, None,
+                                   **extra)
+    full = _core.all_gather(out["share"], fast_axis, tiled=True)[:n]
+    pieces, at = [], 0
+    for x in leaves:
+      size = int(np.prod(x.shape))
+      pieces.append(full[at:at + size].reshape(x.shape).astype(x.dtype))
+      at += size
+    return treedef.unflatten(pieces), ShardedExchangeState(inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _data_size(mesh, axis_name) -> int:

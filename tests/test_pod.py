@@ -8,11 +8,14 @@ slice's batch, with the parameter-sized all-reduce only inside the slices
 (read from the compiled HLO).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -177,3 +180,116 @@ def test_make_pod_mesh_groups_devices():
                                                              "ici": 8}
   with pytest.raises(ValueError, match="num_slices"):
     parallel.make_pod_mesh(3, devices=devs)
+
+
+# ------------------------------- one exchange per host (sharded_exchange)
+
+def _np_device_grads(p, batch):
+  """Each of the 8 devices' flat gradient (leaves "b", "w"), dcn-major."""
+  x, y = batch
+  out = []
+  for i in range(8):
+    xi, yi = x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]
+    r = xi @ p["w"] + p["b"] - yi
+    c = 2.0 / r.size
+    out.append(np.concatenate([c * r.sum(0), (c * xi.T @ r).ravel()]))
+  return out
+
+
+def _unflat(v, p):
+  return {"b": v[:D_OUT], "w": v[D_OUT:].reshape(D_IN, D_OUT)}
+
+
+def _sharded(inner):
+  return optax.chain(parallel.sharded_exchange(inner, fast_size=4),
+                     optax.sgd(0.1))
+
+
+def test_sharded_exchange_of_the_mean_equals_the_flat_mean():
+  batches = _batches(3, 8 * B)
+  axes = ("dcn", "ici")
+  _, p_pod, _ = _train(_sharded(jaxcomm.mean_gradients(axis_name="dcn")),
+                       _pod_mesh(), axes, batches)
+  _, p_flat, _ = _train(optax.chain(jaxcomm.mean_gradients(),
+                                    optax.sgd(0.1)),
+                        _flat_mesh(8), "data", batches)
+  for k in p_flat:
+    np.testing.assert_allclose(np.asarray(p_pod[k]), np.asarray(p_flat[k]),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", ["never", "always"])
+def test_sharded_exchange_topk_matches_numpy_and_its_claimed_bytes(
+    kernels, monkeypatch):
+  """Top-k 10% with error feedback between hosts, each of a host's 4
+  devices compressing its quarter of the host's mean (top-k per share):
+  the params follow a numpy replay, each device keeps the residual of its
+  own share, and the compiled step moves the params once inside each host
+  (reduce-scatter, all-gather over groups of 4) and between hosts only
+  top-k's claim for one share. With JAXCOMM_KERNELS=always the selection
+  is the Pallas kernel (interpreted on CPU) inside this step."""
+  monkeypatch.setenv("JAXCOMM_KERNELS", kernels)
+  calls = []
+  real = pl.pallas_call
+  monkeypatch.setattr(pl, "pallas_call",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  axes, steps, ratio = ("dcn", "ici"), 3, 0.1
+  batches = _batches(steps, 8 * B)
+  inner = jaxcomm.topk(ratio, axis_name="dcn", error_feedback=True,
+                       policy=jaxcomm.LeafPolicy(min_size=1))
+  dp, p_pod, s_pod = _train(_sharded(inner), _pod_mesh(), axes, batches)
+  assert bool(calls) == (kernels == "always")
+
+  n = D_OUT + D_IN * D_OUT
+  share = -(-n // 4)
+  p = {k: np.asarray(v, np.float64) for k, v in _params().items()}
+  err = np.zeros((2, 4, share))
+  k_sel = max(1, math.ceil(ratio * share * (1 - 1e-9)))
+  for batch in batches:
+    g = _np_device_grads(p, batch)
+    upd = np.zeros(4 * share)
+    for j in range(4):
+      sent = []
+      for h in range(2):
+        host = np.pad(np.mean(g[4 * h:4 * h + 4], 0), (0, 4 * share - n))
+        x = host[j * share:(j + 1) * share] + err[h, j]
+        s = np.zeros_like(x)
+        sel = np.argsort(-np.abs(x), kind="stable")[:k_sel]
+        s[sel] = x[sel]
+        err[h, j] = x - s
+        sent.append(s)
+      upd[j * share:(j + 1) * share] = np.mean(sent, 0)
+    step = _unflat(upd[:n], p)
+    p = {k: p[k] - 0.1 * step[k] for k in p}
+  for k in p:
+    np.testing.assert_allclose(np.asarray(p_pod[k]), p[k], rtol=1e-4,
+                               atol=1e-5, err_msg=k)
+  residual = np.asarray(jaxcomm.compress_states(s_pod)[0].residual[0])
+  np.testing.assert_allclose(residual.reshape(2, 4, share), err, rtol=1e-4,
+                             atol=1e-5)
+
+  p0, s0 = dp.init(_params())
+  ops = wire.collectives(dp.lower(p0, s0, dp.shard_batch(batches[0])))
+  inside = sorted((op.kind, op.payload) for op in ops if op.group == 4)
+  assert inside == [("all-gather", 4 * 4 * share),
+                    ("reduce-scatter", 4 * 4 * share)], ops
+  between = sorted((op.kind, op.payload) for op in ops if op.group == 2)
+  claim = wire.claimed(inner, {"share": jax.ShapeDtypeStruct(
+    (share,), jnp.float32)}, 2)
+  assert between == sorted(claim), (ops, claim)
+
+
+def test_sharded_exchange_refuses_what_it_cannot_split():
+  with pytest.raises(ValueError, match="PowerSGD takes matrices"):
+    _train(_sharded(jaxcomm.powersgd(2, axis_name="dcn")), _pod_mesh(),
+           ("dcn", "ici"), _batches(1, 8 * B))
+  with pytest.raises(ValueError, match="slow axis"):
+    parallel.sharded_exchange(jaxcomm.topk(0.1, axis_name="ici"),
+                              fast_size=4)
+  with pytest.raises(ValueError, match="fast_size"):
+    parallel.sharded_exchange(jaxcomm.topk(0.1, axis_name="dcn"),
+                              fast_size=0)
+  with pytest.raises(ValueError, match="fast_size=2 but axis 'ici' has 4"):
+    _train(optax.chain(parallel.sharded_exchange(
+      jaxcomm.mean_gradients(axis_name="dcn"), fast_size=2), optax.sgd(0.1)),
+      _pod_mesh(), ("dcn", "ici"), _batches(1, 8 * B))
