@@ -35,6 +35,9 @@ from typing import Callable
 from typing import Mapping
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
+
 from jaxcomm import _checks
 from jaxcomm import wire
 
@@ -89,6 +92,11 @@ class Candidate:
       is priced as one ring over every device, numbered host by host: its
       pace is set by the edges between hosts, one per host, so a link
       shared by a host's devices still carries a single stream.
+    sharded: the method runs between hosts once per host
+      (:func:`jaxcomm.parallel.sharded_exchange` over the first fast
+      axis): each device exchanges its ``1/d`` share of the values, after
+      a reduce-scatter inside the host and before an all-gather (priced
+      together as the dense mean over the fast axes).
   """
 
   name: str
@@ -96,6 +104,7 @@ class Candidate:
   period: int | None = None
   loss_gap: float | None = None
   flat: bool = False
+  sharded: bool = False
 
 
 def default_candidates() -> list[Candidate]:
@@ -103,14 +112,13 @@ def default_candidates() -> list[Candidate]:
   with the eval-loss gaps measured on the char-LM at 8 workers
   (docs/benchmarks/convergence.md: PowerSGD r4 and onebit before Adam,
   top-k with error feedback before momentum SGD, DiLoCo with AdamW)."""
-  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp
-
-  from jaxcomm import transforms as t
+  from jaxcomm import transforms as t  # pylint: disable=import-outside-toplevel
   return [
     Candidate("dense", lambda a: t.mean_gradients(axis_name=a), None, 0.0),
     Candidate("dense, flat", lambda a: t.mean_gradients(axis_name=a), None,
               0.0, flat=True),
+    Candidate("dense, sharded", lambda a: t.mean_gradients(axis_name=a),
+              None, 0.0, sharded=True),
     Candidate("bf16 cast", lambda a: t.cast(jnp.bfloat16, axis_name=a)),
     Candidate("powersgd r1", lambda a: t.powersgd(1, axis_name=a)),
     Candidate("powersgd r4", lambda a: t.powersgd(4, axis_name=a),
@@ -197,7 +205,13 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
                       sum(wire.sent_bytes(k, p, n) for k, p in ops),
                       c.loss_gap))
       continue
-    ops = wire.claimed(c.make(slow.name), params, slow.size)
+    exchanged = params
+    if c.sharded and fast:
+      # One flat float32 share per device of the first fast axis.
+      size = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(params))
+      exchanged = {"share": jax.ShapeDtypeStruct(
+        (-(-size // fast[0].size),), jnp.float32)}
+    ops = wire.claimed(c.make(slow.name), exchanged, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
     rows.append(Row(c.name, fast_s,
                     slow.effective_link.predict(ops, slow.size),
@@ -231,9 +245,6 @@ def table(rows: Sequence[Row], budget: float | None = None) -> str:
 
 def _params_from_args(model: str | None, shapes: str | None):
   """Abstract params: a registered model's (``models``) or given shapes."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-  import jax.numpy as jnp
   if (model is None) == (shapes is None):
     raise ValueError("give one of --model (a name from models.MODELS) or "
                      "--shapes (e.g. '1024x1024,1024')")

@@ -91,6 +91,29 @@ def test_flat_dense_is_one_ring_over_every_device():
   assert small["dense"] < small["dense, flat"]
 
 
+def test_sharded_exchange_sends_one_share_per_device():
+  """``sharded``: each of a host's 4 devices exchanges a quarter of the
+  values between hosts; inside the host a reduce-scatter and an
+  all-gather cost what the dense mean costs there. With the 4 sharing one
+  link, the host's link carries one copy: the time of the per-device
+  dense exchange with a link each."""
+  cands = [advise.Candidate("s", lambda a: jaxcomm.mean_gradients(
+    axis_name=a), None, 0.0, sharded=True)]
+  axes = _axes()
+  share = 4 * (512 * 256 // 4)
+  (row,) = advise.advise(_P, axes, cands)
+  assert row.fast_s == pytest.approx(
+    _ring_allreduce(4, _BYTES, 5e-6, 8.0 / 800e9))
+  assert row.slow_s == pytest.approx(_ring_allreduce(8, share + _FLAG))
+  assert row.slow_bytes == pytest.approx(2 * 7 / 8 * (share + _FLAG))
+  shared = [dataclasses.replace(axes[0], shared=4), axes[1]]
+  (one_card,) = advise.advise(_P, shared, cands)
+  assert one_card.slow_s == pytest.approx(
+    _ring_allreduce(8, share + _FLAG, beta=4 * _BETA))
+  (alone,) = advise.advise(_P, axes[:1], cands)   # no fast axis: whole
+  assert alone.slow_s == pytest.approx(_ring_allreduce(8, _BYTES + _FLAG))
+
+
 def test_powersgd_prices_its_two_factor_allreduces():
   """Rank 1 on a 512x256 matrix: P (512x1) and Q (256x1) in float32, two
   all-reduces over the slow axis (Vogels et al. 2019, Algorithm 1)."""
@@ -150,7 +173,7 @@ def test_command_line_prices_the_given_shapes(capsys):
   def dense_slow_ms(argv):
     advise.main(argv)
     out = capsys.readouterr().out
-    row = [line for line in out.splitlines() if line.startswith("| dense")]
+    row = [line for line in out.splitlines() if line.startswith("| dense |")]
     return float(row[0].split("|")[3]), out
   base = ["--shapes", "512x256", "--hosts", "8", "--per-host", "4",
           "--slow-gbit", "10"]
@@ -189,6 +212,6 @@ def test_command_line_reads_a_registered_model(capsys):
   n = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   advise.main(["--model", "charlm", "--hosts", "2", "--slow-gbit", "1"])
   out = capsys.readouterr().out
-  row = [line for line in out.splitlines() if line.startswith("| dense")]
+  row = [line for line in out.splitlines() if line.startswith("| dense |")]
   assert float(row[0].split("|")[6]) == pytest.approx((4 * n + _FLAG) / 1e6,
                                                      abs=0.006)
