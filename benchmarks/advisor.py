@@ -126,17 +126,26 @@ MEASURED_2H = {"dense": (0.389, 1.087), "dense, flat": (0.290, 0.774),
                "powersgd r4": (0.607, 0.584), "topk 1%": (0.784, 0.838),
                "onebit": (1.110, 1.062), "local SGD H=8": (0.310, 0.328),
                "DiLoCo H=50": (0.392, 0.423)}
+# The char-LM's shapes in one run of the same command with --models charlm
+# and dense-sharded added (docs/benchmarks/network.md, "The char-LM on two
+# hosts").
+MEASURED_2H_CHARLM = {
+  "dense": (0.026, 0.073), "dense, flat": (0.020, 0.054),
+  "dense, sharded": (0.023, 0.046), "bf16 cast": (0.043, 0.064),
+  "powersgd r4": (0.048, 0.047), "topk 1%": (0.045, 0.048),
+  "onebit": (0.068, 0.059), "local SGD H=8": (0.030, 0.014),
+  "DiLoCo H=50": (0.019, 0.017)}
 
 
-def two_level_check() -> str:
-  params = _shapes("resnet18")
+def two_level_check(model: str, measured: dict) -> str:
+  params = _shapes(model)
   names = {c.name: c for c in advise.default_candidates()}
   lines = ["| method | measured, no limit s | measured, 1 Gbit/s s | "
            "model: no-limit step + between hosts s | model / measured | "
            "measured rank | model rank |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-  cands = [names[k] for k in MEASURED_2H]
-  free = {k: v[0] for k, v in MEASURED_2H.items()}
+  cands = [names[k] for k in measured]
+  free = {k: v[0] for k, v in measured.items()}
   # The mean inside a host is part of the measured no-limit step (the
   # overhead here): the fast axis is priced at (almost) nothing.
   axes = [advise.Axis("dcn", 2, wire.CostModel.link(1.0, 50.0), shared=2),
@@ -144,7 +153,7 @@ def two_level_check() -> str:
   rows = {r.name: r for r in advise.advise(params, axes, cands,
                                            overhead_s=free)}
   pred = {k: r.overhead_s + r.slow_s for k, r in rows.items()}
-  meas = {k: v[1] for k, v in MEASURED_2H.items()}
+  meas = {k: v[1] for k, v in measured.items()}
   m_rank = {k: i for i, k in enumerate(sorted(meas, key=meas.get))}
   p_rank = {k: i for i, k in enumerate(sorted(pred, key=pred.get))}
   for k in sorted(meas, key=meas.get):
@@ -165,15 +174,19 @@ def main(argv=None):
           "compute, the measured steps do: on these 2 cores top-k's "
           "selection and onebit's packing cost more than their bytes):\n\n"
           + loopback_check() + "\n\n## Two hosts: the model against "
-          "measured steps\n\nResNet-18 shapes, 2 hosts of 2 processes, 1 "
-          "Gbit/s between the hosts each way, the pod recipe, one run of 24 "
-          "steps per rate (docs/benchmarks/network.md, \"Two hosts\"). "
-          "The model: the step measured without a limit plus the predicted "
-          "seconds between hosts, each host's link shared by its 2 "
-          "processes (a local method's sync divided by its period; "
-          "dense, flat: one ring over the 4, one stream per host link):"
-          "\n\n"
-          + two_level_check() + "\n")
+          "measured steps\n\n2 hosts of 2 processes, 1 Gbit/s between the "
+          "hosts each way, the pod recipe, one run of 24 steps per rate per "
+          "model (docs/benchmarks/network.md, \"Two hosts\"). The model: "
+          "the step measured without a limit plus the predicted seconds "
+          "between hosts, each host's link shared by its 2 processes (a "
+          "local method's sync divided by its period; dense, flat: one ring "
+          "over the 4, one stream per host link; dense, sharded: one share "
+          "per process).\n\nResNet-18 shapes:\n\n"
+          + two_level_check("resnet18", MEASURED_2H)
+          + "\n\nThe char-LM's shapes (steps of a few ms, where 4 processes "
+          "on 2 cores make the no-limit step noisy: local SGD's is longer "
+          "than at 1 Gbit/s):\n\n"
+          + two_level_check("charlm", MEASURED_2H_CHARLM) + "\n")
   print(text)
   if args.out:
     with open(args.out, "w", encoding="utf-8") as f:
