@@ -320,7 +320,8 @@ class Checkpoints:
       format=FORMAT, step=int(step),
       params=[[k_, list(x.shape), x.dtype.name, _digest(x)]
               for k_, x in zip(_keystrs(host_params), p_leaves)],
-      opt_state=[[k_, list(x.shape), x.dtype.name, _digest(x), bool(b)]
+      opt_state=[[k_, list(x.shape), x.dtype.name, _digest(x),
+                  _layout_json(b)]
                  for k_, x, b in zip(_keystrs(host_state), s_leaves,
                                      jax.tree.leaves(layout))])
     os.makedirs(self.root, exist_ok=True)
@@ -408,6 +409,13 @@ def resume_path(ckpts: Checkpoints, cfg: Config) -> str:
   return path
 
 
+def _layout_json(b):
+  """A state layout leaf as meta.json holds it: False (replicated), True
+  (one row per device) or the sorted data axes it varies over (--slices:
+  a residual kept after the mean inside a slice varies over "dcn")."""
+  return b if isinstance(b, bool) else sorted(b)
+
+
 def check_compatible(meta: dict, cfg: Config, params, state, layout,
                      path: str, *, per_device_params: bool = False) -> None:
   """Raises :class:`CheckpointError` naming every mismatch (per-device
@@ -443,7 +451,8 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
     for k, x, dev, m in zip(s_keys, s_now, s_lay, meta["opt_state"]):
       shape = list(np.shape(x))
       saved = m[1][1:] if m[4] else m[1]
-      if dev != m[4] or (shape[1:] if dev else shape) != saved:
+      if (_layout_json(dev) != m[4]
+          or (shape[1:] if dev else shape) != saved):
         problems.append(f"opt_state{k}: checkpoint {m[1]} (per-device="
                         f"{m[4]}), this run {shape} (per-device={dev})")
   if problems:

@@ -23,6 +23,8 @@ import models
 DESCRIPTION = "Data-parallel training with jaxcomm's gradient compressors."
 
 AXIS = "data"
+# The pod mesh of --slices: between slices, inside a slice.
+SLOW, FAST = "dcn", "ici"
 
 # ------------------------------------------------------------ compressors --
 
@@ -192,6 +194,8 @@ class Config:
   schedule: str = "cosine"     # constant | cosine | warmup_cosine | step
   warmup_steps: int = 50
   num_devices: int = 8
+  slices: int = 1              # > 1: a ("dcn", "ici") pod mesh
+  sharded_exchange: bool = False  # with slices: one exchange per slice
   batch_size: int = 64         # global; a multiple of num_devices
   steps: int = 1500
   stop_after: int | None = None  # stop (and checkpoint) at this step
@@ -217,7 +221,8 @@ class Config:
                  "compressor", "compressor_args", "optimizer",
                  "optimizer_args", "local", "local_args", "lr",
                  "momentum", "weight_decay", "schedule", "warmup_steps",
-                 "batch_size", "steps", "seed")
+                 "batch_size", "steps", "seed", "slices",
+                 "sharded_exchange")
 
 
 def _add_bool(parser, name, default, help_):
@@ -330,6 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("run")
   g.add_argument("--num-devices", type=int, default=d.num_devices,
                  help="data-parallel devices (global)")
+  g.add_argument("--slices", type=int, default=d.slices,
+                 help="> 1: cut the devices, in order, into this many "
+                 "slices (hosts) on a ('dcn', 'ici') mesh; gradients are "
+                 "averaged densely inside a slice and --compressor runs "
+                 "between slices (the pod recipe)")
+  _add_bool(g, "sharded-exchange", d.sharded_exchange,
+            "with --slices: run --compressor between slices once per "
+            "slice, each device on its share of the values "
+            "(jaxcomm.parallel.sharded_exchange; not PowerSGD)")
   g.add_argument("--batch-size", type=int, default=d.batch_size,
                  help="global batch size")
   g.add_argument("--steps", type=int, default=d.steps,

@@ -32,7 +32,9 @@ from trainer.checkpoints import check_compatible
 from trainer.checkpoints import resume_path
 from trainer.config import AXIS
 from trainer.config import COMM_OPTIMIZERS
+from trainer.config import FAST
 from trainer.config import GOSSIP_METHODS
+from trainer.config import SLOW
 from trainer.config import Config
 from trainer.config import build_compressor
 from trainer.config import make_comm_optimizer
@@ -57,14 +59,15 @@ def _identical_across_devices(tree, per_device: bool = False) -> bool:
   return True
 
 
-def _make_eval(loss_fn, mesh):
+def _make_eval(loss_fn, mesh, data_axes=AXIS):
   def local(params, batch):
     _, m = loss_fn(params, batch)
     cnt = jnp.sum(batch["mask"].astype(jnp.float32))
     vals = jnp.stack([m["loss"] * cnt, m["accuracy"] * cnt, cnt])
-    return jax.lax.psum(vals, AXIS)
+    return jax.lax.psum(vals, data_axes)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)),
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), P(data_axes)),
                                out_specs=P()))
 
 
@@ -151,6 +154,18 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
   if not math.isfinite(cfg.lr) or cfg.lr < 0:
     raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+  if cfg.slices < 1 or cfg.num_devices % cfg.slices:
+    raise ValueError(f"--slices {cfg.slices} must be >= 1 and divide "
+                     f"--num-devices {cfg.num_devices}")
+  pod = cfg.slices > 1
+  if pod and (cfg.local != "none" or cfg.optimizer in COMM_OPTIMIZERS):
+    raise ValueError(
+      f"--slices {cfg.slices} runs the pod recipe (a dense mean inside each "
+      "slice, --compressor between slices); it does not combine with "
+      f"--local {cfg.local} or --optimizer {cfg.optimizer}")
+  if cfg.sharded_exchange and not pod:
+    raise ValueError("--sharded-exchange splits the exchange between "
+                     "slices over a slice's devices: it needs --slices > 1")
   devices = list(devices if devices is not None else jax.devices())
   if cfg.num_devices > len(devices):
     raise ValueError(f"--num-devices {cfg.num_devices} but JAX has "
@@ -172,7 +187,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   cfg.dataset = dataset
   fn = build_model(cfg, data_kwargs)
   loss_fn = models.make_loss_fn(cfg.model, fn.apply)
-  comp, _, comp_kwargs = build_compressor(canon, cfg.compressor_args)
+  comp, _, comp_kwargs = build_compressor(
+    canon, cfg.compressor_args, axis_name=SLOW if pod else AXIS)
   schedule = make_schedule(cfg)
   local_tx = None
   if cfg.local != "none":
@@ -194,19 +210,44 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     comp = tx = make_comm_optimizer(cfg, schedule)
     if jaxcomm.local_states(jax.eval_shape(tx.init, fn.params)):
       local_tx = tx   # 0/1 Adam: params per device, bytes per step vary
+  elif cfg.sharded_exchange:
+    per_slice = cfg.num_devices // cfg.slices
+    tx = optax.chain(parallel.sharded_exchange(comp, FAST,
+                                               fast_size=per_slice),
+                     make_optimizer(cfg, schedule))
+  elif pod:
+    tx = optax.chain(jaxcomm.mean_gradients(axis_name=FAST), comp,
+                     make_optimizer(cfg, schedule))
   else:
     tx = optax.chain(comp, make_optimizer(cfg, schedule))
-  mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)
-  dp = parallel.DataParallel(loss_fn, tx, mesh, AXIS, has_aux=True)
+  if pod:
+    mesh = parallel.make_pod_mesh(cfg.slices, slow_axis=SLOW,
+                                  fast_axis=FAST,
+                                  devices=devices[:cfg.num_devices])
+    data_axes = (SLOW, FAST)
+  else:
+    mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)
+    data_axes = AXIS
+  dp = parallel.DataParallel(loss_fn, tx, mesh, data_axes, has_aux=True)
   params, opt_state = dp.init(fn.params)
   n = cfg.num_devices
+  # The bytes counted: each device's exchange over the data axis, or with
+  # slices between them (the mean inside a slice stays inside), of the
+  # whole gradient or, sharded, of the device's share.
+  n_wire = cfg.slices if pod else n
+  wire_params = fn.params
+  if cfg.sharded_exchange:
+    size = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
+    wire_params = {"share": jax.ShapeDtypeStruct(
+      (-(-size // (n // cfg.slices)),), jnp.float32)}
 
   # Bytes per device per step, as the compressor claims (checked against the
   # compiled HLO by the test battery), and the dense psum it replaces.
   # Before a start_step (freeze_step) a step moves the dense phase's psum.
   from jaxcomm import _compressor
   dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
-                                          fn.params, n), n, fn.params)
+                                          fn.params, n_wire), n_wire,
+                             fn.params)
   if local_tx is not None:
     # A local-update step moves bytes only when it syncs: the summary's
     # bytes per step are the average over the run's steps, and each
@@ -230,15 +271,16 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     start_dense = 0
   else:
     start_dense = _compressor.spec_of(comp).start_step
-    rep = wire.summarize(wire.claimed(comp, fn.params, n, step=start_dense),
-                         n, fn.params)
-    warm_rep = (wire.summarize(wire.claimed(comp, fn.params, n, step=0), n,
-                               fn.params) if start_dense else rep)
+    rep = wire.summarize(wire.claimed(comp, wire_params, n_wire,
+                                      step=start_dense), n_wire)
+    warm_rep = (wire.summarize(wire.claimed(comp, wire_params, n_wire,
+                                            step=0), n_wire)
+                if start_dense else rep)
     bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
                           else rep.total_sent)
     per_step = rep.total_sent
     spec = _compressor.spec_of(comp)
-    if getattr(spec.codec, "wire_at", None) is not None and n > 1:
+    if getattr(spec.codec, "wire_at", None) is not None and n_wire > 1:
       # The exchange changes with the step (DGC's warm-up stages): each
       # step's own claim; the summary's bytes per step are the last
       # step's (after the warm-up).
@@ -246,8 +288,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
 
       def bytes_at(s):  # pylint: disable=function-redefined
         if s not in at:
-          at[s] = wire.summarize(wire.claimed(comp, fn.params, n, step=s),
-                                 n, fn.params).total_sent
+          at[s] = wire.summarize(wire.claimed(comp, wire_params, n_wire,
+                                              step=s), n_wire).total_sent
         return at[s]
       per_step = bytes_at(cfg.steps - 1)
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
@@ -275,7 +317,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     if dp.per_device_params and old_n != n:
       host_params = parallel.resize_params(host_params, n)
     params = dp.place_params(host_params)
-    opt_state = _place_state(host_state, dp.layout, mesh)
+    opt_state = _place_state(host_state, dp.layout, mesh, data_axes)
     if main_proc:
       print(f"resumed from {path} at step {start}")
     moved = ckpts.set_aside_after(start)
@@ -310,7 +352,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     stop = start
   it = mdata.batches(train, cfg.batch_size, seed=cfg.seed, num_shards=n,
                      start_step=start)
-  eval_fn = _make_eval(loss_fn, mesh)
+  eval_fn = _make_eval(loss_fn, mesh, data_axes)
   nproc, pid = jax.process_count(), jax.process_index()
   bar = None
   if cfg.progress and main_proc and stop > start:
@@ -405,6 +447,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     **final,
     "bytes_per_step": per_step,
     "dense_bytes_per_step": dense_rep.total_sent,
+    "slices": cfg.slices,
     "compression_ratio": (dense_rep.total_sent / per_step
                           if per_step else math.inf),
     "bytes_total": cum_bytes,
@@ -450,12 +493,12 @@ def _previous_result(out_dir: str, step: int) -> dict[str, Any]:
   return before
 
 
-def _place_state(host_state, layout, mesh):
+def _place_state(host_state, layout, mesh, data_axes=AXIS):
   from jax.sharding import NamedSharding
-  rep = NamedSharding(mesh, P())
-  dev = NamedSharding(mesh, P(AXIS))
+  specs = parallel.state_specs(layout, data_axes)
   return jax.tree.map(
-    lambda x, b: parallel._global(x, dev if b else rep), host_state, layout)
+    lambda x, sp: parallel._global(x, NamedSharding(mesh, sp)), host_state,
+    specs, is_leaf=lambda x: isinstance(x, P))
 
 
 # ------------------------------------------------------------ reporting --
@@ -517,7 +560,10 @@ def summary_line(r: dict[str, Any]) -> str:
   """The run's last printed line: figures and what crossed the wire (on one
   device nothing does, so there is no ratio to give)."""
   if r["dense_bytes_per_step"]:
-    wire = (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step vs "
+    where = (f" between {r['slices']} slices" if r.get("slices", 1) > 1
+             else "")
+    wire = (f"{_fmt_bytes(r['bytes_per_step'])} sent per device per step"
+            f"{where} vs "
             f"{_fmt_bytes(r['dense_bytes_per_step'])} dense "
             f"({r['compression_ratio']:.1f}x less)")
   else:
