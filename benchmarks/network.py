@@ -246,9 +246,8 @@ def _jax_worker(a) -> int:
         comp = build(jaxcomm, jnp, slow)
         tx = optax.chain(jaxcomm.parallel.sharded_exchange(
           comp, "ici", fast_size=per_host), optax.sgd(1e-4))
-        size = sum(math.prod(s) for s in shapes)
-        share = -(-size // per_host)
-        claim_for = [jax.ShapeDtypeStruct((share,), jnp.float32)]
+        claim_for = jaxcomm.parallel.exchange_share(params0, per_host)
+        share = claim_for["share"].shape[0]
         inside_ops = [("reduce-scatter", 4 * share * per_host),
                       ("all-gather", 4 * share * per_host)]
       elif method in FLAT_METHODS or a.hosts == 1:

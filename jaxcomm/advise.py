@@ -208,9 +208,8 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     exchanged = params
     if c.sharded and fast:
       # One flat float32 share per device of the first fast axis.
-      size = sum(int(math.prod(x.shape)) for x in jax.tree.leaves(params))
-      exchanged = {"share": jax.ShapeDtypeStruct(
-        (-(-size // fast[0].size),), jnp.float32)}
+      from jaxcomm import parallel  # pylint: disable=import-outside-toplevel
+      exchanged = parallel.exchange_share(params, fast[0].size)
     ops = wire.claimed(c.make(slow.name), exchanged, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
     rows.append(Row(c.name, fast_s,

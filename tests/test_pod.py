@@ -289,6 +289,10 @@ def test_sharded_exchange_refuses_what_it_cannot_split():
   with pytest.raises(ValueError, match="fast_size"):
     parallel.sharded_exchange(jaxcomm.topk(0.1, axis_name="dcn"),
                               fast_size=0)
+  with pytest.raises(ValueError, match="must be floating"):
+    parallel.exchange_share({"i": jnp.zeros(3, jnp.int32)}, 2)
+  assert parallel.exchange_share(_params(), 4)["share"].shape == (
+    -(-(D_IN * D_OUT + D_OUT) // 4),)
   with pytest.raises(ValueError, match="fast_size=2 but axis 'ici' has 4"):
     _train(optax.chain(parallel.sharded_exchange(
       jaxcomm.mean_gradients(axis_name="dcn"), fast_size=2), optax.sgd(0.1)),

@@ -237,9 +237,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   n_wire = cfg.slices if pod else n
   wire_params = fn.params
   if cfg.sharded_exchange:
-    size = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
-    wire_params = {"share": jax.ShapeDtypeStruct(
-      (-(-size // (n // cfg.slices)),), jnp.float32)}
+    wire_params = parallel.exchange_share(fn.params, n // cfg.slices)
 
   # Bytes per device per step, as the compressor claims (checked against the
   # compiled HLO by the test battery), and the dense psum it replaces.
