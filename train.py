@@ -102,6 +102,7 @@ from trainer.config import parse_kwargs  # noqa: E402,F401
 from trainer.config import resolve_compressor  # noqa: E402,F401
 from trainer.loop import default_out_dir  # noqa: E402,F401
 from trainer.loop import evaluate  # noqa: E402,F401
+from trainer.loop import os_error_text  # noqa: E402
 from trainer.loop import plot_curves  # noqa: E402,F401
 from trainer.loop import run  # noqa: E402
 from trainer.loop import summary_line  # noqa: E402
@@ -154,3 +155,6 @@ if __name__ == "__main__":
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except OSError as e:
+    print(f"error: {os_error_text(e)}", file=sys.stderr)
+    sys.exit(1)

@@ -94,13 +94,7 @@ class LeafPolicy:
       mask = [True] * len(leaves)
     else:
       m = self.mask(grads) if callable(self.mask) else self.mask
-      mask_leaves, mask_def = jax.tree.flatten(m)
-      if mask_def.num_leaves != treedef.num_leaves:
-        raise ValueError(
-          "mask must have the gradients' tree structure: got "
-          f"{mask_def.num_leaves} mask leaves for {treedef.num_leaves} "
-          "gradient leaves")
-      mask = [bool(b) for b in mask_leaves]
+      mask = _mask_by_path(m, grads)
     out = []
     for leaf, keep in zip(leaves, mask):
       if is_complex(leaf):
@@ -113,6 +107,47 @@ class LeafPolicy:
       else:
         out.append(DENSE)
     return out
+
+
+def _path_names(path) -> tuple:
+  """A key path as plain names (dict keys, attribute names, indices), so
+  that a mask written as a dict matches an ``nnx.State`` or a dataclass of
+  the same names."""
+  out = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(getattr(k, attr))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def _mask_by_path(mask, grads) -> list[bool]:
+  """``mask``'s bools in ``grads``' leaf order, matched by key path.
+
+  Raises:
+    ValueError: naming the paths the two trees do not share.
+  """
+  got = {_path_names(p): bool(b)
+         for p, b in jax.tree_util.tree_flatten_with_path(mask)[0]}
+  want = [_path_names(p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+  missing = [p for p in want if p not in got]
+  extra = sorted(set(got) - set(want), key=str)
+  if missing or extra:
+    show = lambda ps: ", ".join("/".join(map(str, p)) or "<root>"
+                                for p in ps[:4]) + (" ..." if len(ps) > 4
+                                                    else "")
+    raise ValueError(
+      "mask must have the gradients' tree structure (one bool per leaf, "
+      "matched by path): "
+      + (f"no mask entry for {show(missing)}" if missing else "")
+      + ("; " if missing and extra else "")
+      + (f"mask entries {show(extra)} match no gradient leaf" if extra
+         else ""))
+  return [got[p] for p in want]
 
 
 def as_policy(policy: LeafPolicy | None) -> LeafPolicy:

@@ -6,6 +6,7 @@ checkpoints, and reports (:func:`summary_table`, :func:`summary_line`,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -330,8 +331,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     atomic_write(os.path.join(out_dir, "config.json"),
                   json.dumps(meta_cfg, indent=1))
     if cfg.resume and os.path.exists(metrics_path):
-      with open(metrics_path) as f:
-        history = [json.loads(line) for line in f if line.strip()]
+      history = read_history(metrics_path)
       history = [h for h in history if h.get("step", 0) <= start]
       atomic_write(metrics_path, "".join(json.dumps(h) + "\n"
                                           for h in history))
@@ -477,6 +477,51 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   result["layout"] = dp.layout
   result["history"] = history
   return result
+
+
+def os_error_text(e: OSError) -> str:
+  """One line for an ``OSError`` that ends a run: what happened, to which
+  file, and what to do (complete checkpoints are never lost by it)."""
+  where = e.filename or "?"
+  if e.errno == errno.ENOSPC:
+    return (f"no space left on the device while writing {where}; free "
+            "space, then run again with --resume (the complete "
+            "checkpoints already written are kept)")
+  if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    return (f"cannot write {where} ({e.strerror}); give an --out-dir this "
+            "process can write to")
+  if e.errno in (errno.ENOTDIR, errno.EEXIST):
+    return (f"{where} is not a directory ({e.strerror}); --out-dir must "
+            "name a directory (or a path that does not exist yet)")
+  return f"{e.strerror or e} ({where})"
+
+
+def read_history(path: str) -> list[dict[str, Any]]:
+  """The records of a ``metrics.jsonl``, without a torn last line.
+
+  A kill or a full disk can leave the last line half written: it is
+  dropped, and said so. A damaged line before the last is not what a kill
+  leaves, so it is refused by file and line number.
+
+  Raises:
+    ValueError: naming the file and the line that does not parse.
+  """
+  with open(path) as f:
+    lines = f.read().split("\n")
+  records = []
+  numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+  for k, (lineno, line) in enumerate(numbered):
+    try:
+      records.append(json.loads(line))
+    except ValueError as e:
+      if k == len(numbered) - 1:
+        print(f"{path}: dropped a torn last line ({lineno}: "
+              f"{line[:40]!r}...), as a stopped run leaves it")
+        break
+      raise ValueError(f"{path}: line {lineno} is not a JSON record "
+                       f"({e}); restore the file or resume into a new "
+                       "--out-dir") from None
+  return records
 
 
 def _previous_result(out_dir: str, step: int) -> dict[str, Any]:

@@ -1,0 +1,117 @@
+"""Bad input and faults that must not lose or corrupt what a run owes.
+
+Each test here reproduces a case that once passed silently (a wrong leaf
+compressed, a run that could not resume) and checks what a user expects.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomm
+
+
+def test_policy_mask_is_matched_by_path_not_position():
+  """A mask whose keys are not the params' is refused, naming the paths;
+  one with the same keys in another insertion order routes by name."""
+  params = {"a": jnp.zeros((32, 32)), "b": jnp.zeros((32, 32))}
+  wrong = jaxcomm.LeafPolicy(mask={"kernel": True, "bias": False})
+  with pytest.raises(ValueError, match=r"mask.*a.*kernel|mask.*kernel"):
+    wrong.plan(params, lambda shape: True)
+  # Insertion order b, a: still routed by name.
+  mask = {"b": False, "a": True}
+  paths = jaxcomm.LeafPolicy(mask=mask, min_size=1).plan(
+    params, lambda shape: True)
+  assert paths == ["compress", "dense"]        # leaves in order a, b
+  # A nested mask must name the nested leaves.
+  nested = {"layer": {"w": jnp.zeros((16, 16)), "b": jnp.zeros((16,))}}
+  with pytest.raises(ValueError, match="layer/w"):
+    jaxcomm.LeafPolicy(mask={"layer": {"b": True}}).plan(
+      nested, lambda shape: True)
+
+
+def test_policy_mask_from_a_callable_and_in_a_step():
+  """The path-matched mask decides which leaf keeps a residual."""
+  params = {"a": jnp.zeros((64,)), "b": jnp.zeros((64,))}
+  tx = jaxcomm.topk(0.25, axis_name=None,
+                    policy=jaxcomm.LeafPolicy(
+                      min_size=1, mask=lambda g: {"b": True, "a": False}))
+  grads = {"a": jnp.arange(64.0), "b": jnp.arange(64.0)}
+  updates, state = tx.update(grads, tx.init(params), params)
+  # "a" is dense: its update is the gradient itself; "b" keeps its top 16.
+  np.testing.assert_array_equal(np.asarray(updates["a"]), np.arange(64.0))
+  want_b = np.where(np.arange(64) >= 48, np.arange(64.0), 0.0)
+  np.testing.assert_array_equal(np.asarray(updates["b"]), want_b)
+
+
+_TINY = ["--model-args", "embed_dim=8,hidden_size=16,num_layers=1",
+         "--seq-len", "16", "--batch-size", "16", "--eval-examples", "16",
+         "--no-progress", "--no-plot", "--schedule", "constant",
+         "--compressor", "topk", "--compressor-args", "ratio=0.1",
+         "--lr", "0.02"]
+
+
+def test_resume_survives_a_torn_last_metrics_line(tmp_path, capsys):
+  """What a kill leaves (half a JSON line) is dropped and reported; the
+  resumed run ends like an uninterrupted one."""
+  import train  # pylint: disable=import-outside-toplevel
+  out = str(tmp_path / "run")
+  train.main(_TINY + ["--out-dir", out, "--steps", "6", "--stop-after",
+                      "4", "--checkpoint-every", "2"])
+  metrics = tmp_path / "run" / "metrics.jsonl"
+  with open(metrics, "a") as f:
+    f.write('{"step": 5, "loss": 1.2')        # torn by a kill
+  r = train.main(_TINY + ["--out-dir", out, "--steps", "6", "--resume",
+                          "--checkpoint-every", "2"])
+  assert "dropped a torn last line" in capsys.readouterr().out
+  steps = [h["step"] for h in r["history"]]
+  assert steps == [1, 2, 3, 4, 5, 6], steps
+  whole = train.main(_TINY + ["--out-dir", str(tmp_path / "whole"),
+                              "--steps", "6", "--checkpoint-every", "2"])
+  np.testing.assert_allclose([h["loss"] for h in r["history"]],
+                             [h["loss"] for h in whole["history"]],
+                             rtol=1e-6)
+
+
+def test_a_damaged_line_before_the_last_is_named(tmp_path):
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl: line 2"):
+    loop.read_history(str(path))
+  path.write_text('{"step": 1}\n{"step": 2}\n{"st')
+  assert loop.read_history(str(path)) == [{"step": 1}, {"step": 2}]
+
+
+def test_os_errors_end_in_one_line_that_says_what_to_do():
+  import errno  # pylint: disable=import-outside-toplevel
+
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  full = loop.os_error_text(OSError(errno.ENOSPC, "No space left on device",
+                                    "runs/a/metrics.jsonl"))
+  assert "runs/a/metrics.jsonl" in full and "--resume" in full
+  ro = loop.os_error_text(OSError(errno.EROFS, "Read-only file system",
+                                  "/ro/run"))
+  assert "/ro/run" in ro and "--out-dir" in ro
+  assert "--out-dir" in loop.os_error_text(
+    NotADirectoryError(errno.ENOTDIR, "Not a directory", "f/run"))
+
+
+def test_out_dir_that_is_a_file_is_one_line_on_the_command_line(tmp_path):
+  """train.py as a script: a regular file as --out-dir exits 1 with one
+  line on stderr, no traceback."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from pathlib import Path  # pylint: disable=import-outside-toplevel
+  root = Path(__file__).resolve().parents[1]
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  proc = subprocess.run(
+    [sys.executable, str(root / "train.py")] + _TINY
+    + ["--num-devices", "2", "--steps", "1",
+       "--out-dir", str(blocker / "run")],
+    cwd=root, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  err = proc.stderr.strip().splitlines()
+  assert err[-1].startswith("error:") and "--out-dir" in err[-1], err[-3:]
