@@ -115,3 +115,16 @@ def test_out_dir_that_is_a_file_is_one_line_on_the_command_line(tmp_path):
   assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
   err = proc.stderr.strip().splitlines()
   assert err[-1].startswith("error:") and "--out-dir" in err[-1], err[-3:]
+
+
+def test_sgp_refuses_graphs_that_cannot_mix():
+  """A device no one sends to (its push-sum weight decays to 0) or a graph
+  of two separate halves is refused by name at construction."""
+  import optax  # pylint: disable=import-outside-toplevel
+  no_in = [[1], [2], [0], [0]]              # nobody sends to device 3
+  with pytest.raises(ValueError, match=r"not strongly connected.*\[3\]"):
+    jaxcomm.sgp(optax.sgd(0.1), topology=no_in)
+  halves = [[1], [0], [3], [2]]
+  with pytest.raises(ValueError, match="not strongly connected"):
+    jaxcomm.sgp(optax.sgd(0.1), topology=halves)
+  jaxcomm.sgp(optax.sgd(0.1), topology=[[1], [2], [3], [0]])   # a ring

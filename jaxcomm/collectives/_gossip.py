@@ -267,6 +267,34 @@ def push_sum_phases(topology, n: int) -> list[list[list[int]]]:
   return [[list(o) for o in out]]
 
 
+def _reach(edges, start: int) -> set:
+  seen, todo = {start}, [start]
+  while todo:
+    for j in edges[todo.pop()]:
+      if j not in seen:
+        seen.add(j)
+        todo.append(j)
+  return seen
+
+
+def _check_strongly_connected(out) -> None:
+  """Push-sum averages only over a strongly connected graph: a device no
+  path reaches (or that reaches no other) keeps its own values and its
+  weight decays towards 0, until ``x / w`` overflows."""
+  n = len(out)
+  back = [[] for _ in range(n)]
+  for i, o in enumerate(out):
+    for j in o:
+      back[j].append(i)
+  for edges, what in ((out, "reached from"), (back, "able to reach")):
+    missed = sorted(set(range(n)) - _reach(edges, 0))
+    if missed:
+      raise ValueError(
+        f"topology is not strongly connected: devices {missed} are not "
+        f"{what} device 0 (push-sum needs a path between every pair, or "
+        "their weights vanish and params become non-finite)")
+
+
 def check_directed_graph(topology) -> tuple[tuple[int, ...], ...]:
   """A directed graph as a tuple of out-neighbour tuples, checked."""
   try:
@@ -283,6 +311,8 @@ def check_directed_graph(topology) -> tuple[tuple[int, ...], ...]:
       raise ValueError(
         f"topology[{i}] = {list(o)}: out-neighbours must be other devices, "
         "each once, non-negative")
+  if all(j < len(out) for o in out for j in o):
+    _check_strongly_connected(out)
   return out
 
 
