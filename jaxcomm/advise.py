@@ -183,9 +183,18 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     _checks.number("budget", budget, 0.0)
   slow, fast = axes[0], list(axes[1:])
   overhead_s = dict(overhead_s or {})
+  candidates = (default_candidates() if candidates is None
+                else list(candidates))
+  unknown = sorted(set(overhead_s) - {c.name for c in candidates})
+  if unknown:
+    raise ValueError(
+      f"overhead_s names no candidate: {unknown}; candidates are "
+      + ", ".join(repr(c.name) for c in candidates))
+  for name, sec in overhead_s.items():
+    _checks.number(f"overhead_s[{name!r}]", sec, 0.0, 1e9)
   fast_s = sum(_dense_time(params, a) for a in fast)
   rows = []
-  for c in default_candidates() if candidates is None else candidates:
+  for c in candidates:
     if c.period is not None:
       _checks.integer("period", c.period, 1)
       # Params averaged every `period` steps: one dense all-reduce over
@@ -317,6 +326,9 @@ def main(argv=None) -> int:
                  "'powersgd r4=2.7,topk 1%%=2.0'")
   a = p.parse_args(argv)
   try:
+    for flag, value in (("--hosts", a.hosts), ("--per-host", a.per_host),
+                        ("--shared", a.shared)):
+      _checks.integer(flag, value, 1)
     params = _params_from_args(a.model, a.shapes)
     axes = [Axis("dcn", a.hosts, wire.CostModel.link(a.slow_gbit,
                                                      a.slow_latency_us),

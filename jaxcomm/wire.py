@@ -430,8 +430,14 @@ class CostModel:
   def link(cls, gbit_per_s: float, latency_us: float = 50.0,
            algorithm: str = "ring") -> "CostModel":
     """A link of ``gbit_per_s`` Gbit/s and ``latency_us`` microseconds."""
-    if gbit_per_s <= 0:
-      raise ValueError(f"gbit_per_s must be > 0, got {gbit_per_s}")
+    if not (isinstance(gbit_per_s, (int, float))
+            and math.isfinite(gbit_per_s) and gbit_per_s > 0):
+      raise ValueError(f"gbit_per_s must be a finite number > 0, got "
+                       f"{gbit_per_s!r}")
+    if not (isinstance(latency_us, (int, float))
+            and math.isfinite(latency_us) and latency_us >= 0):
+      raise ValueError(f"latency_us must be a finite number >= 0, got "
+                       f"{latency_us!r}")
     return cls(alpha=latency_us * 1e-6, beta=8.0 / (gbit_per_s * 1e9),
                algorithm=algorithm)
 

@@ -128,3 +128,33 @@ def test_sgp_refuses_graphs_that_cannot_mix():
   with pytest.raises(ValueError, match="not strongly connected"):
     jaxcomm.sgp(optax.sgd(0.1), topology=halves)
   jaxcomm.sgp(optax.sgd(0.1), topology=[[1], [2], [3], [0]])   # a ring
+
+
+@pytest.mark.parametrize("argv,flag", [
+  (["--slow-gbit", "nan"], "gbit_per_s"),
+  (["--slow-gbit", "inf"], "gbit_per_s"),
+  (["--slow-gbit", "10", "--slow-latency-us", "-1"], "latency_us"),
+  (["--slow-gbit", "10", "--per-host", "-3"], "--per-host"),
+  (["--slow-gbit", "10", "--hosts", "0"], "--hosts"),
+  (["--slow-gbit", "10", "--overhead-ms", "no such method=2"],
+   "no such method"),
+])
+def test_advise_cli_refuses_what_it_cannot_price(argv, flag, capsys):
+  """Each bad flag is a command-line error naming it, not a table of nan
+  or a silently ignored value."""
+  from jaxcomm import advise  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as e:
+    advise.main(["--shapes", "64x64", "--hosts", "4"] + argv)
+  assert e.value.code == 2
+  assert flag in capsys.readouterr().err
+
+
+def test_advise_names_the_candidates_an_overhead_may_take():
+  from jaxcomm import advise  # pylint: disable=import-outside-toplevel
+  params = {"w": jnp.zeros((64, 64))}
+  axes = [advise.Axis("dcn", 4, jaxcomm.wire.CostModel.link(10))]
+  with pytest.raises(ValueError, match="names no candidate.*'dense'"):
+    advise.advise(params, axes, overhead_s={"topk": 1e-3})
+  name = advise.default_candidates()[0].name
+  rows = advise.advise(params, axes, overhead_s={name: 0.5})
+  assert [r.overhead_s for r in rows if r.name == name] == [0.5]
