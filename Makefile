@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test bench bench-lr bench-network bench-time-to-target lint clean
+.PHONY: train convergence test bench bench-lr bench-network bench-time-to-target docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ bench: $(STAMP)
 
 convergence: $(STAMP)
 	$(PY) -m benchmarks.convergence
+
+# The README's method tables, from jaxcomm.registry (a test fails when stale).
+docs: $(STAMP)
+	$(PY) -m benchmarks.readme_tables
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

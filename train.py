@@ -87,6 +87,7 @@ from trainer.config import DEFAULT_COMPRESSOR_ARGS  # noqa: E402,F401
 from trainer.config import FALLBACK  # noqa: E402,F401
 from trainer.config import GOSSIP_METHODS  # noqa: E402,F401
 from trainer.config import LOCAL_METHODS  # noqa: E402,F401
+from trainer.config import MEASURED_LR_PATH  # noqa: E402,F401
 from trainer.config import OPTIMIZERS  # noqa: E402,F401
 from trainer.config import Config  # noqa: E402
 from trainer.config import available_compressors  # noqa: E402,F401
@@ -96,6 +97,7 @@ from trainer.config import make_comm_optimizer  # noqa: E402,F401
 from trainer.config import make_local_optimizer  # noqa: E402,F401
 from trainer.config import make_optimizer  # noqa: E402,F401
 from trainer.config import make_schedule  # noqa: E402,F401
+from trainer.config import measured_lr  # noqa: E402,F401
 from trainer.config import methods_epilog  # noqa: E402,F401
 from trainer.config import parse_args  # noqa: E402
 from trainer.config import parse_kwargs  # noqa: E402,F401

@@ -54,7 +54,7 @@ def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
   rows = []
   for name in names:
     m = jaxcomm.registry.get(name, "compressor")
-    optimizer = _OPTIMIZER[m.optimizer]
+    optimizer = _OPTIMIZER[train.measured_lr()[m.name]["optimizer"]]
     for lr in lrs:
       cfg = train.Config(
         model="mlp", model_args="", dataset="digits", compressor=m.name,
@@ -72,7 +72,7 @@ def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
       rows.append({"method": m.name, "optimizer": optimizer, "lr": lr,
                    "eval_loss": r["eval_loss"],
                    "eval_accuracy": r["eval_accuracy"],
-                   "recommended_lr": m.lr})
+                   "recommended_lr": train.measured_lr()[m.name]["lr"]})
       print(f"{m.name:>10} {optimizer:>8} lr {lr:<6g} accuracy "
             f"{r['eval_accuracy']:.3f} loss {r['eval_loss']:.3f}",
             flush=True)
@@ -117,6 +117,10 @@ def main(argv=None):
                  help="training steps per run (constant learning rate)")
   p.add_argument("--out", default="runs/lr_sweep/table.md",
                  help="where the markdown table goes")
+  p.add_argument("--write-lr", action="store_true",
+                 help="record each method's best rate in "
+                 "docs/benchmarks/lr.json (what train.py and the README "
+                 "read)")
   args = p.parse_args(argv)
   train.configure_devices(train.Config(num_devices=8))
   import jaxcomm  # pylint: disable=import-outside-toplevel
@@ -136,6 +140,25 @@ def main(argv=None):
   with open(os.path.join(os.path.dirname(os.path.abspath(args.out)),
                          "results.json"), "w", encoding="utf-8") as f:
     json.dump(rows, f, indent=1)
+  if args.write_lr:
+    write_best(rows)
+
+
+def write_best(rows: list[dict]) -> None:
+  """Records each swept method's rate of the lowest held-out loss in
+  ``docs/benchmarks/lr.json``, keeping the other entries."""
+  with open(train.MEASURED_LR_PATH, encoding="utf-8") as f:
+    data = json.load(f)
+  for name in dict.fromkeys(r["method"] for r in rows):
+    ok = [r for r in rows if r["method"] == name
+          and math.isfinite(r["eval_loss"])]
+    if ok:
+      best = min(ok, key=lambda r: (r["eval_loss"], -r["eval_accuracy"]))
+      data[name] = {"optimizer": data.get(name, {}).get(
+        "optimizer", "sgd momentum 0.9"), "lr": best["lr"]}
+  with open(train.MEASURED_LR_PATH, "w", encoding="utf-8") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ congestion, so it ranks methods rather than promising seconds
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+from typing import Any
 from typing import Callable
 from typing import Mapping
 from typing import Sequence
@@ -251,11 +253,13 @@ def table(rows: Sequence[Row], budget: float | None = None) -> str:
   return "\n".join(out)
 
 
-def _params_from_args(model: str | None, shapes: str | None):
-  """Abstract params: a registered model's (``models``) or given shapes."""
+def _params_from_args(model: str | None, shapes: str | None,
+                      model_params: Callable[[str], Any] | None):
+  """Abstract params: a named model's (through ``model_params``) or given
+  shapes."""
   if (model is None) == (shapes is None):
-    raise ValueError("give one of --model (a name from models.MODELS) or "
-                     "--shapes (e.g. '1024x1024,1024')")
+    raise ValueError("give one of --model (a model name) or --shapes (e.g. "
+                     "'1024x1024,1024')")
   if shapes is not None:
     out = {}
     for i, text in enumerate(t for t in shapes.split(",") if t.strip()):
@@ -270,15 +274,12 @@ def _params_from_args(model: str | None, shapes: str | None):
     if not out:
       raise ValueError("--shapes gave no shapes")
     return out
-  try:
-    from flax import nnx
-
-    import models
-  except ImportError as e:
-    raise ValueError(f"--model needs the repository's models package "
-                     f"({e}); give --shapes instead") from None
-  abstract = nnx.eval_shape(lambda: models.create(model))
-  return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+  if model_params is None:
+    raise ValueError("--model needs a model catalogue, which the library "
+                     "does not have: give --shapes, or run `python -m "
+                     "benchmarks.advise --model NAME ...` from the "
+                     "repository root")
+  return model_params(model)
 
 
 def _overheads(text: str | None) -> dict:
@@ -294,17 +295,24 @@ def _overheads(text: str | None) -> dict:
   return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, model_params: Callable[[str], Any] | None = None
+         ) -> int:
   """``python -m jaxcomm.advise``: the table for a model on a two-level
-  mesh."""
-  import argparse  # pylint: disable=import-outside-toplevel
+  mesh.
+
+  Args:
+    argv: the command line (default ``sys.argv[1:]``).
+    model_params: ``model_params(name) -> params`` (abstract is enough)
+      for ``--model``; the repository's ``benchmarks/advise.py`` passes its
+      models' (raising ``ValueError`` for an unknown name).
+  """
   p = argparse.ArgumentParser(
     prog="python -m jaxcomm.advise",
     description="Predicted communication per step of dense, bf16, "
     "PowerSGD, top-k, onebit, local SGD and DiLoCo on a mesh of hosts, "
     "and the fastest within a loss budget.")
-  p.add_argument("--model", help="a model name from models.MODELS "
-                 "(e.g. charlm, resnet20)")
+  p.add_argument("--model", help="a model name (with `python -m "
+                 "benchmarks.advise`: charlm, resnet20, ...)")
   p.add_argument("--shapes", help="parameter shapes instead, e.g. "
                  "'1024x1024,1024' (float32)")
   p.add_argument("--hosts", type=int, required=True,
@@ -329,7 +337,7 @@ def main(argv=None) -> int:
     for flag, value in (("--hosts", a.hosts), ("--per-host", a.per_host),
                         ("--shared", a.shared)):
       _checks.integer(flag, value, 1)
-    params = _params_from_args(a.model, a.shapes)
+    params = _params_from_args(a.model, a.shapes, model_params)
     axes = [Axis("dcn", a.hosts, wire.CostModel.link(a.slow_gbit,
                                                      a.slow_latency_us),
                  shared=a.shared)]

@@ -220,3 +220,32 @@ def lower_update(tx, mesh, params=None):
   grads = parallel.shard_batch(make_grads(0, 1, params=params)[0], mesh, AXIS)
   return _stepper(tx, mesh, key).lower(parallel.replicate(params, mesh),
                                        state, grads)
+
+
+# Values for required parameters that the registry's defaults leave out,
+# by parameter name (inner optimizers, rates, periods): what a test passes
+# to build any registered method on one device.
+REQUIRED_BY_NAME = {
+  "learning_rate": 0.1, "freeze_step": 1, "var_freeze_step": 1,
+  "period": 2, "gamma": 0.5,
+}
+
+
+def required_args(m) -> dict:
+  """The arguments a call of registered method ``m`` must pass: its
+  registry defaults for required parameters, else :data:`REQUIRED_BY_NAME`,
+  and fresh optimizers for ``inner`` / ``outer`` / ``compressor``."""
+  out = {}
+  for k, p in m.parameters().items():
+    if p.default is not p.empty or p.kind in (p.VAR_KEYWORD,
+                                              p.VAR_POSITIONAL):
+      continue
+    if k in m.defaults:
+      out[k] = m.defaults[k]
+    elif k in ("inner", "outer"):
+      out[k] = optax.sgd(0.1)
+    elif k == "compressor":
+      out[k] = jaxcomm.topk(0.25, axis_name=None)
+    else:
+      out[k] = REQUIRED_BY_NAME[k]
+  return out

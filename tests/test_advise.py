@@ -192,7 +192,8 @@ def test_command_line_prices_the_given_shapes(capsys):
 @pytest.mark.parametrize("argv,match", [
   (["--hosts", "8", "--slow-gbit", "10"], "one of --model"),
   (["--shapes", "512xq", "--hosts", "8", "--slow-gbit", "10"], "512xq"),
-  (["--model", "nope", "--hosts", "8", "--slow-gbit", "10"], "nope"),
+  (["--model", "charlm", "--hosts", "8", "--slow-gbit", "10"],
+   "benchmarks.advise"),
   (["--shapes", "8", "--hosts", "8", "--slow-gbit", "10",
     "--overhead-ms", "dense"], "NAME=MS"),
 ])
@@ -203,14 +204,19 @@ def test_command_line_names_bad_arguments(argv, match, capsys):
 
 
 def test_command_line_reads_a_registered_model(capsys):
-  """--model builds abstract params: the table's dense bytes are the
-  model's parameter bytes (ring over 2 hosts sends each byte once)."""
+  """``python -m benchmarks.advise --model`` builds abstract params: the
+  table's dense bytes are the model's parameter bytes (ring over 2 hosts
+  sends each byte once); an unknown name is named."""
   from flax import nnx
 
   import models
+  from benchmarks import advise as advise_cli
   abstract = nnx.eval_shape(lambda: models.create("charlm"))
   n = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-  advise.main(["--model", "charlm", "--hosts", "2", "--slow-gbit", "1"])
+  with pytest.raises(SystemExit):
+    advise_cli.main(["--model", "nope", "--hosts", "8", "--slow-gbit", "10"])
+  assert "nope" in capsys.readouterr().err
+  advise_cli.main(["--model", "charlm", "--hosts", "2", "--slow-gbit", "1"])
   out = capsys.readouterr().out
   row = [line for line in out.splitlines() if line.startswith("| dense |")]
   assert float(row[0].split("|")[6]) == pytest.approx((4 * n + _FLAG) / 1e6,

@@ -5,6 +5,7 @@ The toy codec sends, per leaf, only the element of largest magnitude (a
 simple enough that every expectation below is written in plain numpy.
 """
 
+import inspect
 import warnings
 
 import jax
@@ -224,36 +225,31 @@ def test_cast_names_the_accepted_dtypes():
       jaxcomm.cast(bad)
 
 
-# The arguments each public factory needs; every other argument keeps its
-# default, which optax.inject_hyperparams must not need listed as static.
-_REQUIRED = {
-  "mean_gradients": {}, "cast": {}, "powersgd": {"rank": 2},
-  "topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1},
-  "threshold": {"value": 0.5}, "dgc": {}, "gtopk": {"ratio": 0.1},
-  "qsgd": {}, "terngrad": {}, "natural": {}, "int8": {}, "uint8": {},
-  "onebit": {}, "signsgd": {}, "signum": {}, "ef_signsgd": {},
-  "csc": {"chunk_size": 16, "ratio": 0.25},
-  "onebit_adam": {"learning_rate": 0.1, "freeze_step": 1},
-  "onebit_lamb": {"learning_rate": 0.1, "freeze_step": 1},
-}
+# The arguments each compressor and whole optimizer needs, from the
+# registry: every other argument keeps its default, which
+# optax.inject_hyperparams must not need listed as static.
+_REQUIRED = {m.attr: harness.required_args(m)
+             for m in jaxcomm.registry.methods()
+             if m.family in ("compressor", "optimizer")
+             and m.name != "zero_one_adam"}
 
 
-def test_required_arguments_table_is_complete():
-  import inspect
-
-  from jaxcomm import transforms
+def test_required_arguments_are_the_registry_defaults():
+  """Each registered method's required parameters have a value from the
+  registry's defaults or (whole optimizers: a rate and a freeze step) from
+  the harness's table by parameter name; every public factory is a
+  registered method or a helper."""
+  for m in jaxcomm.registry.methods():
+    args = harness.required_args(m)
+    needed = {k for k, p in m.parameters().items() if p.default is p.empty
+              and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    assert set(args) == needed, m.name
+    m.factory(**args, axis_name=None)
+  from jaxcomm import transforms  # pylint: disable=import-outside-toplevel
   public = {n for n in dir(transforms) if not n.startswith("_")
             and inspect.isfunction(getattr(transforms, n))}
-  # Local-update optimizers wrap other optimizers (tests/test_local.py).
-  local = {"local_sgd", "adacomm", "overlap_local_sgd", "diloco",
-           "apply_updates", "local_states", "zero_one_adam", "dpsgd",
-           "choco", "sgp"}
-  assert public == set(_REQUIRED) | local
-  for name, args in _REQUIRED.items():
-    sig = inspect.signature(getattr(jaxcomm, name))
-    needed = {k for k, p in sig.parameters.items() if p.default is p.empty
-              and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    assert needed == set(args), name
+  helpers = {"apply_updates", "local_states"}
+  assert public == {m.attr for m in jaxcomm.registry.methods()} | helpers
 
 
 @pytest.mark.parametrize("name", sorted(_REQUIRED))

@@ -5,12 +5,16 @@ import inspect
 import os
 import re
 
+import chex
+import jax.numpy as jnp
 import optax
 import pytest
 
 import jaxcomm
 import train
+from benchmarks import readme_tables
 from jaxcomm import registry
+from tests import harness
 from tests import registry as battery
 
 _README = os.path.join(os.path.dirname(os.path.dirname(__file__)),
@@ -140,18 +144,71 @@ def test_readme_tables_match_the_registry():
 
 def test_readme_gives_the_working_learning_rate():
   """Friction: rates differ ~100x between compressors; the compressor
-  table has the optimizer and learning rate the sweep found, as the
-  registry records them."""
+  table has the optimizer and learning rate the sweep found, as
+  docs/benchmarks/lr.json records them, and every compressor has an entry
+  there (a rate, or null where it was not swept)."""
+  lrs = train.measured_lr()
+  assert set(lrs) == set(registry.names("compressor"))
   rows = {name: cells for first, cells in _readme_rows()
           for name in re.findall(r"`(\w+)\(", first)}
   for m in registry.methods("compressor"):
-    if m.lr is None:
+    entry = lrs[m.name]
+    if entry["lr"] is None:
       continue
     last = rows[m.attr][-1]
     # "momentum SGD, 0.03" for "sgd momentum 0.9"; "SGD, 0.001" for "sgd".
-    want = "momentum SGD" if "momentum 0.9" in m.optimizer else "SGD"
-    assert re.search(rf"(^| ){want}[^,]*, {m.lr:g}( |$)", last), (
-      m.name, m.optimizer, m.lr, last)
+    want = "momentum SGD" if "momentum 0.9" in entry["optimizer"] else "SGD"
+    assert re.search(rf"(^| ){want}[^,]*, {entry['lr']:g}( |$)", last), (
+      m.name, entry, last)
+
+
+def test_readme_tables_are_generated_from_the_registry():
+  """The README's method tables are what ``make docs`` writes: a method
+  added, renamed or re-described makes this fail until it is run."""
+  with open(_README, encoding="utf-8") as f:
+    text = f.read()
+  assert readme_tables.render(text) == text, (
+    "README.md's method tables are stale: run `make docs`")
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_inject_hyperparams_with_the_derived_static_args(name):
+  """``optax.inject_hyperparams(factory, static_args=m.static_args)``
+  builds, initialises and updates every registered method (int periods,
+  freeze steps and seeds stay Python values), with its update equal to the
+  plain factory's."""
+  m = registry.get(name)
+  args = dict(harness.required_args(m), axis_name=None)
+  injected = optax.inject_hyperparams(m.factory,
+                                      static_args=m.static_args)(**args)
+  plain = m.factory(**args)
+  params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
+  grads = {"w": jnp.linspace(-1.0, 1.0, 128).reshape(16, 8),
+           "b": jnp.linspace(0.5, -0.5, 8)}
+  extra = {"value": jnp.float32(1.0)} if m.family == "local" else {}
+  u1, _ = injected.update(grads, injected.init(params), params, **extra)
+  u2, _ = plain.update(grads, plain.init(params), params, **extra)
+  # Traced hyperparameters are not constant-folded: rounding may differ.
+  chex.assert_trees_all_close(u1, u2, rtol=2e-5, atol=2e-5)
+
+
+def test_static_args_are_derived_from_the_signature():
+  """Ints, bools, strings and optimizers are static; real numbers are not,
+  unless the registration says they set a shape (top-k's ratio)."""
+  topk = registry.get("topk")
+  assert {"ratio", "granularity", "value_bits", "seed", "axis_name",
+          "policy", "error_feedback", "start_step"} <= set(topk.static_args)
+  assert "clip_norm" not in topk.static_args
+  assert "residual_decay" not in topk.static_args
+  signum = registry.get("signum")
+  assert "beta" not in signum.static_args
+  assert {"inner", "period"} <= set(registry.get("local_sgd").static_args)
+  adam = registry.get("onebit_adam")
+  assert "freeze_step" in adam.static_args
+  assert "learning_rate" not in adam.static_args
+  assert "b1" not in adam.static_args
+  with pytest.raises(ValueError, match="does not take"):
+    registry.derive_static_args(jaxcomm.topk, ("nope",))
 
 
 def test_method_validates_its_family():

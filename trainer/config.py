@@ -12,6 +12,8 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -37,6 +39,20 @@ def _cli_value(v):
   if isinstance(v, type) or isinstance(v, jnp.dtype):
     return jnp.dtype(v).name
   return v
+
+
+# What ``make bench-lr`` measured per compressor: the optimizer chained after
+# it and the learning rate of the lowest held-out loss.
+MEASURED_LR_PATH = os.path.join(os.path.dirname(os.path.dirname(
+  os.path.abspath(__file__))), "docs", "benchmarks", "lr.json")
+
+
+def measured_lr() -> dict[str, dict[str, Any]]:
+  """``{method: {"optimizer": ..., "lr": ...}}`` from
+  ``docs/benchmarks/lr.json`` (``lr`` None where the sweep did not run)."""
+  with open(MEASURED_LR_PATH, encoding="utf-8") as f:
+    data = json.load(f)
+  return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -251,12 +267,14 @@ def methods_epilog() -> str:
             "optimizer": "--optimizer (whole jaxcomm optimizers)",
             "local": "--local (around --optimizer, run per device)"}
   lines = []
+  lrs = measured_lr()
   for family, title in titles.items():
     lines.append(f"{title}:")
     for m in jaxcomm.registry.methods(family):
       tail = ""
-      if m.lr is not None:
-        tail = f"  [{m.optimizer}, lr {m.lr:g}]"
+      lr = lrs.get(m.name, {})
+      if lr.get("lr") is not None:
+        tail = f"  [{lr['optimizer']}, lr {lr['lr']:g}]"
       args = ",".join(f"{k}={getattr(v, '__name__', v)}"
                       for k, v in m.defaults.items())
       lines.append(f"  {m.name:<18} {m.paper}"

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _compressor
+from jaxcomm import _registry
 from jaxcomm.collectives import _core
 
 
@@ -22,6 +23,12 @@ def _mean_codec() -> _compressor.Codec:
   )
 
 
+@_registry.method(
+    family="compressor",
+    paper="—",
+    name="dense",
+    summary="float32 mean, one fused all-reduce",
+    aliases=("none", "mean", "mean_gradients"))
 def mean_gradients(axis_name="data"):
   """Averages gradients over the data axis with one fused psum.
 
@@ -81,6 +88,12 @@ def _cast_codec(dtype) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Micikevicius et al. 2018",
+    summary="16-bit, divided by n first, float32 accumulation",
+    defaults={"dtype": jnp.bfloat16},
+    aliases=("bf16", "fp16"))
 @_compressor.shared_options
 def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
          policy=None,

@@ -45,6 +45,7 @@ from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _policy
+from jaxcomm import _registry
 from jaxcomm.collectives import _core
 
 
@@ -405,6 +406,12 @@ def _average_sync(axis_name):
   return sync
 
 
+@_registry.method(
+    family="local",
+    paper="Stich 2018; Lin et al. 2020",
+    summary=(
+      "params averaged (one fused all-reduce) every `period` steps; "
+      "synchronous before `start_step` (post-local SGD)"))
 def local_sgd(inner: optax.GradientTransformation, period: int, *,
               start_step: int = 0, axis_name="data"
               ) -> optax.GradientTransformationExtraArgs:
@@ -448,6 +455,12 @@ def local_sgd(inner: optax.GradientTransformation, period: int, *,
                        sync_fns=[_average_sync(axis_name)], spec=spec)
 
 
+@_registry.method(
+    family="local",
+    paper="Wang & Joshi 2019",
+    summary=(
+      "local SGD whose period follows the loss: `tau = ceil(sqrt(F_l / "
+      "F_0) tau_0)` every `interval` steps"))
 def adacomm(inner: optax.GradientTransformation, period: int, *,
             interval: int | None = None, max_period: int | None = None,
             learning_rate: Callable | None = None, axis_name="data"
@@ -542,6 +555,13 @@ def adacomm(inner: optax.GradientTransformation, period: int, *,
                        spec=spec)
 
 
+@_registry.method(
+    family="local",
+    paper="Wang, Liang & Joshi 2020",
+    summary=(
+      "each model pulled towards an anchor, `x <- (1-a) x + a z`; the "
+      "pulled models' average is the next anchor, first read one period "
+      "later"))
 def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
                       alpha: float = 0.5, axis_name="data"
                       ) -> optax.GradientTransformationExtraArgs:
@@ -587,6 +607,14 @@ def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
                        sync_fns=[sync], merge=merge, spec=spec)
 
 
+@_registry.method(
+    family="local",
+    paper="Douillard et al. 2023; Streaming DiLoCo 2025; SparseLoCo 2025",
+    summary=(
+      "the mean pseudo-gradient `theta - x_i` (optionally through any "
+      "jaxcomm compressor, its error feedback kept from sync to sync) "
+      "drives `outer`; `fragments` blocks of layers synced in turn, each "
+      "block's result merged `overlap_steps` later"))
 def diloco(inner: optax.GradientTransformation,
            outer: optax.GradientTransformation, period: int, *,
            compressor: optax.GradientTransformation | None = None,
@@ -798,7 +826,18 @@ class ZeroOneSpec(LocalSpec):
             3: claim(mom_ex)}[branch]
 
 
-def zero_one_adam(learning_rate, b1: float = 0.9, b2: float = 0.999,
+@_registry.method(
+    family="optimizer",
+    paper="Lu et al. 2022",
+    summary=(
+      "warm-up: exact mean gradient on variance-update steps (their "
+      "interval doubling), the 1-bit average (`onebit()` exchange) on the"
+      " others; after: local Adam steps with each device's own momentum; "
+      "every `local_interval` steps (doubling, clipped) a 1-bit sync of "
+      "the accumulated updates; params per device in between (a "
+      "local-update optimizer, below)"))
+def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
+                  b1: float = 0.9, b2: float = 0.999,
                   eps: float = 1e-8, weight_decay: float = 0.0, *,
                   var_freeze_step: int, var_update_scaler: int = 16,
                   local_step_scaler: int = 32678,
@@ -1036,6 +1075,15 @@ def _gossip_inner_step(method, inner, axis_name, updates, state, params,
   return n, u, _where(ok, inner_new, state.inner), ok
 
 
+@_registry.method(
+    family="local",
+    paper="Lian et al. 2017; Ying et al. 2021",
+    summary=(
+      "no sync: every step each device mixes its params with its "
+      "neighbours', `x_i <- sum_j W_ij x_j` (ring, 2-D torus, hypercube, "
+      "one-peer exponential graph), as collective-permutes of one fused "
+      "buffer: bytes per device flat in the number of devices"),
+    gossip=True)
 def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
           axis_name="data") -> optax.GradientTransformationExtraArgs:
   """Decentralized SGD: each device mixes its params with its neighbours'.
@@ -1164,6 +1212,14 @@ def _choco_message_words(spec, params, n: int) -> int:
 CHOCO_TOPOLOGIES = ("ring", "torus")
 
 
+@_registry.method(
+    family="local",
+    paper="Koloskova et al. 2019",
+    summary=(
+      "decentralized SGD gossiping compressed differences `q = C(x - "
+      "x_hat)` (top-k, random-k or EF-signSGD messages, one permute per "
+      "neighbour); ring or torus"),
+    gossip=True)
 def choco(inner: optax.GradientTransformation, compressor, *,
           gamma: float, topology: str = "ring", axis_name="data",
           seed: int = 0) -> optax.GradientTransformationExtraArgs:
@@ -1329,6 +1385,14 @@ class PushSumSpec:
     return _gossip.push_sum_wire(self.topology, n, size, step)
 
 
+@_registry.method(
+    family="local",
+    paper="Assran et al. 2019",
+    summary=(
+      "stochastic gradient push: push-sum over the directed exponential "
+      "graph or any directed graph (`x / w` de-biases column-stochastic "
+      "mixing)"),
+    gossip=True)
 def sgp(inner: optax.GradientTransformation, *, topology="exponential",
         axis_name="data") -> optax.GradientTransformationExtraArgs:
   """Stochastic gradient push: decentralized SGD over a directed graph.

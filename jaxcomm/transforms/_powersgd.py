@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _registry
 from jaxcomm.collectives import _lowrank
 
 
@@ -241,6 +242,12 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
                            wire=wire, accepts=accepts, flat=True)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Vogels et al. 2019",
+    summary="rank-r factors P, Q in two fused all-reduces, warm start, EF",
+    defaults={"rank": 4},
+    static=("min_compression_rate",))
 @_compressor.shared_options
 def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
              min_compression_rate: float | None = None,

@@ -38,6 +38,7 @@ import numpy as np
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
 from jaxcomm.collectives import _signs
@@ -93,6 +94,13 @@ def _onebit_codec() -> _compressor.Codec:
       layout.sizes, n))
 
 
+@_registry.method(
+    family="compressor",
+    paper="Seide et al. 2014; Tang et al. 2021",
+    summary=(
+      "packed signs + scale, worker and server EF (DeepSpeed-style "
+      "2-phase)"),
+    aliases=("1bit",))
 @_compressor.shared_options
 def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
            **options):
@@ -173,6 +181,10 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
     wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
 
 
+@_registry.method(
+    family="compressor",
+    paper="Bernstein et al. 2018",
+    summary="packed signs, majority vote in 2 phases")
 @_compressor.shared_options
 def signsgd(scale: float = 1.0, *, axis_name="data",
             error_feedback: bool = False, policy=None,
@@ -221,6 +233,10 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
                                 **options)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Bernstein et al. 2018, 2019",
+    summary="packed signs, majority vote in 2 phases")
 @_compressor.shared_options
 def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
            error_feedback: bool = False, policy=None,
@@ -292,6 +308,11 @@ def _ef_sign_codec() -> _compressor.Codec:
     message=message, decode=decode)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Karimireddy et al. 2019",
+    summary="scaled signs, EF, all-gather",
+    aliases=("signsgd_ef",))
 @_compressor.shared_options
 def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
                policy=None,
@@ -523,6 +544,10 @@ def _safe_ratio(x, s):
   return jnp.where(s > 0, jnp.abs(x) / jnp.where(s > 0, s, 1.0), 0.0)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Alistarh et al. 2017",
+    summary="stochastic unbiased levels, shared scale")
 @_compressor.shared_options
 def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
          axis_name="data",
@@ -600,6 +625,10 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
                                 seed=seed, **options)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Wen et al. 2017",
+    summary="stochastic ternary, shared layer scale")
 @_compressor.shared_options
 def terngrad(clip_sigma: float | None = None, *, axis_name="data",
              error_feedback: bool = False, policy=None, seed: int = 0,
@@ -659,6 +688,10 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
                                 seed=seed, **options)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Dettmers 2016",
+    summary="int8 codes + per-bucket scale, EF")
 @_compressor.shared_options
 def int8(bucket_size: int | None = None, *, axis_name="data",
          error_feedback: bool = True, policy=None,
@@ -712,6 +745,10 @@ def _uint8_span(S):
   return -S[..., 0], (S[..., 1] + S[..., 0]) / 255.0
 
 
+@_registry.method(
+    family="compressor",
+    paper="PyTorch DDP uint8 hook; Dettmers 2016",
+    summary="uint8 codes + per-bucket min and scale (shared over devices), EF")
 @_compressor.shared_options
 def uint8(bucket_size: int | None = None, *, axis_name="data",
           error_feedback: bool = True, policy=None,
@@ -826,6 +863,10 @@ def _natural_codec() -> _compressor.Codec:
                                                    n).wire)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Horváth et al. 2019",
+    summary="stochastic powers of two (9-bit codes)")
 @_compressor.shared_options
 def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
             seed: int = 0,

@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
 from jaxcomm.kernels import topk as _topk
@@ -183,6 +184,12 @@ def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
                            decode=decode if gossip else None)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Aji & Heafield 2017; Stich et al. 2018",
+    summary="(index, value) pairs, sparse psum, EF",
+    defaults={"ratio": 0.01},
+    static=("ratio",))
 @_compressor.shared_options
 def topk(ratio: float, *, granularity: str = "leaf",
          value_bits: int | None = None, axis_name="data",
@@ -376,6 +383,12 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
                            message=message, decode=decode)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Stich et al. 2018",
+    summary="values only (shared key, same coordinates everywhere)",
+    defaults={"ratio": 0.01},
+    static=("ratio",))
 @_compressor.shared_options
 def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
             error_feedback: bool = True, policy=None, seed: int = 0,
@@ -441,6 +454,12 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Strom 2015",
+    summary="pairs above a threshold, bounded capacity",
+    defaults={"value": 0.001},
+    static=("capacity_ratio",))
 @_compressor.shared_options
 def threshold(value: float, *, capacity_ratio: float | None = None,
               axis_name="data", error_feedback: bool = True, policy=None,
@@ -740,6 +759,14 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
                            wire_at=wire_at)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Lin et al. 2018",
+    summary=(
+      "DGC: momentum correction, masking, local clipping, warm-up, "
+      "sampled threshold"),
+    defaults={"ratio": 0.001},
+    static=("ratio", "sample_ratio"))
 @_compressor.shared_options
 def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
         clip_norm: float | None = None,
@@ -878,6 +905,12 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
                            apply=apply, wire=wire, flat=True)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Shi et al. 2019",
+    summary="global top-k by recursive doubling, O(k log n)",
+    defaults={"ratio": 0.01},
+    static=("ratio",))
 @_compressor.shared_options
 def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
           error_feedback: bool = True, policy=None, seed: int = 0,
@@ -949,6 +982,12 @@ def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
                            flat=True)
 
 
+@_registry.method(
+    family="compressor",
+    paper="Sun et al. 2019 (GradientFlow)",
+    summary="top chunks by allreduced L1 norm, traffic independent of n",
+    defaults={"chunk_size": 64, "ratio": 0.01},
+    static=("ratio",))
 @_compressor.shared_options
 def csc(chunk_size: int, ratio: float, *, axis_name="data",
         error_feedback: bool = True, policy=None, seed: int = 0,

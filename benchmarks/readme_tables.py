@@ -1,0 +1,128 @@
+"""The README's method tables, generated from ``jaxcomm.registry``.
+
+``make docs`` (``python -m benchmarks.readme_tables``) rewrites the blocks
+of README.md between ``<!-- registry:FAMILY -->`` and
+``<!-- /registry:FAMILY -->``; ``tests/test_registry.py`` fails when a
+block is stale. The compressor table's bytes are each compressor's claim
+(``jaxcomm.wire.claimed``, which the test battery checks against the
+compiled HLO) for ResNet-18's gradient shapes on 8 devices, against the
+dense mean's; its learning rates are ``docs/benchmarks/lr.json`` (``make
+bench-lr``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jaxcomm
+from benchmarks._common import resnet18_shapes
+from trainer.config import measured_lr
+
+README = os.path.join(os.path.dirname(os.path.dirname(
+  os.path.abspath(__file__))), "README.md")
+BYTES_MODEL = "resnet18"
+BYTES_DEVICES = 8
+
+_HEADERS = {
+  "compressor": ("| factory | what travels | bytes vs dense "
+                 f"({BYTES_MODEL}, n={BYTES_DEVICES}) | paper | then, lr "
+                 "(digits) |\n|---|---|---:|---|---|"),
+  "optimizer": "| factory | what it does | paper |\n|---|---|---|",
+  "local": "| factory | sync | paper |\n|---|---|---|",
+}
+
+
+def call(m) -> str:
+  """``factory(required..., default=value)`` as a table shows it."""
+  parts = []
+  for k, p in m.parameters().items():
+    if k in m.defaults:
+      v = m.defaults[k]
+      text = (f"jnp.{v.__name__}" if isinstance(v, type)
+              else f"{v!r}")
+      parts.append(f"{k}={text}")
+    elif p.default is p.empty and p.kind not in (p.VAR_KEYWORD,
+                                                 p.VAR_POSITIONAL):
+      parts.append(k)
+  return f"`{m.attr}({', '.join(parts)})`"
+
+
+def _bytes_params():
+  return {k: jax.ShapeDtypeStruct(v, jnp.float32)
+          for k, v in resnet18_shapes().items()}
+
+
+def _ratio(tx, params) -> str:
+  """Dense float32 mean's bytes sent per device / the claim's (ring
+  formulas, ``jaxcomm.wire.summarize``)."""
+  rep = jaxcomm.wire.summarize(
+    jaxcomm.wire.claimed(tx, params, BYTES_DEVICES), n=BYTES_DEVICES,
+    params=params)
+  return f"{rep.ratio:.1f}x"
+
+
+def _lr_cell(entry: dict | None) -> str:
+  if not entry or entry.get("lr") is None:
+    return "not swept"
+  opt = entry["optimizer"]
+  name = ("momentum SGD" if "momentum" in opt else
+          "SGD (momentum inside)" if "inside" in opt else "SGD")
+  return f"{name}, {entry['lr']:g}"
+
+
+def table(family: str, params=None) -> str:
+  """The markdown table of one family."""
+  rows = [_HEADERS[family]]
+  if family == "compressor":
+    params = _bytes_params() if params is None else params
+    lrs = measured_lr()
+  for m in jaxcomm.registry.methods(family):
+    cells = [call(m), m.summary]
+    if family == "compressor":
+      cells += [_ratio(m.make(), params), m.paper,
+                _lr_cell(lrs.get(m.name))]
+    else:
+      cells.append(m.paper)
+    rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells)
+                + " |")
+  return "\n".join(rows)
+
+
+def render(text: str, params=None) -> str:
+  """``text`` (README.md) with every registry block regenerated.
+
+  Raises:
+    ValueError: if a family's markers are missing.
+  """
+  for family in jaxcomm.registry.FAMILIES:
+    start, end = f"<!-- registry:{family} -->", f"<!-- /registry:{family} -->"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+      raise ValueError(f"README.md has no {start} ... {end} block")
+    body = table(family, params)
+    text = pattern.sub(lambda _, b=body, s=start, e=end: f"{s}\n{b}\n{e}",
+                       text)
+  return text
+
+
+def main(argv=None) -> int:
+  del argv
+  with open(README, encoding="utf-8") as f:
+    old = f.read()
+  new = render(old)
+  if new != old:
+    with open(README, "w", encoding="utf-8") as f:
+      f.write(new)
+  print(f"{README}: method tables "
+        + ("regenerated" if new != old else "already current"))
+  return 0
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", "cpu")
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""Registration of public methods, beside their factories.
+
+A family module marks each public factory with :func:`method`::
+
+  @_registry.method(family="compressor", paper="Aji & Heafield 2017",
+                    defaults={"ratio": 0.01}, static=("ratio",))
+  @_compressor.shared_options
+  def topk(ratio: float, *, ...):
+
+This module imports no family module (they import it); the public view,
+which first imports every family, is :mod:`jaxcomm.registry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Any
+from typing import Callable
+from typing import Mapping
+
+# Keyword arguments every gradient compressor takes and forwards to
+# ``jaxcomm.compressed``: the shared mechanism, not the method.
+COMMON_KEYWORDS = ("axis_name", "policy", "error_feedback", "start_step",
+                   "clip_norm", "momentum", "lr_schedule")
+
+FAMILIES = {
+  "compressor": "gradient compressors: chained before the optimizer, "
+                "optax.chain(jaxcomm.<name>(...), optax.<opt>(lr))",
+  "optimizer": "whole optimizers that exchange their own compressed "
+               "momentum: jaxcomm.<name>(lr, ...)",
+  "local": "local-update and decentralized methods around an inner "
+           "optimizer: jaxcomm.<name>(inner, ...)",
+}
+
+# Annotations of hyperparameters optax.inject_hyperparams may trace (after
+# dropping "| None"): real numbers and schedules. Every other parameter is
+# static: ints and bools (which set shapes, seeds and branches), strings,
+# dtypes, policies, inner optimizers, callables.
+_TRACEABLE = frozenset({"float", "optax.ScalarOrSchedule", "ScalarOrSchedule",
+                        "base.ScalarOrSchedule", "chex.Numeric"})
+# The shared options of ``jaxcomm.compressed`` that are real numbers.
+_TRACEABLE_SHARED = frozenset({"clip_norm", "momentum", "residual_decay"})
+
+
+def _traceable(p: inspect.Parameter) -> bool:
+  """Whether optax.inject_hyperparams may trace parameter ``p``."""
+  if p.name in _TRACEABLE_SHARED and p.annotation is p.empty:
+    return True
+  ann = p.annotation
+  if ann is p.empty:
+    # Unannotated: a float default says it is a real number.
+    return isinstance(p.default, float)
+  text = ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann))
+  text = re.sub(r"^Optional\[(.*)\]$", r"\1", text.strip())
+  # The first member of a union decides: "float | None" and "float |
+  # Callable[...]" (a rate or its schedule) are real numbers.
+  return text.split("|")[0].strip() in _TRACEABLE
+
+
+def derive_static_args(factory: Callable, extra: tuple[str, ...] = ()
+                       ) -> tuple[str, ...]:
+  """The arguments of ``factory`` that ``optax.inject_hyperparams`` must keep
+  static: every parameter whose annotation is not a real number or a
+  schedule, plus ``extra`` (real numbers that set a shape, such as top-k's
+  ``ratio``)."""
+  params = inspect.signature(factory).parameters
+  unknown = [a for a in extra if a not in params]
+  if unknown:
+    raise ValueError(f"static names {unknown}, which {factory.__name__} "
+                     "does not take")
+  out = [name for name, p in params.items()
+         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+         and (name in extra or not _traceable(p))]
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One public method.
+
+  Attributes:
+    name: its name on the command line and in tables.
+    factory: the public factory (an attribute of ``jaxcomm``).
+    family: a key of :data:`FAMILIES`.
+    paper: the paper(s) it follows, as the README's tables cite them.
+    summary: what travels (a compressor) or how it syncs, one line for the
+      README's table.
+    defaults: arguments used when the caller gives none (the required
+      ones, e.g. ``ratio``, and the defaults ``train.py`` runs).
+    static_args: arguments ``optax.inject_hyperparams`` must keep static,
+      derived from the factory's signature (:func:`derive_static_args`).
+    aliases: other names ``train.py`` accepts.
+    gossip: a decentralized method (no sync: params never agree exactly).
+  """
+
+  name: str
+  factory: Callable[..., Any]
+  family: str
+  paper: str
+  summary: str = ""
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  static_args: tuple[str, ...] = ()
+  aliases: tuple[str, ...] = ()
+  gossip: bool = False
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"Method {self.name!r}: family must be one of "
+                       f"{sorted(FAMILIES)}, got {self.family!r}")
+
+  @property
+  def attr(self) -> str:
+    """The factory's name on ``jaxcomm``."""
+    return self.factory.__name__
+
+  def parameters(self) -> Mapping[str, inspect.Parameter]:
+    """The factory's parameters."""
+    return inspect.signature(self.factory).parameters
+
+  def required(self) -> dict[str, Any]:
+    """The :attr:`defaults` of the parameters that have no default (what
+    a call must pass)."""
+    return {k: self.defaults[k] for k, p in self.parameters().items()
+            if p.default is p.empty and k in self.defaults}
+
+  def make(self, *args, **kwargs):
+    """The factory called with :attr:`defaults` under ``kwargs``."""
+    return self.factory(*args, **{**self.defaults, **kwargs})
+
+
+# Registration order within a family is table order.
+_REGISTERED: list[Method] = []
+
+
+def method(*, family: str, paper: str, summary: str = "",
+           name: str | None = None, defaults: Mapping[str, Any] | None = None,
+           static: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
+           gossip: bool = False) -> Callable:
+  """Registers the decorated factory as a public method; returns it as is.
+
+  Args:
+    family: a key of :data:`FAMILIES`.
+    paper: the paper(s) the method follows.
+    summary: one line for the README's table.
+    name: the name on the command line (default: the factory's).
+    defaults: arguments for a call that gives none (the required ones).
+    static: real-number arguments that set a shape and so must stay static
+      under ``optax.inject_hyperparams`` (everything not annotated as a real
+      number or schedule is static already).
+    aliases: other names ``train.py`` accepts.
+    gossip: a decentralized method.
+  """
+  def register(factory):
+    m = Method(name=name or factory.__name__, factory=factory, family=family,
+               paper=paper, summary=summary, defaults=dict(defaults or {}),
+               static_args=derive_static_args(factory, tuple(static)),
+               aliases=tuple(aliases), gossip=gossip)
+    taken = {x.name for x in _REGISTERED} | {
+      a for x in _REGISTERED for a in x.aliases}
+    clash = ({m.name} | set(m.aliases)) & taken
+    if clash:
+      raise ValueError(f"method name(s) {sorted(clash)} already registered")
+    missing = [k for k in m.defaults if k not in m.parameters()]
+    if missing:
+      raise ValueError(f"{m.name}: defaults name {missing}, which the "
+                       "factory does not take")
+    _REGISTERED.append(m)
+    return factory
+  return register
+
+
+def registered() -> list[Method]:
+  """Every registered method, in family order then registration order."""
+  order = list(FAMILIES)
+  return sorted(_REGISTERED, key=lambda m: order.index(m.family))
+
+
+def unregister(name: str) -> None:
+  """Removes a method (for tests that register a toy one)."""
+  _REGISTERED[:] = [m for m in _REGISTERED if m.name != name]
