@@ -21,10 +21,16 @@ bytes over bandwidth per collective); it ignores overlap with compute and
 congestion, so it ranks methods rather than promising seconds
 (``docs/benchmarks/advisor.md`` compares it with measured steps).
 
+  >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
   >>> axes = [Axis("dcn", 8, wire.CostModel.link(10)),
   ...         Axis("ici", 8, wire.CostModel.link(400, 1))]
-  >>> rows = advise(params, axes, budget=0.05)
-  >>> print(table(rows))
+  >>> rows = advise(params, axes, budget=0.05)   # fastest first
+  >>> [r.name for r in rows][:2]
+  ['DiLoCo H=50', 'topk 0.1%']
+  >>> best = recommend(rows, 0.05)
+  >>> print(best.name, f"{best.total_s * 1e3:.2f} ms")
+  DiLoCo H=50 1.94 ms
+  >>> text = table(rows, 0.05)                   # a markdown table
 """
 
 from __future__ import annotations

@@ -14,11 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
+from tests import references
 from tests import registry
-
-
-def _k(ratio, size):
-  return max(1, min(size, math.ceil(ratio * size * (1 - 1e-9))))
 
 
 def _largest(a, k):
@@ -56,7 +53,7 @@ def _topk_ref(ratio, granularity):
       segs = []
       for x in _segments(dev, granularity):
         s = np.zeros_like(x)
-        sel = _largest(np.abs(x), _k(ratio, x.size))
+        sel = _largest(np.abs(x), references.topk_count(ratio, x.size))
         s[sel] = x[sel]
         segs.append(s)
       out.append(segs)
@@ -75,7 +72,7 @@ def _topk_quantized_ref(ratio, bits):
       segs = []
       for x in _segments(dev, "leaf"):
         s = np.zeros_like(x)
-        sel = _largest(np.abs(x), _k(ratio, x.size))
+        sel = _largest(np.abs(x), references.topk_count(ratio, x.size))
         v = x[sel]
         scale = np.abs(v).max()
         q = np.clip(np.round((v / scale + 1) * 0.5 * top), 0, top)
@@ -173,7 +170,7 @@ def _randomk_ref(ratio):
       segs = []
       for j, x in enumerate(_segments(dev, "leaf")):
         idx = randomk_permutation_ref(jax.random.fold_in(key, j), x.size,
-                                      _k(ratio, x.size))
+                                      references.topk_count(ratio, x.size))
         s = np.zeros_like(x)
         s[idx] = x[idx]
         segs.append(s)
@@ -201,7 +198,8 @@ def _threshold_ref(value, capacity_ratio):
     for dev in xs:
       segs = []
       for x in _segments(dev, "leaf"):
-        idx = np.nonzero(np.abs(x) >= value)[0][:_k(capacity_ratio, x.size)]
+        cap = references.topk_count(capacity_ratio, x.size)
+        idx = np.nonzero(np.abs(x) >= value)[0][:cap]
         s = np.zeros_like(x)
         s[idx] = x[idx]
         segs.append(s)
@@ -224,17 +222,12 @@ registry.register(registry.Entry(
 
 # ----------------------------------------------------------------- DGC ----
 
-def _dgc_sample_size(size, sample_ratio, density):
-  s = min(math.ceil(sample_ratio * size), math.ceil(100 / density))
-  return min(size, max(s, math.ceil(2 / density)))
-
-
 def dgc_bucket_sample_ref(key, sizes, sample_ratio, density):
   """Per leaf, the positions DGC's bucket selection samples: one
   ``randint(key, (S,), 0, m)`` for all leaves (``m`` = the leaf size of
   each slot, leaves in order), a leaf taking ``s_j`` consecutive slots, or
   all of its positions where ``s_j`` is the whole leaf."""
-  ss = [_dgc_sample_size(n, sample_ratio, density) for n in sizes]
+  ss = [references.dgc_sample_size(n, sample_ratio, density) for n in sizes]
   maxval = np.repeat(np.asarray(sizes, np.int32), ss)
   drawn = np.asarray(jax.random.randint(key, (int(sum(ss)),), 0,
                                         jnp.asarray(maxval), jnp.int32))
@@ -253,7 +246,7 @@ def dgc_select_ref(x, k, key, sample_ratio, density, max_rounds=10,
   L)``, or all of ``x`` when ``s = L``)."""
   size = x.size
   a = np.abs(x)
-  s = _dgc_sample_size(size, sample_ratio, density)
+  s = references.dgc_sample_size(size, sample_ratio, density)
   if sample is not None:
     sample = a[np.asarray(sample)]
     s = sample.size
@@ -307,7 +300,7 @@ def _dgc_ref(momentum, clip_norm, steps_per_stage, sample_ratio,
                                       sample_ratio, density)
       for j, vj in enumerate(v):
         flat = vj.ravel()
-        k = _k(density, flat.size)
+        k = references.topk_count(density, flat.size)
         if exact:
           idx = _largest(np.abs(flat), k)
         else:
@@ -363,7 +356,7 @@ def _gtopk_ref(ratio):
     sent = [[np.zeros_like(s) for s in dev] for dev in segs]
     for j in range(len(segs[0])):
       size = segs[0][j].size
-      k = _k(ratio, size)
+      k = references.topk_count(ratio, size)
       # Each device's list: index -> (value, set of contributing devices).
       lists = []
       for i in range(n):
@@ -409,7 +402,7 @@ def _csc_ref(chunk_size, ratio):
     norms = sum(np.abs(np.pad(f, (0, pad))).reshape(chunks, -1).sum(axis=1)
                 for f in flats)
     chosen = np.zeros(chunks, bool)
-    chosen[_largest(norms, _k(ratio, chunks))] = True
+    chosen[_largest(norms, references.topk_count(ratio, chunks))] = True
     mask = np.repeat(chosen, chunk_size)[:size]
     out = [[np.where(mask, f, 0.0)] for f in flats]
     return (*_finish(out, xs, n), state)

@@ -14,7 +14,8 @@ import jaxcomm
 from jaxcomm import parallel
 from jaxcomm import wire
 from jaxcomm.collectives import _gossip
-from tests import test_local as L
+from tests import linear_model as L
+from tests import references
 
 N = 8
 
@@ -69,18 +70,18 @@ def test_mixing_matrices_match_their_definitions(mesh, topology):
 def test_dpsgd_matches_numpy(topology):
   """x_i <- sum_j W_ij x_j - lr g_i(x_i), W of the step's phase."""
   steps, lr = 5, 0.05
-  _, _, s, hist = L._run(jaxcomm.dpsgd(optax.sgd(lr), topology=topology),
+  _, _, s, hist = L.run(jaxcomm.dpsgd(optax.sgd(lr), topology=topology),
                          steps)
-  xs = [L._np_params() for _ in range(N)]
-  for t, batch in enumerate(L._batches(steps)):
+  xs = [L.np_params() for _ in range(N)]
+  for t, batch in enumerate(L.make_batches(steps)):
     grads = [L.np_grad(xs[i], xi, yi)
-             for i, (xi, yi) in enumerate(L._device_slices(*batch))]
+             for i, (xi, yi) in enumerate(L.device_slices(*batch))]
     w = _expected(topology, N, t)
     xs = [{k: sum(w[i, j] * xs[j][k] for j in range(N)) - lr * grads[i][k]
            for k in xs[i]} for i in range(N)]
     want = {k: np.stack([x[k] for x in xs]) for k in xs[0]}
-    L._close(hist[t][0], want)
-  assert not L._agree(hist[-1][0])
+    L.close(hist[t][0], want)
+  assert not L.agree(hist[-1][0])
   assert int(np.asarray(s.count)) == steps
 
 
@@ -91,19 +92,19 @@ def _permute_bytes(tx, k: int) -> float:
   mesh = jax.make_mesh((k,), ("data",), devices=jax.devices()[:k],
                        axis_types=(jax.sharding.AxisType.Auto,))
   dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
-  p, s = dp.init(L._params())
+  p, s = dp.init(L.params())
   ops = wire.collectives(dp.lower(p, s, dp.shard_batch(
-    L._batches(1, n=k)[0])))
+    L.make_batches(1, n=k)[0])))
   assert {op.kind for op in ops} == {"collective-permute"}, ops
   assert sorted((o.kind, o.payload) for o in ops) == sorted(
-    wire.claimed(tx, L._params(), k))
+    wire.claimed(tx, L.params(), k))
   return wire.summarize(ops, k).total_sent
 
 
 def test_traffic_is_collective_permutes_flat_in_devices():
   """No all-reduce or all-gather: per device, one permute of the params
   per neighbour, the same bytes on 2, 4 and 8 devices (from the HLO)."""
-  size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params()))
+  size = sum(int(np.size(x)) for x in jax.tree.leaves(L.params()))
   per_device = [_permute_bytes(jaxcomm.dpsgd(optax.sgd(0.05),
                                              topology="ring"), k)
                 for k in (2, 4, 8)]
@@ -111,12 +112,12 @@ def test_traffic_is_collective_permutes_flat_in_devices():
 
 
 def test_nan_on_one_device_still_mixes():
-  batches = L._batches(2)
+  batches = L.make_batches(2)
   x, y = batches[1]
   x = x.copy()
   x[5 * L.B] = np.nan
   batches[1] = (x, y)
-  _, p, s, hist = L._run(jaxcomm.dpsgd(optax.sgd(0.05)), 2, batches)
+  _, p, s, hist = L.run(jaxcomm.dpsgd(optax.sgd(0.05)), 2, batches)
   assert np.asarray(s.skipped).tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
   assert all(np.isfinite(v).all() for v in hist[-1][0].values())
   # Device 5's params at step 2 are its mixed params only.
@@ -141,16 +142,6 @@ def test_bad_topology_is_named():
 
 # ------------------------------------------------------------ CHOCO-SGD ----
 
-def _np_topk(d, ratio):
-  """Keep the ceil(ratio * size) largest |d| of one leaf (no ties here)."""
-  flat = d.reshape(-1)
-  k = max(1, int(np.ceil(ratio * flat.size - 1e-9)))
-  keep = np.argsort(-np.abs(flat), kind="stable")[:k]
-  out = np.zeros_like(flat)
-  out[keep] = flat[keep]
-  return out.reshape(d.shape)
-
-
 def _np_scaled_sign(d):
   return np.where(d >= 0, 1.0, -1.0) * np.mean(np.abs(d))
 
@@ -160,11 +151,11 @@ def np_choco(steps, lr, gamma, compress, topology="ring"):
   xh_j += q_j for every j; x = x+ + gamma sum_j W_ij (xh_j - xh_i)
   (the public copies of all devices, not the memory-efficient sum)."""
   w = _expected(topology, N, 0)
-  xs = [L._np_params() for _ in range(N)]
+  xs = [L.np_params() for _ in range(N)]
   xh = [{k: np.zeros_like(v) for k, v in xs[0].items()} for _ in range(N)]
   out = []
-  for x_b, y_b in L._batches(steps):
-    sl = L._device_slices(x_b, y_b)
+  for x_b, y_b in L.make_batches(steps):
+    sl = L.device_slices(x_b, y_b)
     half = []
     for i in range(N):
       g = L.np_grad(xs[i], *sl[i])
@@ -184,29 +175,29 @@ _ALL = jaxcomm.LeafPolicy(min_size=1)
 
 @pytest.mark.parametrize("name,make,compress", [
   ("topk", lambda: jaxcomm.topk(0.25, policy=_ALL),
-   lambda k, d: _np_topk(d, 0.25)),
+   lambda k, d: references.np_topk(d, 0.25)),
   ("ef_signsgd", lambda: jaxcomm.ef_signsgd(policy=_ALL),
    lambda k, d: _np_scaled_sign(d)),
   # w compressed, the bias (rank 1) sent dense: C is the identity on it.
   ("topk, bias dense", lambda: jaxcomm.topk(
     0.1, policy=jaxcomm.LeafPolicy(min_size=1, min_ndim=2)),
-   lambda k, d: d if k == "b" else _np_topk(d, 0.1)),
+   lambda k, d: d if k == "b" else references.np_topk(d, 0.1)),
 ])
 def test_choco_matches_numpy(name, make, compress):
   del name
   steps, lr, gamma = 4, 0.05, 0.4
   tx = jaxcomm.choco(optax.sgd(lr), make(), gamma=gamma, topology="ring")
-  _, _, s, hist = L._run(tx, steps)
+  _, _, s, hist = L.run(tx, steps)
   want = np_choco(steps, lr, gamma, compress)
   for t in range(steps):
-    L._close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
-  assert not L._agree(hist[-1][0])
+    L.close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
+  assert not L.agree(hist[-1][0])
   assert int(np.asarray(s.count)) == steps
 
 
 @pytest.mark.parametrize("name,make,compress", [
   ("topk", lambda: jaxcomm.topk(0.25, policy=_ALL),
-   lambda k, d: _np_topk(d, 0.25)),
+   lambda k, d: references.np_topk(d, 0.25)),
   ("ef_signsgd", lambda: jaxcomm.ef_signsgd(policy=_ALL),
    lambda k, d: _np_scaled_sign(d)),
 ])
@@ -224,11 +215,11 @@ def test_choco_with_kernels_forced_matches_numpy(name, make, compress,
                       lambda *a, **k: calls.append(1) or real(*a, **k))
   steps, lr, gamma = 3, 0.05, 0.4
   tx = jaxcomm.choco(optax.sgd(lr), make(), gamma=gamma, topology="ring")
-  _, _, _, hist = L._run(tx, steps)
+  _, _, _, hist = L.run(tx, steps)
   assert calls, "no Pallas kernel was traced in the gossip step"
   want = np_choco(steps, lr, gamma, compress)
   for t in range(steps):
-    L._close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
+    L.close(hist[t][0], want[t], rtol=1e-4, atol=2e-6)
 
 
 def test_choco_public_copies_are_the_sum_of_messages():
@@ -237,7 +228,7 @@ def test_choco_public_copies_are_the_sum_of_messages():
   steps = 3
   tx = jaxcomm.choco(optax.sgd(0.05), jaxcomm.topk(0.25, policy=_ALL),
                      gamma=0.4)
-  _, _, s, _ = L._run(tx, steps)
+  _, _, s, _ = L.run(tx, steps)
   cs = s.compress
   pub = np.asarray(cs.public[0])            # [N, size]: one bucket
   mixed = np.asarray(cs.mixed[0])
@@ -257,7 +248,7 @@ def test_choco_moves_only_messages_flat_in_devices(make, ratio):
   """Collective-permutes only, bytes as claimed, the same per device on
   4 and 8 devices, and fewer than D-PSGD's float32 params."""
   del ratio
-  size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params()))
+  size = sum(int(np.size(x)) for x in jax.tree.leaves(L.params()))
   per_device = [_permute_bytes(jaxcomm.choco(optax.sgd(0.05), make(),
                                              gamma=0.5), k)
                 for k in (4, 8)]
@@ -274,7 +265,7 @@ def test_gossip_messages_decode_to_what_was_sent(make):
   to what the codec's all-reduce path sends from the same input."""
   from jaxcomm import _compressor
   spec = _compressor.spec_of(make())
-  lay = spec.layouts(L._params())[0]
+  lay = spec.layouts(L.params())[0]
   x = jnp.asarray(np.random.RandomState(3).randn(lay.size), jnp.float32)
   ctx = _compressor.Context(axis_name=None, num_devices=1,
                             device_index=jnp.int32(0), step=jnp.int32(0),
@@ -288,14 +279,14 @@ def test_gossip_messages_decode_to_what_was_sent(make):
 
 
 def test_choco_nan_on_one_device_still_gossips():
-  batches = L._batches(2)
+  batches = L.make_batches(2)
   x, y = batches[1]
   x = x.copy()
   x[3 * L.B] = np.nan
   batches[1] = (x, y)
   tx = jaxcomm.choco(optax.sgd(0.05), jaxcomm.topk(0.25, policy=_ALL),
                      gamma=0.4)
-  _, _, s, hist = L._run(tx, 2, batches)
+  _, _, s, hist = L.run(tx, 2, batches)
   assert np.asarray(s.skipped).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
   assert all(np.isfinite(v).all() for v in hist[-1][0].values())
   assert all(np.isfinite(np.asarray(b)).all() for b in s.compress.public)
@@ -340,12 +331,12 @@ def test_sgp_matches_numpy(topology):
   """x_i = w_i z_i - lr g_i(z_i); (x, w) <- P (x, w); z = x / w."""
   steps, lr = 5, 0.05
   topo = _DIRECTED if topology == "directed" else "exponential"
-  _, _, s, hist = L._run(jaxcomm.sgp(optax.sgd(lr), topology=topo), steps)
-  zs = [L._np_params() for _ in range(N)]
+  _, _, s, hist = L.run(jaxcomm.sgp(optax.sgd(lr), topology=topo), steps)
+  zs = [L.np_params() for _ in range(N)]
   ws = np.ones(N)
-  for t, batch in enumerate(L._batches(steps)):
+  for t, batch in enumerate(L.make_batches(steps)):
     grads = [L.np_grad(zs[i], xi, yi)
-             for i, (xi, yi) in enumerate(L._device_slices(*batch))]
+             for i, (xi, yi) in enumerate(L.device_slices(*batch))]
     p = _np_push_matrix(_DIRECTED if topology == "directed"
                         else _exponential_out(t))
     assert np.allclose(p.sum(0), 1)                     # column stochastic
@@ -356,7 +347,7 @@ def test_sgp_matches_numpy(topology):
            for k in xs[i]} for i in range(N)]
     ws = ws_new
     want = {k: np.stack([z[k] for z in zs]) for k in zs[0]}
-    L._close(hist[t][0], want)
+    L.close(hist[t][0], want)
     np.testing.assert_allclose(np.asarray(hist[t][1].compress.weight), ws,
                                rtol=1e-6)
   if topology == "directed":
@@ -389,13 +380,13 @@ def test_push_sum_converges_to_the_average_on_a_directed_graph(mesh):
 def test_sgp_traffic_is_collective_permutes():
   """Permutes only, as claimed: exponential one per step (flat from 4 to
   8 devices); the directed graph needs two classes (7 sends twice)."""
-  size = sum(int(np.size(x)) for x in jax.tree.leaves(L._params())) + 1
+  size = sum(int(np.size(x)) for x in jax.tree.leaves(L.params())) + 1
   for k, topo, want in ((4, "exponential", 4 * size),
                         (8, "exponential", 4 * size),
                         (8, _DIRECTED, 2 * 4 * size)):
     tx = jaxcomm.sgp(optax.sgd(0.05), topology=topo)
     _permute_bytes(tx, k)
-    assert sorted(wire.claimed(tx, L._params(), k, step=0)) == sorted(
+    assert sorted(wire.claimed(tx, L.params(), k, step=0)) == sorted(
       [("collective-permute", 4 * size)] * (want // (4 * size)))
 
 
@@ -411,7 +402,7 @@ def test_sgp_bad_topology_is_named(topology, match):
 def test_sgp_graph_of_the_wrong_size_is_named():
   tx = jaxcomm.sgp(optax.sgd(0.1), topology=[[1], [0]])
   with pytest.raises(ValueError, match="2 devices but the axis has 8"):
-    L._run(tx, 1)
+    L.run(tx, 1)
 
 
 @pytest.mark.parametrize("make", [
@@ -425,9 +416,9 @@ def test_gossip_memory_restarts_on_resize(make):
   weight at 1 (as at init); 4 devices then train on (exponential graph
   for SGP: the directed one names 8 devices)."""
   tx = make()
-  dp, p, s, _ = L._run(tx, 3)
-  host_p = jax.tree.map(L._rows, p)
-  host_s = jax.tree.map(L._rows, jax.device_get(s))
+  dp, p, s, _ = L.run(tx, 3)
+  host_p = jax.tree.map(L.rows, p)
+  host_s = jax.tree.map(L.rows, jax.device_get(s))
   new_p = parallel.resize_params(host_p, 4)
   new_s = parallel.resize_state(host_s, dp.layout, 4)
   for k in host_p:
@@ -453,12 +444,12 @@ def test_gossip_memory_restarts_on_resize(make):
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Auto,))
   dp4 = parallel.DataParallel(L.loss_fn, tx4, mesh4, donate=False)
-  dp4.init(L._params())
+  dp4.init(L.params())
   p4 = dp4.place_params(new_p)
   s4 = jax.tree.map(
     lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
       mesh4, P("data") if b else P())), new_s, dp4.layout)
   for t in range(3):
-    p4, s4, _ = dp4.step(p4, s4, L._batches(3, seed=7, n=4)[t])
+    p4, s4, _ = dp4.step(p4, s4, L.make_batches(3, seed=7, n=4)[t])
     jax.block_until_ready(p4)
   assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(p4))

@@ -10,7 +10,6 @@ read to check that nothing crosses the wire between syncs.
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,68 +18,11 @@ import jaxcomm
 from jaxcomm import parallel
 from jaxcomm import wire
 from tests import harness
+from tests import linear_model as L
 
-N = 8
-B = 4          # examples per device per step
-D_IN, D_OUT = 24, 16   # w: 384 elements (compressed by the default policy)
-
-
-def _params():
-  r = np.random.RandomState(0)
-  return {"b": jnp.asarray(r.randn(D_OUT) * 0.1, jnp.float32),
-          "w": jnp.asarray(r.randn(D_IN, D_OUT) * 0.1, jnp.float32)}
-
-
-def _batches(steps, seed=1, n=N):
-  r = np.random.RandomState(seed)
-  w_true = r.randn(D_IN, D_OUT) * 0.3
-  out = []
-  for _ in range(steps):
-    x = r.randn(n * B, D_IN).astype(np.float32)
-    y = (x @ w_true + 0.1 * r.randn(n * B, D_OUT)).astype(np.float32)
-    out.append((x, y))
-  return out
-
-
-def loss_fn(p, batch):
-  x, y = batch
-  return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
-
-
-def np_grad(p, x, y):
-  """Closed-form gradient of the mean squared error (float64)."""
-  r = x @ p["w"] + p["b"] - y
-  scale = 2.0 / r.size
-  return {"b": scale * r.sum(0), "w": scale * x.T @ r}
-
-
-def _np_params():
-  return {k: np.asarray(v, np.float64) for k, v in _params().items()}
-
-
-def _rows(x):
-  return np.asarray(jax.device_get(x))
-
-
-def _run(tx, steps, batches=None, mesh=None, n=N):
-  mesh = mesh if mesh is not None else parallel.make_mesh(n)
-  dp = parallel.DataParallel(loss_fn, tx, mesh, donate=False)
-  p, s = dp.init(_params())
-  history = []
-  for t in range(steps):
-    p, s, m = dp.step(p, s, (batches or _batches(steps, n=n))[t])
-    jax.block_until_ready(p)
-    history.append((jax.tree.map(_rows, p), s, m))
-  return dp, p, s, history
-
-
-def _device_slices(x, y, n=N):
-  return [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(n)]
-
-
-def _agree(tree) -> bool:
-  return all(np.array_equal(v[0], v[i]) for v in jax.tree.leaves(tree)
-             for i in range(1, v.shape[0]))
+N = L.N
+B = L.B
+D_IN, D_OUT = L.D_IN, L.D_OUT
 
 
 # ------------------------------------------------------- numpy references --
@@ -88,13 +30,13 @@ def _agree(tree) -> bool:
 def np_local_sgd(steps, lr, momentum, period, start_step=0):
   """Each worker: ``t = g + m t``, ``x -= lr t``; average the params at
   steps ``<= start_step`` and every ``period``-th step."""
-  batches = _batches(steps)
-  xs = [_np_params() for _ in range(N)]
+  batches = L.make_batches(steps)
+  xs = [L.np_params() for _ in range(N)]
   ts = [{k: np.zeros_like(v) for k, v in xs[0].items()} for _ in range(N)]
   out = []
   for step, (x, y) in enumerate(batches):
-    for i, (xi, yi) in enumerate(_device_slices(x, y)):
-      g = np_grad(xs[i], xi, yi)
+    for i, (xi, yi) in enumerate(L.device_slices(x, y)):
+      g = L.np_grad(xs[i], xi, yi)
       for k in g:
         ts[i][k] = g[k] + momentum * ts[i][k]
         xs[i][k] = xs[i][k] - lr * ts[i][k]
@@ -108,8 +50,8 @@ def np_local_sgd(steps, lr, momentum, period, start_step=0):
 
 def _np_inner_sgd(xs, batch, lr):
   """Every worker's plain SGD step on its own slice of ``batch``."""
-  for i, (xi, yi) in enumerate(_device_slices(*batch)):
-    g = np_grad(xs[i], xi, yi)
+  for i, (xi, yi) in enumerate(L.device_slices(*batch)):
+    g = L.np_grad(xs[i], xi, yi)
     for k in g:
       xs[i][k] = xs[i][k] - lr * g[k]
 
@@ -118,8 +60,8 @@ def np_diloco(steps, lr, period, outer_lr, outer_m):
   """Inner SGD per worker; every ``period`` steps the mean pseudo-gradient
   ``theta - x_i`` drives Nesterov SGD (optax's form: ``t = d + m t``,
   ``theta -= lr (d + m t)``) and every worker restarts from theta."""
-  batches = _batches(steps)
-  theta = _np_params()
+  batches = L.make_batches(steps)
+  theta = L.np_params()
   tr = {k: np.zeros_like(v) for k, v in theta.items()}
   xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
   out = []
@@ -138,8 +80,8 @@ def np_diloco(steps, lr, period, outer_lr, outer_m):
 def np_overlap_local_sgd(steps, lr, period, alpha):
   """Inner SGD; every ``period`` steps ``x_i <- (1-a) x_i + a z`` and
   ``z <- mean_i x_i`` (of the pulled models)."""
-  batches = _batches(steps)
-  z = _np_params()
+  batches = L.make_batches(steps)
+  z = L.np_params()
   xs = [{k: v.copy() for k, v in z.items()} for _ in range(N)]
   out = []
   for step, batch in enumerate(batches):
@@ -151,37 +93,31 @@ def np_overlap_local_sgd(steps, lr, period, alpha):
   return out
 
 
-def _close(got, want, rtol=2e-5, atol=2e-6):
-  for k in want:
-    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol,
-                               err_msg=k)
-
-
 # ------------------------------------------------------------------ tests --
 
 def test_local_sgd_matches_numpy_and_agrees_exactly_after_syncs():
   steps, period = 7, 3
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
-  _, _, _, hist = _run(tx, steps)
+  _, _, _, hist = L.run(tx, steps)
   ref = np_local_sgd(steps, 0.05, 0.9, period)
   for t, (p, _, _) in enumerate(hist):
-    _close(p, ref[t])
+    L.close(p, ref[t])
     synced = (t + 1) % period == 0
-    assert _agree(p) == synced, (t, synced)
+    assert L.agree(p) == synced, (t, synced)
 
 
 def test_period_one_follows_synchronous_training():
   """period=1 with momentum SGD is synchronous momentum SGD on the mean
   gradient (local momenta stay equal: their inputs average linearly)."""
   steps = 6
-  batches = _batches(steps)
-  _, _, _, local = _run(jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 1),
+  batches = L.make_batches(steps)
+  _, _, _, local = L.run(jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 1),
                         steps, batches)
   mesh = parallel.make_mesh(N)
   dp = parallel.DataParallel(
-    loss_fn, optax.chain(jaxcomm.mean_gradients(), optax.sgd(
+    L.loss_fn, optax.chain(jaxcomm.mean_gradients(), optax.sgd(
       0.05, momentum=0.9)), mesh, donate=False)
-  p, s = dp.init(_params())
+  p, s = dp.init(L.params())
   for t in range(steps):
     p, s, _ = dp.step(p, s, batches[t])
     for k in ("b", "w"):
@@ -193,26 +129,26 @@ def test_post_local_sgd_is_synchronous_until_start_step():
   steps, start, period = 7, 3, 4
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period,
                          start_step=start)
-  _, _, _, hist = _run(tx, steps)
+  _, _, _, hist = L.run(tx, steps)
   ref = np_local_sgd(steps, 0.05, 0.9, period, start_step=start)
   for t, (p, _, _) in enumerate(hist):
-    _close(p, ref[t])
+    L.close(p, ref[t])
     c = t + 1
-    assert _agree(p) == (c <= start or c % period == 0), c
+    assert L.agree(p) == (c <= start or c % period == 0), c
 
 
 def test_diloco_matches_numpy_outer_nesterov():
   steps, period = 7, 3
   tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7, momentum=0.9,
                                                  nesterov=True), period)
-  _, _, s, hist = _run(tx, steps)
+  _, _, s, hist = L.run(tx, steps)
   ref = np_diloco(steps, 0.05, period, 0.7, 0.9)
   for t, (p, st, _) in enumerate(hist):
-    _close(p, ref[t])
-    assert _agree(p) == ((t + 1) % period == 0)
+    L.close(p, ref[t])
+    assert L.agree(p) == ((t + 1) % period == 0)
     if (t + 1) % period == 0:  # every device holds the global model
       for k in p:
-        np.testing.assert_array_equal(p[k][0], _rows(st.anchor[k]))
+        np.testing.assert_array_equal(p[k][0], L.rows(st.anchor[k]))
 
 
 def test_diloco_compressor_keeps_error_mass_across_syncs():
@@ -222,15 +158,15 @@ def test_diloco_compressor_keeps_error_mass_across_syncs():
   period, steps = 2, 6
   tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(1.0), period,
                       compressor=jaxcomm.topk(0.05))
-  _, _, _, hist = _run(tx, steps)
+  _, _, _, hist = L.run(tx, steps)
   shapes = [(D_IN, D_OUT)]
   e_old = np.zeros((N, D_IN, D_OUT))
-  theta = _rows(_params()["w"])
+  theta = L.rows(L.params()["w"])
   for t, (_, st, _) in enumerate(hist):
     if (t + 1) % period:
       continue
     e_new = harness.split_buckets(st.compress[0].residual, shapes)[0]
-    theta_new = _rows(st.anchor["w"])
+    theta_new = L.rows(st.anchor["w"])
     mean = theta - theta_new
     deltas = theta[None] - _replay_inner_w(t, hist)
     np.testing.assert_allclose(mean * N + e_new.sum(0),
@@ -243,26 +179,26 @@ def test_diloco_compressor_keeps_error_mass_across_syncs():
 def _replay_inner_w(t, hist):
   """Local ``w`` of every device after step ``t``'s inner SGD update (lr
   0.05), before the sync, in float64 from the previous params."""
-  batches = _batches(len(hist))
+  batches = L.make_batches(len(hist))
   prev = (hist[t - 1][0] if t > 0 else
-          {k: np.broadcast_to(_rows(v), (N,) + v.shape)
-           for k, v in _params().items()})
+          {k: np.broadcast_to(L.rows(v), (N,) + v.shape)
+           for k, v in L.params().items()})
   x, y = batches[t]
   out = []
-  for i, (xi, yi) in enumerate(_device_slices(x, y)):
+  for i, (xi, yi) in enumerate(L.device_slices(x, y)):
     p = {k: np.asarray(prev[k][i], np.float64) for k in prev}
-    out.append(p["w"] - 0.05 * np_grad(p, xi, yi)["w"])
+    out.append(p["w"] - 0.05 * L.np_grad(p, xi, yi)["w"])
   return np.stack(out)
 
 
 def test_overlap_local_sgd_matches_numpy():
   steps, period, alpha = 7, 2, 0.6
   tx = jaxcomm.overlap_local_sgd(optax.sgd(0.05), period, alpha=alpha)
-  dp, p, _, hist = _run(tx, steps)
+  dp, p, _, hist = L.run(tx, steps)
   ref = np_overlap_local_sgd(steps, 0.05, period, alpha)
   for t, (pt, _, _) in enumerate(hist):
-    _close(pt, ref[t])
-  assert not _agree(hist[-1][0])
+    L.close(pt, ref[t])
+  assert not L.agree(hist[-1][0])
   sync = dp.synchronized(p)
   for k in ("b", "w"):
     np.testing.assert_allclose(np.asarray(sync[k]), ref[-1][k].mean(0),
@@ -276,12 +212,12 @@ def test_streaming_diloco_syncs_fragments_in_turn():
   tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7, momentum=0.9,
                                                  nesterov=True), period,
                       fragments=2)
-  dp, p, s, hist = _run(tx, 8)
+  dp, p, s, hist = L.run(tx, 8)
   for t, (pt, _, _) in enumerate(hist):
     c = t + 1
-    assert _agree({"b": pt["b"]}) == (c % period == 2), c
-    assert _agree({"w": pt["w"]}) == (c % period == 0), c
-  params = _params()
+    assert L.agree({"b": pt["b"]}) == (c % period == 2), c
+    assert L.agree({"w": pt["w"]}) == (c % period == 0), c
+  params = L.params()
   assert wire.claimed(tx, params, N, step=1) == [("all-reduce", 4 * D_OUT)]
   assert wire.claimed(tx, params, N, step=3) == [
     ("all-reduce", 4 * D_IN * D_OUT)]
@@ -294,13 +230,13 @@ def test_diloco_overlap_merges_tau_steps_later():
   period = 3
   tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(0.7), period,
                       overlap_steps=1, alpha=0.0)
-  _, _, _, hist = _run(tx, 8)
+  _, _, _, hist = L.run(tx, 8)
   for t, (pt, st, _) in enumerate(hist):
     c = t + 1
-    assert _agree(pt) == (c > period and (c - 1) % period == 0), c
-    if _agree(pt):
+    assert L.agree(pt) == (c > period and (c - 1) % period == 0), c
+    if L.agree(pt):
       for k in pt:
-        np.testing.assert_array_equal(pt[k][0], _rows(st.anchor[k]))
+        np.testing.assert_array_equal(pt[k][0], L.rows(st.anchor[k]))
 
 
 def _methods():
@@ -327,12 +263,12 @@ def test_no_collective_outside_the_sync_branch(name):
   what ``wire.claimed`` lists for one sync of every fragment."""
   tx = _methods()[name]
   mesh = parallel.make_mesh(N)
-  dp = parallel.DataParallel(loss_fn, tx, mesh, donate=False)
-  p, s = dp.init(_params())
-  compiled = dp.lower(p, s, dp.shard_batch(_batches(1)[0])).compile()
+  dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
+  p, s = dp.init(L.params())
+  compiled = dp.lower(p, s, dp.shard_batch(L.make_batches(1)[0])).compile()
   assert wire.collectives(compiled, outside_branches=True) == []
   got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
-  assert got == sorted(wire.claimed(tx, _params(), N)), got
+  assert got == sorted(wire.claimed(tx, L.params(), N)), got
 
 
 def test_nan_on_one_device_between_syncs_is_skipped_there():
@@ -340,30 +276,30 @@ def test_nan_on_one_device_between_syncs_is_skipped_there():
   state for that step and counts it; the others train on; the sync at step
   4 averages finite params and every device agrees."""
   steps, period = 4, 4
-  batches = _batches(steps)
+  batches = L.make_batches(steps)
   x, y = batches[1]
   x = x.copy()
   x[3 * B] = np.nan
   batches[1] = (x, y)
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
-  _, _, s, hist = _run(tx, steps, batches)
-  skipped = _rows(s.skipped)
+  _, _, s, hist = L.run(tx, steps, batches)
+  skipped = L.rows(s.skipped)
   assert skipped.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
   p1, p2 = hist[0][0], hist[1][0]
   for k in p1:
     np.testing.assert_array_equal(p2[k][3], p1[k][3])
     assert not np.array_equal(p2[k][2], p1[k][2])
   last = hist[-1][0]
-  assert _agree(last) and all(np.isfinite(v).all() for v in last.values())
+  assert L.agree(last) and all(np.isfinite(v).all() for v in last.values())
 
 
 def test_resize_keeps_the_average_model():
   """Between syncs, 8 devices -> 4: per-device params and inner momenta are
   averaged in pairs (the device average is kept), and training goes on."""
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 8)
-  dp, p, s, _ = _run(tx, 3)
-  host_p = jax.tree.map(_rows, p)
-  host_s = jax.tree.map(_rows, jax.device_get(s))
+  dp, p, s, _ = L.run(tx, 3)
+  host_p = jax.tree.map(L.rows, p)
+  host_s = jax.tree.map(L.rows, jax.device_get(s))
   new_p = parallel.resize_params(host_p, 4)
   new_s = parallel.resize_state(host_s, dp.layout, 4)
   for k in host_p:
@@ -372,16 +308,16 @@ def test_resize_keeps_the_average_model():
                                rtol=1e-6, atol=1e-7)
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
                         axis_types=(jax.sharding.AxisType.Auto,))
-  dp4 = parallel.DataParallel(loss_fn, tx, mesh4, donate=False)
-  dp4.init(_params())
+  dp4 = parallel.DataParallel(L.loss_fn, tx, mesh4, donate=False)
+  dp4.init(L.params())
   p4 = dp4.place_params(new_p)
   s4 = jax.tree.map(
     lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
       mesh4, jax.sharding.PartitionSpec("data") if b
       else jax.sharding.PartitionSpec())), new_s, dp4.layout)
   for t in range(5):  # count 4 -> 8: a sync at 8
-    p4, s4, _ = dp4.step(p4, s4, _batches(5, seed=7, n=4)[t])
-  assert _agree(jax.tree.map(_rows, p4))
+    p4, s4, _ = dp4.step(p4, s4, L.make_batches(5, seed=7, n=4)[t])
+  assert L.agree(jax.tree.map(L.rows, p4))
 
 
 def test_adacomm_period_follows_the_loss():
@@ -390,8 +326,8 @@ def test_adacomm_period_follows_the_loss():
   here from the per-device losses the step reports)."""
   tau0, interval, steps = 4, 4, 24
   tx = jaxcomm.adacomm(optax.sgd(0.5), tau0, interval=interval)
-  _, _, _, hist = _run(tx, steps)
-  losses = [float(np.mean(_rows(m["loss"]))) for _, _, m in hist]
+  _, _, _, hist = L.run(tx, steps)
+  losses = [float(np.mean(L.rows(m["loss"]))) for _, _, m in hist]
   period, next_sync, next_update, f0, since = tau0, tau0, interval, None, []
   syncs = 0
   for t, (_, st, _) in enumerate(hist):
@@ -457,7 +393,7 @@ def test_bad_arguments_are_named(make, match):
 
 def test_adacomm_without_the_loss_says_so():
   tx = jaxcomm.adacomm(optax.sgd(0.1), 2, axis_name=None)
-  p = _params()
+  p = L.params()
   with pytest.raises(ValueError, match="value=loss"):
     tx.update(p, tx.init(p), p)
 
@@ -465,11 +401,11 @@ def test_adacomm_without_the_loss_says_so():
 def test_one_device_without_collectives():
   """axis_name=None: one worker; a sync is the identity on its params."""
   tx = jaxcomm.diloco(optax.sgd(0.05), optax.sgd(1.0), 2, axis_name=None)
-  p = _params()
+  p = L.params()
   s = tx.init(p)
-  x, y = _batches(1, n=1)[0]
+  x, y = L.make_batches(1, n=1)[0]
   for _ in range(2):
-    g = jax.grad(loss_fn)(p, (x, y))
+    g = jax.grad(L.loss_fn)(p, (x, y))
     u, s = tx.update(g, s, p)
     p = jaxcomm.apply_updates(p, u, s)
   for k in p:
@@ -481,16 +417,16 @@ def test_local_sgd_under_pmap_matches_numpy():
   the same numpy replay holds, and rows agree after each sync."""
   steps, period = 5, 2
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period)
-  step = parallel.pmap_train_step(loss_fn, tx)
-  p = parallel.pmap_replicate(_params())
-  s = parallel.pmap_replicate(tx.init(_params()))
+  step = parallel.pmap_train_step(L.loss_fn, tx)
+  p = parallel.pmap_replicate(L.params())
+  s = parallel.pmap_replicate(tx.init(L.params()))
   ref = np_local_sgd(steps, 0.05, 0.9, period)
-  for t, (x, y) in enumerate(_batches(steps)):
+  for t, (x, y) in enumerate(L.make_batches(steps)):
     batch = (x.reshape(N, B, D_IN), y.reshape(N, B, D_OUT))
     p, s, _ = step(p, s, batch)
-    got = jax.tree.map(_rows, p)
-    _close(got, ref[t])
-    assert _agree(got) == ((t + 1) % period == 0)
+    got = jax.tree.map(L.rows, p)
+    L.close(got, ref[t])
+    assert L.agree(got) == ((t + 1) % period == 0)
 
 
 def np_zero_one_adam(steps, lr, vfs, vus, lss, lsc, b1=0.9, b2=0.999,
@@ -499,9 +435,9 @@ def np_zero_one_adam(steps, lr, vfs, vus, lss, lsc, b1=0.9, b2=0.999,
   around the numpy 1-bit exchange of tests.entries_quantization (worker
   error added here; ``b`` is small, so the leaf policy sends it dense)."""
   from tests.entries_quantization import _onebit_ref_step
-  batches = _batches(steps)
-  zeros = lambda: {k: np.zeros_like(v) for k, v in _np_params().items()}
-  anchor = _np_params()
+  batches = L.make_batches(steps)
+  zeros = lambda: {k: np.zeros_like(v) for k, v in L.np_params().items()}
+  anchor = L.np_params()
   xs = [{k: v.copy() for k, v in anchor.items()} for _ in range(N)]
   mu = [zeros() for _ in range(N)]
   nu, acc, lrs = zeros(), [zeros() for _ in range(N)], 0.0
@@ -519,8 +455,8 @@ def np_zero_one_adam(steps, lr, vfs, vus, lss, lsc, b1=0.9, b2=0.999,
   out = []
   for t in range(steps):
     count = t + 1
-    grads = [np_grad(xs[i], xi, yi)
-             for i, (xi, yi) in enumerate(_device_slices(*batches[t]))]
+    grads = [L.np_grad(xs[i], xi, yi)
+             for i, (xi, yi) in enumerate(L.device_slices(*batches[t]))]
     denom = lambda: {k: np.sqrt(nu[k]) + eps for k in nu}  # noqa: B023
     if count <= vfs:
       is_var = count % vi == 0
@@ -571,12 +507,12 @@ def test_zero_one_adam_matches_numpy():
   branches = zero_one_schedule(steps, *args.values())
   assert branches == [0, 0, 1, 3, 3, 3, 2, 3]
   tx = jaxcomm.zero_one_adam(0.01, **args)
-  _, _, _, hist = _run(tx, steps)
+  _, _, _, hist = L.run(tx, steps)
   ref = np_zero_one_adam(steps, 0.01, 3, 1, 2, 4)
   for t, (p, _, _) in enumerate(hist):
-    _close(p, ref[t], rtol=1e-4, atol=1e-5)
-    assert _agree(p) == (branches[t] != 2), t
-  params = _params()
+    L.close(p, ref[t], rtol=1e-4, atol=1e-5)
+    assert L.agree(p) == (branches[t] != 2), t
+  params = L.params()
   for t, b in enumerate(branches):   # wire claims follow the schedule
     got = wire.claimed(tx, params, N, step=t)
     assert (got == []) == (b == 2), (t, got)
@@ -590,8 +526,8 @@ def test_kernel_paths_inside_the_local_step(name, monkeypatch):
   out = {}
   for mode in ("never", "always"):
     monkeypatch.setenv("JAXCOMM_KERNELS", mode)
-    _, p, _, _ = _run(_methods()[name], 5)
-    out[mode] = jax.tree.map(_rows, p)
+    _, p, _, _ = L.run(_methods()[name], 5)
+    out[mode] = jax.tree.map(L.rows, p)
   for k in out["never"]:
     np.testing.assert_allclose(out["always"][k], out["never"][k],
                                rtol=1e-6, atol=1e-7, err_msg=k)

@@ -23,8 +23,8 @@ from jaxcomm.collectives import _sparse
 from jaxcomm.transforms import _sparsification as sp
 from tests import entries_sparsification as ref
 from tests import harness
+from tests import references
 from tests import registry
-from tests.test_decentralized import _np_topk
 
 
 def _submesh(k):
@@ -480,7 +480,7 @@ def test_ef21_with_momentum_is_ef21_sgdm(mesh):
     g = np.asarray(grads[t]["w"], np.float64)
     for i in range(n):
       u[i] = m * u[i] + g[i]
-      h[i] = h[i] + _np_topk(u[i] - h[i], ratio)
+      h[i] = h[i] + references.np_topk(u[i] - h[i], ratio)
     want = np.mean(h, axis=0)
     np.testing.assert_allclose(-np.asarray(updates[t]["w"], np.float64),
                                want, rtol=1e-4, atol=1e-5,
