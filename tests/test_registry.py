@@ -203,6 +203,14 @@ def test_static_args_are_derived_from_the_signature():
   signum = registry.get("signum")
   assert "beta" not in signum.static_args
   assert {"inner", "period"} <= set(registry.get("local_sgd").static_args)
+  # alpha is a real number, but the factory needs its value (a Python
+  # float) to build the step: declared static where it is registered.
+  assert "alpha" in registry.get("overlap_local_sgd").static_args
+  tx = optax.inject_hyperparams(
+    jaxcomm.overlap_local_sgd,
+    static_args=registry.get("overlap_local_sgd").static_args)(
+      optax.sgd(0.1), 2, alpha=0.25, axis_name=None)
+  tx.init({"w": jnp.zeros(3)})
   adam = registry.get("onebit_adam")
   assert "freeze_step" in adam.static_args
   assert "learning_rate" not in adam.static_args

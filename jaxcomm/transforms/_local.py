@@ -558,6 +558,7 @@ def adacomm(inner: optax.GradientTransformation, period: int, *,
 @_registry.method(
     family="local",
     paper="Wang, Liang & Joshi 2020",
+    static=("alpha",),
     summary=(
       "each model pulled towards an anchor, `x <- (1-a) x + a z`; the "
       "pulled models' average is the next anchor, first read one period "
@@ -609,6 +610,7 @@ def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
 
 @_registry.method(
     family="local",
+    static=("alpha",),
     paper="Douillard et al. 2023; Streaming DiLoCo 2025; SparseLoCo 2025",
     summary=(
       "the mean pseudo-gradient `theta - x_i` (optionally through any "
