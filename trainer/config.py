@@ -55,10 +55,22 @@ def measured_lr() -> dict[str, dict[str, Any]]:
   return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
-  m.name: (m.attr, {k: _cli_value(v) for k, v in m.defaults.items()})
-  for m in jaxcomm.registry.methods("compressor")}
-ALIASES = {a: m.name for m in jaxcomm.registry.methods() for a in m.aliases}
+def compressors() -> dict[str, tuple[str, dict[str, Any]]]:
+  """``{name: (factory name, defaults)}`` of every registered compressor,
+  read from ``jaxcomm.registry`` when called (a compressor registered after
+  this module was imported is a choice too)."""
+  return {m.name: (m.attr, {k: _cli_value(v) for k, v in m.defaults.items()})
+          for m in jaxcomm.registry.methods("compressor")}
+
+
+def aliases() -> dict[str, str]:
+  """``{alias: name}`` of every registered method."""
+  return {a: m.name for m in jaxcomm.registry.methods() for a in m.aliases}
+
+
+# The registry as this module found it at import (for readers of tables).
+COMPRESSORS = compressors()
+ALIASES = aliases()
 DEFAULT_COMPRESSOR = "powersgd"
 DEFAULT_COMPRESSOR_ARGS = "rank=4"
 # Used by the default job when jaxcomm has no powersgd.
@@ -70,9 +82,8 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
 
 
 def available_compressors() -> list[str]:
-  """Compressor names whose factory exists in this build of jaxcomm."""
-  return [k for k, (attr, _) in COMPRESSORS.items()
-          if callable(getattr(jaxcomm, attr, None))]
+  """The registered compressors' names, in table order."""
+  return jaxcomm.registry.names("compressor")
 
 
 def parse_kwargs(text: str | None) -> dict[str, Any]:
@@ -118,31 +129,26 @@ def parse_kwargs(text: str | None) -> dict[str, Any]:
 
 def resolve_compressor(name: str) -> str:
   """The canonical name of ``name``; ValueError listing the choices."""
-  key = ALIASES.get(name.lower(), name.lower())
+  key = aliases().get(name.lower(), name.lower())
   avail = available_compressors()
-  if key in COMPRESSORS and key in avail:
+  if key in avail:
     return key
-  missing = sorted(set(COMPRESSORS) - set(avail))
-  why = ("not in this build of jaxcomm" if key in COMPRESSORS
-         else "unknown compressor")
   raise ValueError(
-    f"{why}: {name!r}; valid choices: {', '.join(avail)}"
-    + (f" (known but not available here: {', '.join(missing)})"
-       if missing else ""))
+    f"unknown compressor: {name!r}; valid choices: {', '.join(avail)}")
 
 
 def build_compressor(name: str, args: dict[str, Any] | str | None = None, *,
                      axis_name=AXIS):
   """``(tx, canonical_name, kwargs)`` for compressor ``name``.
 
-  The factory is looked up on ``jaxcomm`` when called, so compressors added
-  to the package are selectable without changing this file (add a row to
-  :data:`COMPRESSORS`). Defaults in the table fill the factory's parameters
-  that the user did not give; ``dtype`` strings become JAX dtypes.
+  The factory is looked up in ``jaxcomm.registry`` when called, so a
+  registered compressor is selectable without changing this file. Its
+  registry defaults fill the parameters the user did not give; ``dtype``
+  strings become JAX dtypes.
   """
   key = resolve_compressor(name)
-  attr, defaults = COMPRESSORS[key]
-  factory = getattr(jaxcomm, attr)
+  _, defaults = compressors()[key]
+  factory = jaxcomm.registry.get(key, "compressor").factory
   given = parse_kwargs(args) if isinstance(args, str) else dict(args or {})
   try:
     sig = inspect.signature(factory)
@@ -306,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="characters per training sequence (charlm)")
   g = p.add_argument_group("compression and optimization")
   g.add_argument("--compressor", default=None,
-                 help=f"one of {', '.join(COMPRESSORS)} (those in this "
+                 help=f"one of {', '.join(available_compressors())} "
+                 "(those in this "
                  f"build of jaxcomm; default {d.compressor}, or "
                  f"{FALLBACK[0]} where jaxcomm has no {d.compressor})")
   g.add_argument("--compressor-args", default=None,
@@ -430,7 +437,7 @@ def parse_args(argv=None) -> Config:
       if values["compressor_args"] is None:
         values["compressor_args"] = FALLBACK[1]
   if values["compressor_args"] is None:
-    same = ALIASES.get(values["compressor"].lower(),
+    same = aliases().get(values["compressor"].lower(),
                        values["compressor"].lower())
     values["compressor_args"] = (d.compressor_args
                                  if same == d.compressor else "")
