@@ -496,7 +496,7 @@ def test_readme_flax_blocks_are_the_tested_code():
   readme = (root / "README.md").read_text()
   section = readme.split("### Flax NNX and Linen\n", 1)[1].split("\n### ")[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-  assert len(blocks) == 3
+  assert blocks, "the README lost its Flax recipe"
   source = pathlib.Path(__file__).read_text()
   tested = [textwrap.dedent(b) for b in re.findall(
     r"# --- README: [^\n]*---\n(.*?)\n *# --- end ---", source, re.S)]
