@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import parallel
+from tests import harness
 
 RNG = np.random.RandomState(0)
 W_TRUE = RNG.randn(16, 4).astype(np.float32)
@@ -155,7 +156,9 @@ def test_explicit_axis_mesh_is_accepted():
   np.testing.assert_allclose(params["w"], ref["w"], rtol=1e-5, atol=1e-6)
 
 
-def test_resize_state_conserves_residual_mass(mesh):
+def test_resize_state_keeps_what_residuals_owe_the_averaged_update(mesh):
+  """Residuals are averaged over merged devices and copied to split ones:
+  their device mean (what they add to the averaged update) is kept."""
   tx = optax.chain(jaxcomm.cast(jnp.bfloat16, error_feedback=True,
                                 policy=jaxcomm.LeafPolicy(min_size=16)),
                    optax.sgd(0.1))
@@ -164,14 +167,18 @@ def test_resize_state_conserves_residual_mass(mesh):
   for t in range(2):
     params, state, _ = dp.step(params, state, _batch(t))
   host = jax.device_get(state)
-  total = host[0].residual[0].sum(axis=0)
-  assert np.abs(total).max() > 0
+  owed = host[0].residual[0].mean(axis=0)
+  assert np.abs(owed).max() > 0
   four = parallel.resize_state(host, dp.layout, 4)
   assert four[0].residual[0].shape == (4, 64)
-  np.testing.assert_allclose(four[0].residual[0].sum(axis=0), total,
+  np.testing.assert_allclose(four[0].residual[0].mean(axis=0), owed,
                              rtol=1e-6, atol=1e-7)
+  # Devices 2k and 2k+1 became device k: their mean.
+  np.testing.assert_allclose(
+    four[0].residual[0],
+    host[0].residual[0].reshape(4, 2, 64).mean(axis=1), rtol=1e-6)
   back = parallel.resize_state(four, dp.layout, 8)
-  np.testing.assert_allclose(back[0].residual[0].sum(axis=0), total,
+  np.testing.assert_allclose(back[0].residual[0].mean(axis=0), owed,
                              rtol=1e-6, atol=1e-7)
   assert back[0].count == host[0].count
   with pytest.raises(ValueError, match="divide"):
@@ -209,12 +216,54 @@ def test_init_state_traces_and_restore_needs_a_target(mesh, tmp_path):
   restored = jax.device_get(ckpt.restore(tmp_path / "s", target=abstract))
   jax.tree.map(np.testing.assert_array_equal, restored, host)
   four = parallel.resize_state(restored, dp.layout, 4)
-  np.testing.assert_allclose(four[0].residual[0].sum(axis=0),
-                             host[0].residual[0].sum(axis=0), rtol=1e-6,
+  np.testing.assert_allclose(four[0].residual[0].mean(axis=0),
+                             host[0].residual[0].mean(axis=0), rtol=1e-6,
                              atol=1e-7)
   # Any other mismatch of trees is named too.
   with pytest.raises(ValueError, match="layout's tree structure"):
     parallel.resize_state(host[0], dp.layout, 4)
+
+
+def _drained(tx, state, n, steps=12):
+  """The summed updates ``tx`` delivers from ``state`` on ``n`` devices
+  when every gradient is 0 afterwards (what the state still owes)."""
+  sub = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+  zeros = {"w": np.zeros((n, 64), np.float32)}
+  updates, _, _ = harness.device_run(tx, sub, [zeros] * steps,
+                                     params={"w": jnp.zeros(64)}, state=state)
+  return sum(np.asarray(u["w"], np.float64) for u in updates)
+
+
+@pytest.mark.parametrize("new", [4, 2])
+def test_resized_residuals_deliver_what_they_owed(mesh, new):
+  """One step of top-k(0.25) on 8 devices, every device with the same
+  gradient; then zero gradients. Drained on 8 devices, on ``new`` devices
+  after a resize, and on a ``new``-device run that took the same step: all
+  three deliver the same total update (a resize that summed residuals
+  delivered 8/new times as much)."""
+  tx = jaxcomm.topk(0.25, policy=jaxcomm.LeafPolicy(min_size=16))
+  params = {"w": jnp.zeros(64)}
+  g = np.random.default_rng(0).normal(size=64).astype(np.float32)
+  updates, state, layout = harness.device_run(
+    tx, mesh, [{"w": np.tile(g, (8, 1))}], params=params)
+  # The step sent the top 16 of 64 (numpy); the rest is owed.
+  owed = g.astype(np.float64)
+  owed[np.argsort(-np.abs(g))[:16]] = 0.0
+  np.testing.assert_allclose(np.asarray(updates[0]["w"]), g - owed,
+                             rtol=1e-6, atol=1e-6)
+  stay = _drained(tx, state, 8)
+  moved = _drained(tx, parallel.resize_state(state, layout, new), new)
+  np.testing.assert_allclose(stay, owed, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(moved, owed, rtol=1e-5, atol=1e-6)
+  sub = jax.make_mesh((new,), ("data",), devices=jax.devices()[:new],
+                      axis_types=(jax.sharding.AxisType.Auto,))
+  _, small, _ = harness.device_run(tx, sub, [{"w": np.tile(g, (new, 1))}],
+                                   params=params)
+  # ... and the resized residuals are those of that run.
+  np.testing.assert_allclose(
+    np.asarray(parallel.resize_state(state, layout, new).residual[0]),
+    np.asarray(small.residual[0]), rtol=1e-6, atol=1e-7)
 
 
 def test_resize_state_keeps_ef21_aggregate_the_mean_of_estimates(mesh):

@@ -311,7 +311,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       host_state = parallel.resize_state(host_state, dp.layout, n)
       if main_proc:
         print(f"resumed a {old_n}-device checkpoint on {n} devices "
-              "(residuals resized, total preserved)")
+              "(per-device state averaged or copied: what it owes the "
+              "averaged update is kept)")
     host_params = jax.tree.unflatten(treedef_p, p_leaves)
     if dp.per_device_params and old_n != n:
       host_params = parallel.resize_params(host_params, n)

@@ -44,6 +44,7 @@ import optax
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _per_device
 from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -1161,6 +1162,13 @@ class ChocoState(NamedTuple):
   key: jax.Array
 
 
+# The public copies describe the old graph: on another device count they
+# restart at 0, as at init (the params, which resize_params moves, carry
+# the model).
+_per_device.register(ChocoState, public=_per_device.restart(0.0),
+                     mixed=_per_device.restart(0.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class ChocoSpec:
   """Wire accounting of :func:`choco`: per neighbour, one
@@ -1370,6 +1378,11 @@ class PushSumState(NamedTuple):
   device holds are the de-biased ``z_i = x_i / w_i``."""
 
   weight: jax.Array
+
+
+# Push-sum's weight is the device's share of the mass on the old graph: it
+# restarts at 1 (the de-biased params become the numerators).
+_per_device.register(PushSumState, weight=_per_device.restart(1.0))
 
 
 @dataclasses.dataclass(frozen=True)

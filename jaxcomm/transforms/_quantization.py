@@ -38,6 +38,7 @@ import numpy as np
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _per_device
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
@@ -76,6 +77,11 @@ class OneBitState(NamedTuple):
   """
 
   server_error: jax.Array
+
+
+# Device k holds the whole server error of its chunk k (not a share of a
+# mean): resizing re-cuts the total into the new devices' chunks.
+_per_device.register(OneBitState, server_error=_per_device.OWNED)
 
 
 def _onebit_codec() -> _compressor.Codec:

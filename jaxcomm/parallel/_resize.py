@@ -1,0 +1,220 @@
+"""Moving per-device state and params to another device count."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from jaxcomm import _checks
+from jaxcomm import _per_device
+from jaxcomm.collectives import _signs
+
+# ----------------------------------------------------- resizing the state --
+
+def _kinds(state) -> list:
+  """For each leaf: ``False`` (averaged over merged devices, copied to new
+  ones), ``"owned"`` or ``("restart", v)``, as its state type registered
+  (:mod:`jaxcomm._per_device`)."""
+  flags = []
+
+  def visit(x, kind):
+    if hasattr(x, "_fields"):
+      registered = _per_device.kinds(type(x))
+      for name, y in zip(x._fields, x):
+        visit(y, registered.get(name, kind))
+    elif isinstance(x, (tuple, list)):
+      for y in x:
+        visit(y, kind)
+    elif isinstance(x, dict):
+      for k in sorted(x):
+        visit(x[k], kind)
+    elif x is None:
+      return
+    else:
+      # Any other pytree node (a Flax nnx.State or nnx.Param inside an
+      # optax state built on NNX params): its children in JAX's order.
+      children = jax.tree_util.tree_flatten(
+        x, is_leaf=lambda y: y is not x)[0]
+      if len(children) == 1 and children[0] is x:
+        flags.append(kind)
+      else:
+        for y in children:
+          visit(y, kind)
+
+  visit(state, False)
+  return flags
+
+
+def _rechunk(x: np.ndarray, new: int) -> np.ndarray:
+  """Chunk-owned rows ``[old, L]`` -> ``[new, L]``: the total over the old
+  rows, each element given to the device whose chunk now holds it
+  (``collectives._signs.chunk_length(L, new)`` elements per device), so
+  that every element is read again and none is counted twice."""
+  total = x.sum(axis=0)
+  length = total.shape[-1]
+  c = _signs.chunk_length(length, new)
+  out = np.zeros((new,) + total.shape, x.dtype)
+  for k in range(new):
+    out[k, ..., k * c:(k + 1) * c] = total[..., k * c:(k + 1) * c]
+  return out
+
+
+def _containers(tree) -> set:
+  """The kinds of pytree nodes in ``tree`` (dict, list, tuple, NamedTuple
+  classes, ...)."""
+  kinds = set()
+
+  def visit(x):
+    if isinstance(x, dict):
+      kinds.add(dict)
+      for v in x.values():
+        visit(v)
+    elif isinstance(x, (tuple, list)):
+      kinds.add(type(x))
+      for v in x:
+        visit(v)
+
+  visit(tree)
+  return kinds
+
+
+def _nnx_classes(tree) -> set:
+  """Names of the Flax NNX containers in ``tree`` (Variables such as
+  ``OptArray``, ``State``, ``Pytree`` objects such as ``nnx.Optimizer``);
+  empty when Flax NNX is not loaded (jaxcomm does not import flax)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return set()
+  kinds = tuple(k for k in (getattr(nnx, n, None) for n in (
+    "Variable", "State", "Pytree")) if isinstance(k, type))
+  names = set()
+
+  def visit(x):
+    if isinstance(x, kinds):
+      names.add(type(x).__name__)
+    children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+    if not (len(children) == 1 and children[0] is x):
+      for y in children:
+        visit(y)
+
+  visit(tree)
+  return names
+
+
+def _check_state_tree(state, layout, who: str) -> None:
+  """Names a state whose tree is not its layout's: an NNX optimizer's
+  state, one restored from a checkpoint without a target (orbax then gives
+  dicts and lists, a NamedTuple's fields as sorted dict keys, so leaves
+  pair up wrongly), or another tree."""
+  want = jax.tree.structure(layout)
+  got = jax.tree.structure(state)
+  if want == got:
+    return
+  extra = _nnx_classes(state) - _nnx_classes(layout)
+  if extra:
+    raise ValueError(
+      f"{who}: state holds Flax NNX containers "
+      f"({', '.join(sorted(extra))}) that its layout does not: an "
+      "nnx.Optimizer's opt_state (leaves wrapped in OptArray/OptVariable) "
+      "or nnx.state(optimizer) (NamedTuples turned into mappings) is not "
+      "the tree tx.init(params) returns, which jaxcomm.parallel lays out. "
+      "Keep the optax state itself: graphdef, params = nnx.split(model, "
+      "nnx.Param); opt_state = jaxcomm.parallel.init_state(tx, params, "
+      "mesh); after training, nnx.update(model, params) (README: Flax NNX "
+      "and Linen)")
+  _check_restored_structure(state, layout, got, want)
+
+
+def _check_restored_structure(state, layout, got, want) -> None:
+  named = {k for k in _containers(layout) if hasattr(k, "_fields")}
+  restored = (not named & _containers(state)
+              and {dict, list} & _containers(state))
+  if named and restored:
+    raise ValueError(
+      "state has no NamedTuple nodes where its layout has "
+      f"{sorted(k.__name__ for k in named)}: it looks restored from a "
+      "checkpoint without a target (orbax then returns plain dicts and "
+      "lists). Restore with the abstract state as target, e.g. "
+      "ckpt.restore(path, target=jax.eval_shape(lambda: "
+      "jaxcomm.parallel.init_state(tx, params, mesh))) on a mesh of the "
+      "checkpoint's device count, or the same tree with that count as the "
+      "leading axis of the per-device leaves")
+  raise ValueError(
+    f"state does not have its layout's tree structure: state {got}, layout "
+    f"{want}")
+
+
+def resize_state(state, layout, num_devices: int):
+  """Moves a laid-out state (host arrays) to ``num_devices`` devices.
+
+  What the state still owes the *averaged* update is kept: compressors
+  apply ``mean_i`` of what devices send, so per-device buffers (residuals,
+  worker errors, EF21's estimates ``h_i``, local momenta) are averaged over
+  each group of merged devices and copied to split ones, which keeps
+  ``mean_i b_i`` exactly (and ``h = mean_i h_i``). (Summing residuals
+  instead would make a residual deliver n/m times its mass on m devices.)
+  A field its state type registered as owned by chunks (onebit's server
+  error: device ``k`` holds its chunk's mass in full) has its total re-cut
+  into the new devices' chunks; gossip memory (CHOCO's public copies,
+  push-sum's weight) restarts as at init. See :mod:`jaxcomm._per_device`.
+  Replicated leaves are unchanged.
+
+  Args:
+    state: the state as host (numpy) arrays, e.g. from a checkpoint.
+    layout: its :func:`state_layout`.
+    num_devices: the new data-axis size. The old and new sizes must divide
+      one another.
+  """
+  num_devices = _checks.integer("num_devices", num_devices, 1)
+  _check_state_tree(state, layout, "resize_state")
+  leaves, treedef = jax.tree.flatten(state)
+  per_device = jax.tree.leaves(layout)
+  additive = _kinds(state)
+  if not (len(leaves) == len(per_device) == len(additive)):
+    raise ValueError("layout does not match the state's tree structure")
+  out = []
+  for x, dev, add in zip(leaves, per_device, additive):
+    x = np.asarray(x)
+    if not dev:
+      out.append(x)
+      continue
+    if dev is not True:
+      raise ValueError(
+        f"cannot resize a state leaf laid out over the data axes {dev} only "
+        "(several data axes): resize states of one data axis")
+    old = x.shape[0]
+    new = num_devices
+    if old == new:
+      out.append(x)
+    elif isinstance(add, tuple):
+      out.append(np.full((new,) + x.shape[1:], add[1], x.dtype))
+    elif add == "owned" and (old % new == 0 or new % old == 0):
+      out.append(_rechunk(x, new))
+    elif old % new == 0:
+      g = x.reshape((new, old // new) + x.shape[1:])
+      if np.issubdtype(x.dtype, np.integer) or x.dtype == bool:
+        # Counters (a skipped-step count): the group's largest, not a mean
+        # that rounds 1 of 8 down to 0.
+        out.append(g.max(axis=1))
+      else:  # a group holding one value keeps it exactly
+        same = np.all(g == g[:, :1], axis=1)
+        mean = g.astype(np.float64).mean(axis=1)
+        out.append(np.where(same, g[:, 0], mean).astype(x.dtype))
+    elif new % old == 0:
+      out.append(np.repeat(x, new // old, axis=0))
+    else:
+      raise ValueError(
+        f"cannot resize a state from {old} to {new} devices: the sizes must "
+        "divide one another")
+  return jax.tree.unflatten(treedef, out)
+
+
+def resize_params(params, num_devices: int):
+  """Per-device params (host arrays, leading device axis, as a local-update
+  optimizer's :class:`DataParallel` holds them) on ``num_devices`` devices:
+  averaged over groups of old devices when shrinking, copied when growing,
+  so the device average (the synchronised model) is kept."""
+  layout = jax.tree.map(lambda _: True, params)
+  return resize_state(params, layout, num_devices)

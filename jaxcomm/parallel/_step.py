@@ -1,0 +1,390 @@
+"""The data-parallel train step: :class:`DataParallel`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm import _checks
+from jaxcomm.collectives import _core
+from jaxcomm.parallel._layout import _check_nnx_params
+from jaxcomm.parallel._layout import _local_shape
+from jaxcomm.parallel._layout import _names
+from jaxcomm.parallel._layout import _with_data
+from jaxcomm.parallel._layout import init_state
+from jaxcomm.parallel._layout import local_params
+from jaxcomm.parallel._layout import param_specs
+from jaxcomm.parallel._layout import state_layout
+from jaxcomm.parallel._layout import state_specs
+from jaxcomm.parallel._layout import to_global
+from jaxcomm.parallel._layout import to_local
+from jaxcomm.parallel._placement import _data_size
+from jaxcomm.parallel._placement import _global
+from jaxcomm.parallel._placement import replicate
+from jaxcomm.parallel._placement import shard_batch
+from jaxcomm.parallel._resize import _check_state_tree
+from jaxcomm.transforms import _local
+
+# ------------------------------------------------------------ train steps --
+
+class DataParallel:
+  """A jitted shard_map train step for any optax transformation.
+
+  Params are replicated, the batch is split over the data axis, the
+  optimizer state is laid out by :func:`state_layout`, and ``check_vma``
+  stays on, so a transform that left devices disagreeing would fail to
+  trace. Gradients are taken with respect to a device-varying view of the
+  params: each device gets its *local* gradient and only ``tx`` decides what
+  crosses the wire (differentiating through replicated params directly would
+  let JAX insert its own dense psum).
+
+  Example::
+
+    mesh = jaxcomm.parallel.make_mesh()
+    tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+    dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    params, opt_state = dp.init(params)
+    params, opt_state, metrics = dp.step(params, opt_state, batch)
+
+  With a local-update optimizer (:func:`jaxcomm.local_sgd`,
+  :func:`jaxcomm.adacomm`, :func:`jaxcomm.overlap_local_sgd`,
+  :func:`jaxcomm.diloco`) params differ between devices between syncs:
+  ``init`` returns them per device (a leading axis of size n sharded over
+  the data axis, like per-device state; ``per_device_params`` is True), the
+  step passes each device its own row and the loss as ``value``, and
+  :meth:`synchronized` gives the model to evaluate or export.
+
+  Mutable model state and randomness (BatchNorm statistics, dropout) are
+  optional arguments of :meth:`step`: with ``model_state=`` the loss is
+  called as ``loss_fn(params, batch, model_state=...)`` and returns
+  ``(out, new_model_state)`` (``out`` is what it returns without:
+  ``loss``, or ``(loss, aux)`` with ``has_aux``); the new state's floating
+  leaves are averaged over the data axes (one fused all-reduce; BatchNorm's
+  running statistics become the device mean) and ``step`` returns it as a
+  fourth value. With ``rng=key`` the loss gets ``rng=`` this device's key,
+  ``jax.random.fold_in(key, i)`` for its index ``i`` along the data axes,
+  so dropout masks differ between devices; pass a new key each step (e.g.
+  ``jax.random.fold_in(base, step)``) for them to differ between steps::
+
+    def loss_fn(params, batch, model_state, rng):
+      logits, new_state = apply(params, model_state, batch["x"], rng)
+      return cross_entropy(logits, batch["y"]), new_state
+
+    params, opt_state, metrics, model_state = dp.step(
+      params, opt_state, batch, model_state=model_state,
+      rng=jax.random.fold_in(key, t))
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``) on the device's local batch; ``model_state`` and ``rng``
+      keyword arguments when :meth:`step` is given them (above). With Flax
+      NNX, ``params`` is ``nnx.state(model, nnx.Param)`` (from
+      ``graphdef, params = nnx.split(model, nnx.Param)``) and the loss
+      calls ``nnx.merge(graphdef, params)``.
+    tx: the optimizer.
+    mesh: a mesh with an axis named ``axis_name``.
+    axis_name: the data axis, or a tuple of them (e.g. ``("dcn", "ici")``
+      on a pod: the batch is split over all of them, per-device state and
+      params are laid out over all of them, and each compressor averages
+      over the axes it was built with, so ``optax.chain(
+      jaxcomm.mean_gradients(axis_name="ici"), jaxcomm.powersgd(2,
+      axis_name="dcn"), ...)`` compresses only between slices).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
+      averaged over devices.
+    donate: donate params and state buffers to the step.
+    block: wait for the previous step's params and state before
+      dispatching the next step. ``None`` (default): on a mesh of several
+      CPU devices only. XLA's CPU collectives rendezvous every simulated
+      device; with many steps queued (a loop that never reads a result)
+      a device can reach a collective while the others still work through
+      earlier steps on few cores, and XLA aborts the process after its
+      collective timeout ("Termination timeout for all reduce ... 40
+      seconds exceeded"). One step in flight keeps every wait within one
+      step; the host still prepares the next batch meanwhile. ``False``
+      dispatches freely (JAX's asynchronous default; then raise
+      ``--xla_cpu_collective_timeout_seconds`` and
+      ``--xla_cpu_collective_call_terminate_timeout_seconds`` in
+      ``XLA_FLAGS`` before JAX starts, as train.py and the tests do);
+      ``True`` blocks on any backend.
+  """
+
+  def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
+               mesh, axis_name: str = "data", *, has_aux: bool = False,
+               donate: bool = True, block: bool | None = None):
+    _data_size(mesh, axis_name)
+    self.loss_fn = loss_fn
+    self.tx = tx
+    self.mesh = mesh
+    self.axis_name = axis_name
+    self.has_aux = has_aux
+    self.donate = donate
+    self.layout = None
+    self.per_device_params = False
+    self.param_specs = None
+    self._steps = {}
+    if block is not None:
+      _checks.boolean("block", block)
+    self.block = (block if block is not None else
+                  self.num_devices > 1 and all(
+                    d.platform == "cpu" for d in mesh.devices.flat))
+
+  @property
+  def num_devices(self) -> int:
+    return _data_size(self.mesh, self.axis_name)
+
+  def init(self, params):
+    """Replicated params and the laid-out optimizer state."""
+    _check_nnx_params(params, "DataParallel.init")
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      dtype = jnp.result_type(x)
+      if not (jnp.issubdtype(dtype, jnp.floating)
+              or jnp.issubdtype(dtype, jnp.complexfloating)):
+        raise ValueError(
+          f"params leaf {jax.tree_util.keystr(path)} is {dtype}: DataParallel "
+          "differentiates every params leaf, and only floating (or complex) "
+          "leaves have gradients; keep integer state (counters, indices) "
+          "out of params, e.g. in the batch or closed over by loss_fn")
+    self.param_specs = param_specs(params, self.mesh, self.axis_name)
+    self.per_device_params = local_params(
+      self.tx, jax.tree.map(
+        lambda x, sp: jax.ShapeDtypeStruct(
+          _local_shape(np.shape(x), sp, self.mesh), jnp.result_type(x)),
+        params, self.param_specs))
+    self.layout = state_layout(self.tx, params, self.mesh, self.axis_name,
+                               per_device_params=self.per_device_params,
+                               specs=self.param_specs)
+    state = init_state(self.tx, params, self.mesh, self.axis_name,
+                       self.layout, specs=self.param_specs)
+    host = jax.device_get(params)
+    if self.per_device_params:
+      return self.place_params(jax.tree.map(
+        lambda x: np.broadcast_to(np.asarray(x)[None],
+                                  (self.num_devices,) + np.shape(x)),
+        host)), state
+    return self.place_params(host), state
+
+  def _param_shardings(self):
+    wrap = ((lambda sp: _with_data(sp, self.axis_name))
+            if self.per_device_params else (lambda sp: sp))
+    return jax.tree.map(lambda sp: NamedSharding(self.mesh, wrap(sp)),
+                        self.param_specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def place_params(self, host_params):
+    """Host params as this step's inputs: split over model axes as given to
+    :meth:`init`, and per device (a leading axis of size n over the data
+    axis) for a local-update optimizer, else replicated over the data
+    axis."""
+    return jax.tree.map(_global, host_params, self._param_shardings())
+
+  def synchronized(self, params):
+    """The model to evaluate or export: ``params`` themselves when they are
+    replicated; with per-device params (local-update optimizers) their
+    device average, replicated (exactly the common value when every device
+    holds the same one, as right after a sync)."""
+    if not self.per_device_params:
+      return params
+    return synchronized(params, self.mesh, self.param_specs)
+
+  def shard_batch(self, batch):
+    """This process's slice of a batch as global arrays (see shard_batch)."""
+    return shard_batch(batch, self.mesh, self.axis_name)
+
+  def _build(self, with_state: bool, with_rng: bool):
+    axis, layout, tx = self.axis_name, self.layout, self.tx
+    loss_fn, has_aux = self.loss_fn, self.has_aux
+
+    per_device = self.per_device_params
+
+    def step(params, state, batch, *extra):
+      local = to_local(state, layout)
+      if per_device:
+        params = jax.tree.map(lambda x: x[0], params)
+      kwargs = {}
+      extra = list(extra)
+      if with_state:
+        kwargs["model_state"] = extra.pop(0)
+      if with_rng:
+        # This device's key: i along the data axes folded into the step's.
+        kwargs["rng"] = jax.random.fold_in(extra.pop(0),
+                                           _core.axis_index(axis))
+
+      def loss_and_more(p):
+        inside = dict(kwargs)
+        if with_state:
+          # Fresh nodes, made inside the differentiated function: a Flax
+          # NNX Variable (BatchNorm's statistics) may be updated only at
+          # the trace level that made it.
+          inside["model_state"] = jax.tree.map(lambda x: x,
+                                               kwargs["model_state"])
+        out = loss_fn(p, batch, **inside)
+        new_model_state = None
+        if with_state:
+          if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+              "loss_fn: with model_state it must return (out, "
+              "new_model_state), where out is the loss (or (loss, aux) "
+              f"with has_aux); got {type(out).__name__}")
+          out, new_model_state = out
+        loss, aux = out if has_aux else (out, {})
+        return loss, (aux, new_model_state)
+
+      (loss, (aux, new_model_state)), grads = jax.value_and_grad(
+        loss_and_more, has_aux=True)(_core.pvary(params, axis))
+      extra = {"value": loss} if per_device else {}
+      updates, new_local = tx.update(grads, local, params, **extra)
+      new_params = _local.apply_updates(params, updates, new_local)
+      if per_device:
+        new_params = jax.tree.map(lambda x: x[None], new_params)
+      # Local-update steps send nothing between syncs, not even the loss:
+      # their metrics stay per device (a leading axis of size n).
+      reduce = ((lambda a: jnp.asarray(a)[None]) if per_device
+                else (lambda a: jax.lax.pmean(a, axis)))
+      metrics = {"loss": reduce(loss)}
+      if has_aux:
+        metrics["aux"] = jax.tree.map(reduce, aux)
+      out = (new_params, to_global(new_local, layout), metrics)
+      if with_state:
+        out += (_device_mean(new_model_state, axis),)
+      return out
+
+    specs = state_specs(layout, axis)
+    p_spec = jax.tree.map(
+      lambda sp: _with_data(sp, axis) if per_device else sp,
+      self.param_specs, is_leaf=lambda x: isinstance(x, P))
+    m_spec = P(axis) if per_device else P()
+    extra_specs = (P(),) * (with_state + with_rng)
+    mapped = jax.shard_map(
+      step, mesh=self.mesh, in_specs=(p_spec, specs, P(axis)) + extra_specs,
+      out_specs=(p_spec, specs, m_spec) + ((P(),) if with_state else ()))
+    donated = (0, 1, 3) if with_state else (0, 1)
+    return jax.jit(mapped, donate_argnums=donated if self.donate else ())
+
+  def _prepare(self, params, state, batch, model_state, rng):
+    """Checks the inputs and returns the built step and its arguments."""
+    if self.layout is None:
+      raise ValueError("call DataParallel.init(params) before step()")
+    if model_state is not None and self.per_device_params:
+      raise ValueError(
+        "model_state is not supported with a local-update optimizer "
+        "(per-device params): its steps send nothing between syncs, and "
+        "model_state is averaged over the devices every step")
+    _check_state_tree(state, self.layout, "DataParallel.step")
+    for name, tree in (("params", params), ("state", state),
+                       ("model_state", model_state)):
+      if any(isinstance(x, jax.Array) and x.is_deleted()
+             for x in jax.tree.leaves(tree)):
+        raise ValueError(
+          f"{name} holds buffers donated to an earlier step (DataParallel "
+          "donates params, state and model_state by default): pass the "
+          "ones that step returned, or build DataParallel(..., "
+          "donate=False)")
+    kind = (model_state is not None, rng is not None)
+    if kind not in self._steps:
+      self._steps[kind] = self._build(*kind)
+    if self.num_devices > 1:
+      if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
+                 for x in jax.tree.leaves(batch)):
+        batch = self.shard_batch(batch)
+      if model_state is not None and not all(
+          isinstance(x, jax.Array) and len(x.devices()) > 1
+          for x in jax.tree.leaves(model_state)):
+        model_state = replicate(model_state, self.mesh)
+    extra = tuple(x for x in (model_state, rng) if x is not None)
+    return self._steps[kind], (params, state, batch) + extra
+
+  def step(self, params, state, batch, *, model_state=None, rng=None):
+    """One step: ``(params, state, metrics)``, plus the new model state as
+    a fourth value when ``model_state`` is given; batch from
+    :meth:`shard_batch` (plain host arrays are sharded here). Metrics are
+    device averages; with a local-update optimizer (``per_device_params``)
+    they are per device (leading axis n), since those steps send nothing
+    between syncs.
+
+    Args:
+      params: the params :meth:`init` (or the previous step) returned.
+      state: the optimizer state, likewise.
+      batch: the global batch; its leading axes are split over the data
+        axes.
+      model_state: mutable non-parameter model state (e.g. BatchNorm
+        statistics, ``nnx.state(model, nnx.BatchStat)``), replicated;
+        ``loss_fn`` gets it as ``model_state=`` and returns ``(out,
+        new_model_state)``; the new state's floating leaves are averaged
+        over the data axes, others must come out equal on every device.
+      rng: a PRNG key for this step; ``loss_fn`` gets ``rng=
+        jax.random.fold_in(rng, i)`` on the device of index ``i`` along the
+        data axes.
+    """
+    fn, args = self._prepare(params, state, batch, model_state, rng)
+    if self.block:
+      # The previous step's outputs: at most one step queued (see block).
+      jax.block_until_ready((params, state, model_state))
+    return fn(*args)
+
+  def lower(self, params, state, batch, *, model_state=None, rng=None):
+    """The lowered step (for :func:`jaxcomm.wire.report`)."""
+    fn, args = self._prepare(params, state, batch, model_state, rng)
+    return fn.lower(*args)
+
+
+def _device_mean(tree, axis_name):
+  """Inside shard_map: ``tree``'s floating leaves averaged over
+  ``axis_name`` (those that vary over it, in one fused float32 psum,
+  cast back), the other leaves as they are; a non-floating leaf that
+  varies over ``axis_name`` is refused by name (its mean is not a value of
+  its dtype)."""
+  names = set(_names(axis_name))
+  paths, leaves = [], []
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if names & _core.varying_axes(x):
+      if not _core.is_inexact(x):
+        raise ValueError(
+          f"model_state leaf {jax.tree_util.keystr(path)} "
+          f"({jnp.result_type(x)}) differs between devices after the step, "
+          "and only floating leaves are averaged: keep it equal on every "
+          "device (e.g. a counter that does not read the batch) or make it "
+          "floating")
+      paths.append(path)
+      leaves.append(x)
+  n = _core.axis_size(axis_name)
+  summed = _core.fused_psum(leaves, axis_name)
+  means = {jax.tree_util.keystr(p): (s / n).astype(x.dtype)
+           for p, s, x in zip(paths, summed, leaves)}
+  return jax.tree_util.tree_map_with_path(
+    lambda p, x: means.get(jax.tree_util.keystr(p), x), tree)
+
+
+def synchronized(params, mesh, specs=None):
+  """Per-device params (leading device axis) -> their device average,
+  replicated on ``mesh`` (split over model axes as ``specs`` say); where
+  every device holds the same value, that value exactly (a mean of equal
+  floats may round)."""
+  rep = (NamedSharding(mesh, P()) if specs is None else jax.tree.map(
+    lambda sp: NamedSharding(mesh, sp), specs,
+    is_leaf=lambda x: isinstance(x, P)))
+
+  def one(x):
+    first = x[0]
+    same = jnp.all(x == first[None])
+    mean = jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
+    return jnp.where(same, first, mean)
+
+  return jax.jit(lambda p: jax.tree.map(one, p), out_shardings=rep)(params)
+
+
+def consensus_distance(params) -> jax.Array:
+  """``max_i |x_i - mean_j x_j|`` over every element of per-device params
+  (leading device axis): how far decentralized or local training has let
+  the devices drift apart (0 right after a sync)."""
+  def one(x):
+    x = x.astype(jnp.float32)
+    return jnp.max(jnp.abs(x - jnp.mean(x, axis=0, keepdims=True)))
+  leaves = jax.tree.leaves(params)
+  return jax.jit(lambda ls: jnp.max(jnp.stack([one(x) for x in ls])))(
+    leaves) if leaves else jnp.zeros([], jnp.float32)
