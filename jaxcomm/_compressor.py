@@ -54,6 +54,7 @@ import optax
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _policy
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 
 Shape = tuple[int, ...]
@@ -276,16 +277,6 @@ def _check_axis_name(axis_name) -> None:
     raise ValueError(
       "axis_name must be a mesh axis name (a str), a non-empty tuple of "
       f"them, or None for one device without collectives; got {axis_name!r}")
-
-
-def _match_varying(x, like):
-  """``x`` marked varying over every axis ``like`` (an abstract value)
-  varies over."""
-  mat = getattr(like, "manual_axis_type", None)
-  want = frozenset(mat.varying) if mat is not None else frozenset(
-    getattr(like, "vma", ()))
-  missing = tuple(sorted(want - _core.varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def safe_norm(xs) -> jax.Array:
@@ -649,7 +640,7 @@ def exchange(opts: _Options, layouts, xs: list, g: list, codec_state,
 
   def dense_typed(_):
     mean, sent, cs = dense_branch(None)
-    return mean, sent, jax.tree.map(_match_varying, cs, want)
+    return mean, sent, jax.tree.map(_vma.match_varying, cs, want)
 
   mean, sent, new_cs = jax.lax.cond(in_dense, dense_typed, compress_branch,
                                     None)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _buckets
+from jaxcomm._vma import mark_varying
+from jaxcomm._vma import varying_axes  # noqa: F401 (re-exported)
 
 AxisName = str | tuple[str, ...] | None
 
@@ -241,23 +243,13 @@ def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
   return jax.lax.ppermute(x, axis_name, perm)
 
 
-def varying_axes(x) -> frozenset:
-  """The mapped axes over which ``x`` is typed as varying (empty outside)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
 def pvary(x, axis_name: AxisName):
   """Marks a replicated value as varying (no data moves)."""
   if axis_name is None:
     return x
   names = _names(axis_name)
   def one(a):
-    missing = tuple(n for n in names if n not in varying_axes(a))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
+    return mark_varying(a, names)
   return jax.tree.map(one, x)
 
 

@@ -24,12 +24,15 @@ tests on CPU; compiled kernels are not affected.
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from jaxcomm._vma import mark_varying
+from jaxcomm._vma import out_struct
+from jaxcomm._vma import varying_axes
 
 ENV_VAR = "JAXCOMM_KERNELS"
 MODES = ("auto", "always", "never")
@@ -109,44 +112,6 @@ def resolve(op: str, use_kernel: bool | None, interpret: bool, *,
 # --------------------------------------------------------------------------
 
 
-def _sds_varying_kwarg() -> str:
-  params = inspect.signature(jax.ShapeDtypeStruct).parameters
-  if "manual_axis_type" in params:
-    return "manual_axis_type"
-  return "vma"                # JAX before ManualAxisType
-
-
-_SDS_KWARG = _sds_varying_kwarg()
-
-
-def varying_axes(x) -> frozenset:
-  """The mesh axes ``x`` is typed as varying over (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(getattr(mat, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()) or ())
-
-
-def out_struct(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
-  """A ``jax.ShapeDtypeStruct`` typed as varying over ``axes``."""
-  axes = frozenset(axes)
-  if _SDS_KWARG == "manual_axis_type":
-    typed = jax.sharding.ManualAxisType(varying=axes)
-  else:
-    typed = axes
-  return jax.ShapeDtypeStruct(tuple(shape), dtype, **{_SDS_KWARG: typed})
-
-
-def match_varying(args, axes: frozenset) -> list:
-  """Casts each of ``args`` to vary over ``axes`` (a type-only cast)."""
-  out = []
-  for a in args:
-    missing = tuple(sorted(axes - varying_axes(a), key=str))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return out
-
-
 def _is_struct(s) -> bool:
   return hasattr(s, "shape") and hasattr(s, "dtype")
 
@@ -165,7 +130,7 @@ def pallas_call(kernel, *, out_shape, interpret: bool = False, **kwargs):
   def call(*args):
     args = [jnp.asarray(a) for a in args]
     axes = frozenset().union(*(varying_axes(a) for a in args))
-    args = match_varying(args, axes)
+    args = [mark_varying(a, axes) for a in args]
     shapes = jax.tree.map(lambda s: out_struct(s.shape, s.dtype, axes),
                           out_shape, is_leaf=_is_struct)
     interp = interpret

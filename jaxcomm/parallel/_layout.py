@@ -13,6 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.parallel._placement import _data_size
 from jaxcomm.parallel._placement import _global
@@ -123,10 +124,7 @@ def _leaf_size(b, mesh, axis_name) -> int:
 def _to_union(tree, want):
   """Each leaf of ``tree`` marked varying over the axes in ``want`` (a
   frozenset per leaf) that it does not vary over yet (type only)."""
-  def one(x, axes):
-    missing = tuple(sorted(axes - _core.varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-  return jax.tree.map(one, tree, want)
+  return jax.tree.map(_vma.mark_varying, tree, want)
 
 
 @contextlib.contextmanager
@@ -147,8 +145,8 @@ def _joined_branches():
   cond, switch = jax.lax.cond, jax.lax.switch
 
   def joined(branches, operands):
-    want = _local._join_vma([jax.eval_shape(b, *operands)
-                             for b in branches])
+    want = _vma.union_varying([jax.eval_shape(b, *operands)
+                               for b in branches])
     return [lambda *ops, b=b: _to_union(b(*ops), want) for b in branches]
 
   def joined_cond(pred, true_fun, false_fun, *operands, **kwargs):

@@ -47,6 +47,7 @@ from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _policy
 from jaxcomm import _registry
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 
 
@@ -131,34 +132,17 @@ def apply_updates(params, updates, opt_state):
 
 # ------------------------------------------------------------ the engine --
 
-def _join_vma(outs: Sequence[Any]) -> Any:
-  """Per leaf, the union of the varying axes of several branches' outputs
-  (abstract values from ``jax.eval_shape``)."""
-  def union(*leaves):
-    axes = set()
-    for l in leaves:
-      mat = getattr(l, "manual_axis_type", None)
-      axes |= set(mat.varying) if mat is not None else set(
-        getattr(l, "vma", ()))
-    return frozenset(axes)
-  return jax.tree.map(union, *outs)
-
-
 def switch(index, branches: Sequence[Callable], operand):
   """``lax.switch`` whose branches may differ in which outputs vary over
   the data axis: every output is marked varying where any branch's is."""
   if len(branches) == 1:
     return branches[0](operand)
   shapes = [jax.eval_shape(b, operand) for b in branches]
-  want = _join_vma(shapes)
+  want = _vma.union_varying(shapes)
 
   def wrap(b):
     def run(op):
-      out = b(op)
-      return jax.tree.map(
-        lambda x, axes: (jax.lax.pcast(
-          x, tuple(sorted(axes - _core.varying_axes(x))), to="varying")
-          if axes - _core.varying_axes(x) else x), out, want)
+      return jax.tree.map(_vma.mark_varying, b(op), want)
     return run
 
   return jax.lax.switch(index, [wrap(b) for b in branches], operand)

@@ -1,0 +1,64 @@
+"""The one compatibility shim for shard_map's varying-axes types.
+
+Inside ``jax.shard_map`` with ``check_vma=True`` every value is typed as
+varying over some manual mesh axes. JAX 0.10+ exposes that set as
+``aval.manual_axis_type.varying``; earlier JAX as ``aval.vma``. Everything
+in jaxcomm that reads or sets that type goes through these functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+from typing import Sequence
+
+import jax
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` is typed as varying over (empty outside
+  shard_map). ``x``: an array, a tracer, or an abstract value (e.g. from
+  ``jax.eval_shape``)."""
+  aval = x if hasattr(x, "manual_axis_type") or hasattr(x, "vma") else (
+    jax.typeof(x))
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def mark_varying(x, axes) -> Any:
+  """``x`` typed as varying over ``axes`` too (a type-only cast: no data
+  moves)."""
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match_varying(x, like) -> Any:
+  """``x`` typed as varying over every axis ``like`` varies over."""
+  return mark_varying(x, varying_axes(like))
+
+
+def union_varying(trees: Sequence[Any]) -> Any:
+  """Per leaf, the union of the axes the leaves of ``trees`` (same
+  structure; e.g. several ``lax.switch`` branches' abstract outputs) vary
+  over."""
+  return jax.tree.map(
+    lambda *leaves: frozenset().union(*(varying_axes(l) for l in leaves)),
+    *trees)
+
+
+def _struct_kwarg() -> str:
+  params = inspect.signature(jax.ShapeDtypeStruct).parameters
+  return "manual_axis_type" if "manual_axis_type" in params else "vma"
+
+
+_STRUCT_KWARG = _struct_kwarg()
+
+
+def out_struct(shape, dtype, axes) -> jax.ShapeDtypeStruct:
+  """A ``jax.ShapeDtypeStruct`` typed as varying over ``axes``."""
+  axes = frozenset(axes)
+  typed = (jax.sharding.ManualAxisType(varying=axes)
+           if _STRUCT_KWARG == "manual_axis_type" else axes)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, **{_STRUCT_KWARG: typed})
