@@ -501,7 +501,7 @@ def test_zero_one_adam_matches_numpy():
   whose sync interval doubles (1, 1, 2, ..., 4): each step's per-device
   params equal the numpy replay, and devices agree exactly after every
   synchronous step and sync, not between."""
-  from jaxcomm.transforms._local import zero_one_schedule
+  from jaxcomm.transforms._zero_one_adam import zero_one_schedule
   steps, args = 8, dict(var_freeze_step=3, var_update_scaler=1,
                         local_step_scaler=2, local_step_clipper=4)
   branches = zero_one_schedule(steps, *args.values())

@@ -18,7 +18,7 @@ from jaxcomm.collectives import _core
 from jaxcomm.parallel._placement import _data_size
 from jaxcomm.parallel._placement import _global
 from jaxcomm.parallel._resize import _check_state_tree
-from jaxcomm.transforms import _local
+from jaxcomm.transforms import _local_engine
 
 # ----------------------------------------------------------- state layout --
 
@@ -31,7 +31,7 @@ def local_params(tx: optax.GradientTransformation, params) -> bool:
   """Whether ``tx`` lets params differ between devices (a local-update
   optimizer: :func:`jaxcomm.local_sgd`, :func:`jaxcomm.diloco`, ...), so
   that :class:`DataParallel` keeps them per device."""
-  return bool(_local.local_states(jax.eval_shape(tx.init,
+  return bool(_local_engine.local_states(jax.eval_shape(tx.init,
                                                  _abstract(params))))
 
 

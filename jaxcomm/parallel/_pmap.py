@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.parallel._placement import _check_leading
-from jaxcomm.transforms import _local
+from jaxcomm.transforms import _local_engine
 
 
 def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
@@ -22,9 +22,9 @@ def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
   def step(params, state, batch):
     out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
     loss = out[0] if has_aux else out
-    extra = ({"value": loss} if _local.local_states(state) else {})
+    extra = ({"value": loss} if _local_engine.local_states(state) else {})
     updates, state = tx.update(grads, state, params, **extra)
-    params = _local.apply_updates(params, updates, state)
+    params = _local_engine.apply_updates(params, updates, state)
     return params, state, {"loss": jax.lax.pmean(loss, axis_name)}
 
   mapped = jax.pmap(step, axis_name=axis_name)

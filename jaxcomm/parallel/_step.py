@@ -29,7 +29,7 @@ from jaxcomm.parallel._placement import _global
 from jaxcomm.parallel._placement import replicate
 from jaxcomm.parallel._placement import shard_batch
 from jaxcomm.parallel._resize import _check_state_tree
-from jaxcomm.transforms import _local
+from jaxcomm.transforms import _local_engine
 
 # ------------------------------------------------------------ train steps --
 
@@ -239,7 +239,7 @@ class DataParallel:
         loss_and_more, has_aux=True)(_core.pvary(params, axis))
       extra = {"value": loss} if per_device else {}
       updates, new_local = tx.update(grads, local, params, **extra)
-      new_params = _local.apply_updates(params, updates, new_local)
+      new_params = _local_engine.apply_updates(params, updates, new_local)
       if per_device:
         new_params = jax.tree.map(lambda x: x[None], new_params)
       # Local-update steps send nothing between syncs, not even the loss:
