@@ -18,7 +18,7 @@ train: $(STAMP)
 # Two workers (pytest-xdist): each test process simulates 8 CPU devices;
 # on 2 cores the suite (1,245 tests) took 14 min this way.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache
 
 # Measured step times in a rate-limited network namespace (needs root);
 # The learning rate each compressor wants (digits MLP, ~5 min).

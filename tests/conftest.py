@@ -15,6 +15,17 @@ os.environ["XLA_FLAGS"] = " ".join(
                                       os.environ.get("XLA_FLAGS", "")]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A persistent compilation cache shared by the pytest workers (and the
+# processes tests start): many tests compile the same step program (one
+# compressor's step for its reference, non-finite, orbax and wrapper
+# checks); the second compile is a cache read. Measured on 3 battery
+# entries: 103 s -> 79 s from an empty cache. Results are the same
+# executables, keyed by the program and its compile options.
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(
+  os.path.abspath(__file__))), ".cache", "jax")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
