@@ -7,7 +7,7 @@ markdown tables:
    as a ratio to one memory pass over the buffer (``x * 2``, read + write:
    the physical floor is one read), for exact ``lax.top_k``,
    ``lax.approx_max_k``, DGC's sampled-threshold path
-   (:func:`jaxcomm.transforms._sparsification.sampled_select`: sample, count,
+   (:func:`jaxcomm.transforms._dgc.sampled_select`: sample, count,
    compact, cut) and ``torch.topk`` when PyTorch is importable; with the
    recall of the true top-k mass (``sum |selected| / sum |true top-k|``).
 2. Bytes sent per device per step by each compressor at n = 8 for
@@ -27,6 +27,7 @@ import numpy as np
 
 import jaxcomm
 from benchmarks._common import resnet18_shapes
+from jaxcomm.transforms import _dgc as dgc_mod
 from jaxcomm.transforms import _sparsification as sp
 
 SIZE = 25_000_000
@@ -71,8 +72,8 @@ def selection_table() -> str:
     exact = jax.jit(lambda v, k=k: jax.lax.top_k(jnp.abs(v), k)[1])
     approx = jax.jit(lambda v, k=k: jax.lax.approx_max_k(
       jnp.abs(v), k, recall_target=0.95)[1])
-    s = sp.dgc_sample_size(ratio, SIZE, 0.01)
-    sampled = jax.jit(lambda v, key, k=k, s=s: sp.sampled_select(
+    s = dgc_mod.dgc_sample_size(ratio, SIZE, 0.01)
+    sampled = jax.jit(lambda v, key, k=k, s=s: dgc_mod.sampled_select(
       v, k, key, s)[1])
     key = jax.random.PRNGKey(0)
     methods = [("lax.top_k (exact)", exact, (x,)),

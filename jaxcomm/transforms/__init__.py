@@ -7,34 +7,46 @@ in either), and methods are described in ``jaxcomm.registry``.
 
 # pylint: disable=wildcard-import
 from jaxcomm.transforms import _dense
+from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
+from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
+from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
 from jaxcomm.transforms import _quantization
+from jaxcomm.transforms import _signs
 from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._dense import *
+from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
+from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gossip import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
+from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
 from jaxcomm.transforms._powersgd import *
 from jaxcomm.transforms._quantization import *
+from jaxcomm.transforms._signs import *
 from jaxcomm.transforms._sparsification import *
 from jaxcomm.transforms._zero_one_adam import *
 
 __all__ = []
 __all__ += _dense.__all__
+__all__ += _dgc.__all__
 __all__ += _diloco.__all__
+__all__ += _global_topk.__all__
 __all__ += _gossip.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
+__all__ += _natural.__all__
 __all__ += _optimizers.__all__
 __all__ += _powersgd.__all__
 __all__ += _quantization.__all__
+__all__ += _signs.__all__
 __all__ += _sparsification.__all__
 __all__ += _zero_one_adam.__all__

@@ -40,7 +40,7 @@ from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.kernels import topk as _topk
-from jaxcomm.transforms import _quantization
+from jaxcomm.transforms import _signs
 
 
 class OneBitAdamState(NamedTuple):
@@ -252,7 +252,7 @@ def _keep(bad, new, old):
 
 def _exchange(axis_name, policy, freeze_step):
   """The 1-bit momentum exchange, dense (exact) before ``freeze_step``."""
-  return _quantization.onebit(axis_name=axis_name, policy=policy,
+  return _signs.onebit(axis_name=axis_name, policy=policy,
                               start_step=freeze_step)
 
 

@@ -16,6 +16,8 @@ from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
+from jaxcomm.transforms import _dense
+from jaxcomm.transforms import _signs
 from jaxcomm.transforms._local_engine import LocalSpec
 from jaxcomm.transforms._local_engine import LocalState
 from jaxcomm.transforms._local_engine import _all_finite
@@ -151,9 +153,6 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     axis_name: the data axis.
     policy: the exchanges' :class:`jaxcomm.LeafPolicy`.
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxcomm.transforms import _dense
-  from jaxcomm.transforms import _quantization
   var_freeze_step = _checks.integer("var_freeze_step", var_freeze_step, 0)
   var_update_scaler = _checks.integer("var_update_scaler",
                                       var_update_scaler, 1)
@@ -171,8 +170,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
   schedule = (learning_rate if callable(learning_rate)
               else (lambda _: learning_rate))
   dense = _dense.mean_gradients(axis_name)
-  grad_ex = _quantization.onebit(axis_name=axis_name, policy=policy)
-  mom_ex = _quantization.onebit(axis_name=axis_name, policy=policy)
+  grad_ex = _signs.onebit(axis_name=axis_name, policy=policy)
+  mom_ex = _signs.onebit(axis_name=axis_name, policy=policy)
   spec = ZeroOneSpec("zero_one_adam", 1, exchanges=(dense, grad_ex, mom_ex),
                      schedule_args=(var_freeze_step, var_update_scaler,
                                     local_step_scaler, local_step_clipper))
