@@ -1,7 +1,9 @@
-"""The data-parallel train step: :class:`DataParallel`."""
+"""The data-parallel train step (:class:`DataParallel`) and what reads its
+per-device params (:func:`synchronized`, :func:`consensus_distance`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -13,25 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _checks
 from jaxcomm.collectives import _core
-from jaxcomm.parallel._layout import _check_nnx_params
-from jaxcomm.parallel._layout import _local_shape
-from jaxcomm.parallel._layout import _names
-from jaxcomm.parallel._layout import _with_data
-from jaxcomm.parallel._layout import init_state
-from jaxcomm.parallel._layout import local_params
-from jaxcomm.parallel._layout import param_specs
-from jaxcomm.parallel._layout import state_layout
-from jaxcomm.parallel._layout import state_specs
-from jaxcomm.parallel._layout import to_global
-from jaxcomm.parallel._layout import to_local
-from jaxcomm.parallel._placement import _data_size
-from jaxcomm.parallel._placement import _global
-from jaxcomm.parallel._placement import replicate
-from jaxcomm.parallel._placement import shard_batch
-from jaxcomm.parallel._resize import _check_state_tree
+from jaxcomm.parallel import _layout
+from jaxcomm.parallel import _placement
 from jaxcomm.transforms import _local_engine
 
-# ------------------------------------------------------------ train steps --
 
 class DataParallel:
   """A jitted shard_map train step for any optax transformation.
@@ -117,7 +104,7 @@ class DataParallel:
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
                mesh, axis_name: str = "data", *, has_aux: bool = False,
                donate: bool = True, block: bool | None = None):
-    _data_size(mesh, axis_name)
+    _placement._data_size(mesh, axis_name)
     self.loss_fn = loss_fn
     self.tx = tx
     self.mesh = mesh
@@ -136,31 +123,23 @@ class DataParallel:
 
   @property
   def num_devices(self) -> int:
-    return _data_size(self.mesh, self.axis_name)
+    return _placement._data_size(self.mesh, self.axis_name)
 
   def init(self, params):
     """Replicated params and the laid-out optimizer state."""
-    _check_nnx_params(params, "DataParallel.init")
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-      dtype = jnp.result_type(x)
-      if not (jnp.issubdtype(dtype, jnp.floating)
-              or jnp.issubdtype(dtype, jnp.complexfloating)):
-        raise ValueError(
-          f"params leaf {jax.tree_util.keystr(path)} is {dtype}: DataParallel "
-          "differentiates every params leaf, and only floating (or complex) "
-          "leaves have gradients; keep integer state (counters, indices) "
-          "out of params, e.g. in the batch or closed over by loss_fn")
-    self.param_specs = param_specs(params, self.mesh, self.axis_name)
-    self.per_device_params = local_params(
-      self.tx, jax.tree.map(
-        lambda x, sp: jax.ShapeDtypeStruct(
-          _local_shape(np.shape(x), sp, self.mesh), jnp.result_type(x)),
-        params, self.param_specs))
-    self.layout = state_layout(self.tx, params, self.mesh, self.axis_name,
-                               per_device_params=self.per_device_params,
-                               specs=self.param_specs)
-    state = init_state(self.tx, params, self.mesh, self.axis_name,
-                       self.layout, specs=self.param_specs)
+    _layout._check_nnx_params(params, "DataParallel.init")
+    _check_differentiable(params)
+    self.param_specs = _layout.param_specs(params, self.mesh, self.axis_name)
+    block = jax.tree.map(
+      lambda x, sp: jax.ShapeDtypeStruct(
+        _layout._local_shape(np.shape(x), sp, self.mesh),
+        jnp.result_type(x)), params, self.param_specs)
+    self.per_device_params = _layout.local_params(self.tx, block)
+    self.layout = _layout.state_layout(
+      self.tx, params, self.mesh, self.axis_name,
+      per_device_params=self.per_device_params, specs=self.param_specs)
+    state = _layout.init_state(self.tx, params, self.mesh, self.axis_name,
+                               self.layout, specs=self.param_specs)
     host = jax.device_get(params)
     if self.per_device_params:
       return self.place_params(jax.tree.map(
@@ -170,7 +149,7 @@ class DataParallel:
     return self.place_params(host), state
 
   def _param_shardings(self):
-    wrap = ((lambda sp: _with_data(sp, self.axis_name))
+    wrap = ((lambda sp: _layout._with_data(sp, self.axis_name))
             if self.per_device_params else (lambda sp: sp))
     return jax.tree.map(lambda sp: NamedSharding(self.mesh, wrap(sp)),
                         self.param_specs,
@@ -181,7 +160,8 @@ class DataParallel:
     :meth:`init`, and per device (a leading axis of size n over the data
     axis) for a local-update optimizer, else replicated over the data
     axis."""
-    return jax.tree.map(_global, host_params, self._param_shardings())
+    return jax.tree.map(_placement._global, host_params,
+                        self._param_shardings())
 
   def synchronized(self, params):
     """The model to evaluate or export: ``params`` themselves when they are
@@ -194,69 +174,19 @@ class DataParallel:
 
   def shard_batch(self, batch):
     """This process's slice of a batch as global arrays (see shard_batch)."""
-    return shard_batch(batch, self.mesh, self.axis_name)
+    return _placement.shard_batch(batch, self.mesh, self.axis_name)
 
   def _build(self, with_state: bool, with_rng: bool):
-    axis, layout, tx = self.axis_name, self.layout, self.tx
-    loss_fn, has_aux = self.loss_fn, self.has_aux
-
+    """The jitted shard_map step for this combination of optional inputs."""
+    axis, layout = self.axis_name, self.layout
     per_device = self.per_device_params
-
-    def step(params, state, batch, *extra):
-      local = to_local(state, layout)
-      if per_device:
-        params = jax.tree.map(lambda x: x[0], params)
-      kwargs = {}
-      extra = list(extra)
-      if with_state:
-        kwargs["model_state"] = extra.pop(0)
-      if with_rng:
-        # This device's key: i along the data axes folded into the step's.
-        kwargs["rng"] = jax.random.fold_in(extra.pop(0),
-                                           _core.axis_index(axis))
-
-      def loss_and_more(p):
-        inside = dict(kwargs)
-        if with_state:
-          # Fresh nodes, made inside the differentiated function: a Flax
-          # NNX Variable (BatchNorm's statistics) may be updated only at
-          # the trace level that made it.
-          inside["model_state"] = jax.tree.map(lambda x: x,
-                                               kwargs["model_state"])
-        out = loss_fn(p, batch, **inside)
-        new_model_state = None
-        if with_state:
-          if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(
-              "loss_fn: with model_state it must return (out, "
-              "new_model_state), where out is the loss (or (loss, aux) "
-              f"with has_aux); got {type(out).__name__}")
-          out, new_model_state = out
-        loss, aux = out if has_aux else (out, {})
-        return loss, (aux, new_model_state)
-
-      (loss, (aux, new_model_state)), grads = jax.value_and_grad(
-        loss_and_more, has_aux=True)(_core.pvary(params, axis))
-      extra = {"value": loss} if per_device else {}
-      updates, new_local = tx.update(grads, local, params, **extra)
-      new_params = _local_engine.apply_updates(params, updates, new_local)
-      if per_device:
-        new_params = jax.tree.map(lambda x: x[None], new_params)
-      # Local-update steps send nothing between syncs, not even the loss:
-      # their metrics stay per device (a leading axis of size n).
-      reduce = ((lambda a: jnp.asarray(a)[None]) if per_device
-                else (lambda a: jax.lax.pmean(a, axis)))
-      metrics = {"loss": reduce(loss)}
-      if has_aux:
-        metrics["aux"] = jax.tree.map(reduce, aux)
-      out = (new_params, to_global(new_local, layout), metrics)
-      if with_state:
-        out += (_device_mean(new_model_state, axis),)
-      return out
-
-    specs = state_specs(layout, axis)
+    step = functools.partial(
+      _device_step, self.loss_fn, self.tx, layout, axis,
+      has_aux=self.has_aux, per_device=per_device, with_state=with_state,
+      with_rng=with_rng)
+    specs = _layout.state_specs(layout, axis)
     p_spec = jax.tree.map(
-      lambda sp: _with_data(sp, axis) if per_device else sp,
+      lambda sp: _layout._with_data(sp, axis) if per_device else sp,
       self.param_specs, is_leaf=lambda x: isinstance(x, P))
     m_spec = P(axis) if per_device else P()
     extra_specs = (P(),) * (with_state + with_rng)
@@ -275,29 +205,24 @@ class DataParallel:
         "model_state is not supported with a local-update optimizer "
         "(per-device params): its steps send nothing between syncs, and "
         "model_state is averaged over the devices every step")
-    _check_state_tree(state, self.layout, "DataParallel.step")
-    for name, tree in (("params", params), ("state", state),
-                       ("model_state", model_state)):
-      if any(isinstance(x, jax.Array) and x.is_deleted()
-             for x in jax.tree.leaves(tree)):
-        raise ValueError(
-          f"{name} holds buffers donated to an earlier step (DataParallel "
-          "donates params, state and model_state by default): pass the "
-          "ones that step returned, or build DataParallel(..., "
-          "donate=False)")
+    _layout._check_state_tree(state, self.layout, "DataParallel.step")
+    _check_not_donated(params=params, state=state, model_state=model_state)
     kind = (model_state is not None, rng is not None)
     if kind not in self._steps:
       self._steps[kind] = self._build(*kind)
-    if self.num_devices > 1:
-      if not all(isinstance(x, jax.Array) and len(x.devices()) > 1
-                 for x in jax.tree.leaves(batch)):
-        batch = self.shard_batch(batch)
-      if model_state is not None and not all(
-          isinstance(x, jax.Array) and len(x.devices()) > 1
-          for x in jax.tree.leaves(model_state)):
-        model_state = replicate(model_state, self.mesh)
+    batch, model_state = self._place_inputs(batch, model_state)
     extra = tuple(x for x in (model_state, rng) if x is not None)
     return self._steps[kind], (params, state, batch) + extra
+
+  def _place_inputs(self, batch, model_state):
+    """Host (or single-device) batch and model state as global arrays:
+    the batch split over the data axes, the model state replicated."""
+    if self.num_devices > 1:
+      if not _on_mesh(batch):
+        batch = self.shard_batch(batch)
+      if model_state is not None and not _on_mesh(model_state):
+        model_state = _placement.replicate(model_state, self.mesh)
+    return batch, model_state
 
   def step(self, params, state, batch, *, model_state=None, rng=None):
     """One step: ``(params, state, metrics)``, plus the new model state as
@@ -333,13 +258,105 @@ class DataParallel:
     return fn.lower(*args)
 
 
+
+def _check_differentiable(params) -> None:
+  """Refuses params leaves that have no gradient (integers, booleans)."""
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    dtype = jnp.result_type(x)
+    if not (jnp.issubdtype(dtype, jnp.floating)
+            or jnp.issubdtype(dtype, jnp.complexfloating)):
+      raise ValueError(
+        f"params leaf {jax.tree_util.keystr(path)} is {dtype}: DataParallel "
+        "differentiates every params leaf, and only floating (or complex) "
+        "leaves have gradients; keep integer state (counters, indices) "
+        "out of params, e.g. in the batch or closed over by loss_fn")
+
+
+def _check_not_donated(**trees) -> None:
+  """Names an input whose buffers an earlier step consumed."""
+  for name, tree in trees.items():
+    if any(isinstance(x, jax.Array) and x.is_deleted()
+           for x in jax.tree.leaves(tree)):
+      raise ValueError(
+        f"{name} holds buffers donated to an earlier step (DataParallel "
+        "donates params, state and model_state by default): pass the "
+        "ones that step returned, or build DataParallel(..., "
+        "donate=False)")
+
+
+def _on_mesh(tree) -> bool:
+  """Whether every leaf is already a global array over several devices."""
+  return all(isinstance(x, jax.Array) and len(x.devices()) > 1
+             for x in jax.tree.leaves(tree))
+
+
+def _call_loss(loss_fn, params, batch, kwargs, *, with_state: bool,
+               has_aux: bool):
+  """``loss_fn`` on this device's batch: ``(loss, (aux, new_model_state))``
+  (``aux`` ``{}`` without ``has_aux``, the state None without one)."""
+  inside = dict(kwargs)
+  if with_state:
+    # Fresh nodes, made inside the differentiated function: a Flax NNX
+    # Variable (BatchNorm's statistics) may be updated only at the trace
+    # level that made it.
+    inside["model_state"] = jax.tree.map(lambda x: x, kwargs["model_state"])
+  out = loss_fn(params, batch, **inside)
+  new_model_state = None
+  if with_state:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise ValueError(
+        "loss_fn: with model_state it must return (out, new_model_state), "
+        "where out is the loss (or (loss, aux) with has_aux); got "
+        f"{type(out).__name__}")
+    out, new_model_state = out
+  loss, aux = out if has_aux else (out, {})
+  return loss, (aux, new_model_state)
+
+
+def _device_step(loss_fn, tx, layout, axis, params, state, batch, *extra,
+                 has_aux: bool, per_device: bool, with_state: bool,
+                 with_rng: bool):
+  """One device's train step inside shard_map (see DataParallel): local
+  gradient, ``tx.update``, new params; ``extra`` holds the model state
+  and the step's key when given."""
+  local = _layout.to_local(state, layout)
+  if per_device:
+    params = jax.tree.map(lambda x: x[0], params)
+  kwargs = {}
+  extra = list(extra)
+  if with_state:
+    kwargs["model_state"] = extra.pop(0)
+  if with_rng:
+    # This device's key: i along the data axes folded into the step's.
+    kwargs["rng"] = jax.random.fold_in(extra.pop(0), _core.axis_index(axis))
+  (loss, (aux, new_model_state)), grads = jax.value_and_grad(
+    functools.partial(_call_loss, loss_fn, batch=batch, kwargs=kwargs,
+                      with_state=with_state, has_aux=has_aux),
+    has_aux=True)(_core.pvary(params, axis))
+  value = {"value": loss} if per_device else {}
+  updates, new_local = tx.update(grads, local, params, **value)
+  new_params = _local_engine.apply_updates(params, updates, new_local)
+  if per_device:
+    new_params = jax.tree.map(lambda x: x[None], new_params)
+  # Local-update steps send nothing between syncs, not even the loss:
+  # their metrics stay per device (a leading axis of size n).
+  reduce = ((lambda a: jnp.asarray(a)[None]) if per_device
+            else (lambda a: jax.lax.pmean(a, axis)))
+  metrics = {"loss": reduce(loss)}
+  if has_aux:
+    metrics["aux"] = jax.tree.map(reduce, aux)
+  out = (new_params, _layout.to_global(new_local, layout), metrics)
+  if with_state:
+    out += (_device_mean(new_model_state, axis),)
+  return out
+
 def _device_mean(tree, axis_name):
   """Inside shard_map: ``tree``'s floating leaves averaged over
   ``axis_name`` (those that vary over it, in one fused float32 psum,
   cast back), the other leaves as they are; a non-floating leaf that
   varies over ``axis_name`` is refused by name (its mean is not a value of
   its dtype)."""
-  names = set(_names(axis_name))
+  names = set(_layout._names(axis_name))
   paths, leaves = [], []
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
     if names & _core.varying_axes(x):
