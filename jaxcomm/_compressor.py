@@ -37,15 +37,10 @@ the change of a per-device gradient estimate instead::
 
 from __future__ import annotations
 
-import collections.abc
-import dataclasses
 import functools
 import inspect
-import sys
 import warnings
-from typing import Any
 from typing import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,218 +49,26 @@ import optax
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _policy
-from jaxcomm import _vma
+from jaxcomm._codec import Codec
+from jaxcomm._codec import CodecResult  # noqa: F401 (the codec API)
+from jaxcomm._codec import Collective  # noqa: F401
+from jaxcomm._codec import CompressState
+from jaxcomm._codec import CompressStats
+from jaxcomm._codec import Context
+from jaxcomm._codec import Spec
+from jaxcomm._codec import _Init
+from jaxcomm._codec import spec_of  # noqa: F401
+from jaxcomm._stages import _Options
+from jaxcomm._stages import accumulate
+from jaxcomm._stages import agree_finite
+from jaxcomm._stages import exchange
+from jaxcomm._stages import safe_norm
+from jaxcomm._stages import update_estimates
+from jaxcomm._stages import update_memory
+from jaxcomm._states import compress_states  # noqa: F401
+from jaxcomm._states import states_of  # noqa: F401
+from jaxcomm._states import stats  # noqa: F401
 from jaxcomm.collectives import _core
-
-Shape = tuple[int, ...]
-# A collective the codec issues: (HLO kind, payload bytes per device).
-Collective = tuple[str, int]
-
-
-class Context(NamedTuple):
-  """What a codec knows about the step it runs in.
-
-  Attributes:
-    axis_name: the data axis (or None: one device, no collectives).
-    num_devices: static number of devices along ``axis_name``.
-    device_index: this device's index (int32 array).
-    step: the step counter before this step (int32 array).
-    key: a PRNG key for this step, identical on every device (a shared key
-      for random-k; fold in ``device_index`` for independent noise).
-    layout: the bucket's static :class:`jaxcomm._buckets.Layout` (for flat
-      codecs; None for codecs that take a list of leaves).
-  """
-
-  axis_name: Any
-  num_devices: int
-  device_index: jax.Array
-  step: jax.Array
-  key: jax.Array
-  layout: Any = None
-
-
-class CodecResult(NamedTuple):
-  """What a codec returns for one step.
-
-  Attributes:
-    mean: the decoded average over devices; identical (and typed invariant)
-      on every device. A flat ``[size]`` buffer for a flat codec, a list of
-      leaves otherwise.
-    sent: what this device's own message decodes to (same form as
-      ``mean``); the error-feedback residual is ``x - sent``.
-    state: the codec's new state.
-  """
-
-  mean: Any
-  sent: Any
-  state: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-  """A compressor's math and exchange, in the form :func:`compressed` takes.
-
-  :func:`compressed` lays the compressed leaves into flat float32 buckets
-  (:mod:`jaxcomm._buckets`) and calls the codec once per bucket. A *flat*
-  codec (``flat=True``) works on the bucket itself: ``init(layout)``,
-  ``apply(x, state, ctx)`` with ``x`` the ``[layout.size]`` buffer and
-  ``ctx.layout`` its layout, ``wire(layout, n)``; per-leaf semantics go
-  through the layout's group views, one op per group of equal shapes, so
-  the program does not grow with the number of leaves. A codec with
-  ``flat=False`` gets the bucket's leaves as a list (``init(shapes)``,
-  ``apply(xs, ...)``, ``wire(shapes, n)``), which costs ops per leaf.
-
-  Attributes:
-    name: the public name, used in messages.
-    init: ``init(layout | shapes) -> state``.
-    apply: ``apply(x | xs, state, ctx) -> CodecResult`` (error feedback
-      already added to the input).
-    wire: ``wire(layout | shapes, n) -> [(kind, payload_bytes), ...]``, the
-      collectives ``apply`` issues on ``n`` devices, in HLO terms
-      (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
-      ``collective-permute``). Checked against the compiled HLO in tests.
-    accepts: ``accepts(shape) -> bool``, the codec's own leaf rule.
-    flat: whether the codec works on flat buckets (see above).
-    message: for gossip (:func:`jaxcomm.choco`), flat stateless codecs
-      only: ``message(x, ctx) -> (words, sent)``, this device's compressed
-      message as one ``uint32`` array (what travels to a neighbour) and
-      what it decodes to; no collective. None: the codec cannot gossip.
-    decode: ``decode(words, ctx) -> float32[layout.size]``, a received
-      message decoded (``decode(message(x)[0]) == message(x)[1]``).
-    wire_at: for a codec whose exchange changes with the step (DGC's
-      warm-up stages, behind a ``lax.switch``): ``wire_at(layout | shapes,
-      n, step)``, what that step moves. None: ``wire``, every step.
-  """
-
-  name: str
-  init: Callable[[Any], Any]
-  apply: Callable[[Any, Any, Context], CodecResult]
-  wire: Callable[[Any, int], list[Collective]]
-  accepts: Callable[[Shape], bool] = lambda shape: True
-  flat: bool = False
-  message: Callable[[Any, Context], tuple[Any, Any]] | None = None
-  decode: Callable[[Any, Context], Any] | None = None
-  wire_at: Callable[[Any, int, int], list[Collective]] | None = None
-
-
-class CompressStats(NamedTuple):
-  """Per-step statistics kept in the state.
-
-  Attributes:
-    residual_norm: L2 norm of this device's error-feedback residual after the
-      step (0 without error feedback).
-    nonfinite_steps: steps skipped because some device's gradient, or what
-      the compressor made of it (the average, the residual), held a NaN or
-      Inf (residuals and codec state were left unchanged).
-  """
-
-  residual_norm: jax.Array
-  nonfinite_steps: jax.Array
-
-
-class CompressState(NamedTuple):
-  """State of a compressor built by :func:`compressed`.
-
-  Attributes:
-    count: steps taken (int32).
-    residual: error-feedback residual per bucket (flat float32, per
-      device); empty without error feedback. ``Spec.leaves_of`` (through
-      :func:`spec_of`) gives it back per leaf.
-    momentum: momentum-correction buffer ``u`` per bucket (per device);
-      empty unless ``momentum`` is set.
-    codec: the codec's own state, one per bucket (a tuple).
-    key: PRNG key data (uint32[2]), split every step, identical everywhere.
-    stats: :class:`CompressStats`.
-    estimate: EF21's gradient estimate ``h_i`` per bucket (per device);
-      empty unless ``error_feedback="ef21"``.
-    estimate_mean: EF21's aggregate ``h = mean_i h_i`` per bucket
-      (replicated), the update every step returns; empty unless EF21.
-  """
-
-  count: jax.Array
-  residual: tuple
-  momentum: tuple
-  codec: tuple
-  key: jax.Array
-  stats: CompressStats
-  estimate: tuple = ()
-  estimate_mean: tuple = ()
-
-
-class _Init:
-  """The ``init`` of a compressor; also carries what wire accounting needs."""
-
-  def __init__(self, fn, spec):
-    self._fn = fn
-    self.jaxcomm_spec = spec
-
-  def __call__(self, params):
-    return self._fn(params)
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  """Static description of a built compressor (for wire accounting)."""
-
-  codec: Codec
-  policy: _policy.LeafPolicy
-  axis_name: Any
-  start_step: int
-
-  def paths(self, params) -> list[str]:
-    return self.policy.plan(params, self.codec.accepts)
-
-  def layouts(self, params) -> tuple[_buckets.Layout, ...]:
-    """The buckets of the compressed leaves of ``params``."""
-    leaves = jax.tree.leaves(params)
-    comp = _policy.select(leaves, self.paths(params), _policy.COMPRESS)
-    return _buckets.plan([tuple(l.shape) for l in comp],
-                         self.policy.bucket_bytes)
-
-  def leaves_of(self, buffers, params) -> list:
-    """Per-bucket buffers (a state's ``residual`` or ``momentum``) back as
-    one array per compressed leaf, in ``jax.tree.leaves`` order. Leading
-    axes (e.g. the device axis of a stored state) are kept."""
-    layouts = self.layouts(params)
-    out = {}
-    for lay, buf in zip(layouts, buffers):
-      for j, leaf in zip(lay.leaves, lay.split(buf)):
-        out[j] = leaf
-    return [out[j] for j in sorted(out)]
-
-  def wire(self, params, n: int, step: int | None = None
-           ) -> list[Collective]:
-    """Collectives a step issues on ``n`` devices.
-
-    Args:
-      params: the parameters (or gradients, or their shapes).
-      n: the number of devices along the data axis.
-      step: the step counter: the collectives that step moves (the dense
-        phase's psums before ``start_step``, the codec's after). None: every
-        collective the compiled step holds (with ``start_step > 0``, both
-        phases' behind a ``lax.cond``), as the compiled HLO lists them.
-    """
-    leaves = jax.tree.leaves(params)
-    paths = self.paths(params)
-    out = []
-    dense_phase = self.start_step > 0 and (step is None
-                                           or step < self.start_step)
-    codec_phase = step is None or step >= self.start_step
-    for lay in self.layouts(params):
-      if dense_phase:
-        out.append(("all-reduce", 4 * lay.size))
-      if codec_phase:
-        arg = lay if self.codec.flat else list(lay.shapes)
-        if step is not None and self.codec.wire_at is not None:
-          out.extend(self.codec.wire_at(arg, n, step))
-        else:
-          out.extend(self.codec.wire(arg, n))
-    dense = sum(_policy.real_size(l) for l in _policy.select(leaves, paths,
-                                                    _policy.DENSE))
-    # The fused dense psum always carries one extra float32: the flag that
-    # tells every device whether some device saw a non-finite value.
-    out.append(("all-reduce", 4 * (dense + 1)))
-    return [(k, b) for k, b in out if b > 0]
 
 
 def _check_axis_name(axis_name) -> None:
@@ -277,18 +80,6 @@ def _check_axis_name(axis_name) -> None:
     raise ValueError(
       "axis_name must be a mesh axis name (a str), a non-empty tuple of "
       f"them, or None for one device without collectives; got {axis_name!r}")
-
-
-def safe_norm(xs) -> jax.Array:
-  """L2 norm of a list of arrays, scaled by ``max |x|`` so that it does not
-  overflow float32 for finite inputs (``|x| ~ 1e20`` squares to inf)."""
-  xs = [x for x in xs if x.size]
-  if not xs:
-    return jnp.zeros([], jnp.float32)
-  m = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
-  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
-  total = sum(jnp.sum(jnp.square(x / safe)) for x in xs)
-  return jnp.where(m > 0, safe * jnp.sqrt(total), m)
 
 
 def _as_real(x: jax.Array) -> jax.Array:
@@ -327,16 +118,6 @@ def _materialized(x: jax.Array, count: jax.Array) -> jax.Array:
     return x
   past_end = x.shape[0] + jnp.minimum(count, 0)
   return x.at[past_end].add(jnp.zeros((), x.dtype), mode="drop")
-
-
-def _apply_codec(codec: Codec, layout, x, state, ctx):
-  """Runs the codec on one bucket; returns flat (mean, sent, state)."""
-  ctx = ctx._replace(layout=layout)
-  if codec.flat:
-    res = codec.apply(x, state, ctx)
-    return res.mean, res.sent, res.state
-  res = codec.apply(layout.split(x), state, ctx)
-  return (_buckets.flatten(res.mean), _buckets.flatten(res.sent), res.state)
 
 
 def compressed(
@@ -539,186 +320,6 @@ def compressed(
     _Init(init_fn, spec), update_fn)
 
 
-
-# ------------------------------------------------------------- stages ----
-# compressed()'s update in named stages, each a function of static options
-# and arrays (testable alone): accumulate -> exchange -> update_memory ->
-# agree_finite; the update then keeps or rolls back the state and splits
-# the averaged buckets into the leaves.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-  """The static configuration of one :func:`compressed` transform."""
-
-  codec: Codec
-  axis_name: Any
-  clip_norm: float | None
-  lr_schedule: Callable | None
-  momentum: Any
-  momentum_masking: bool
-  keep_residual: bool
-  use_momentum: bool
-  start_step: int
-  ef21: bool = False
-  residual_decay: Any = 1.0
-
-
-def accumulate(opts: _Options, g: list, state: CompressState, n: int):
-  """What the codec compresses this step, per bucket.
-
-  Local clipping (DGC: threshold ``clip_norm / sqrt(n)``), the residual
-  rescaled by ``lr_{t-1} / lr_t``, then ``x = e + g`` (error feedback) or
-  ``u = m u + g; x = e + u`` (momentum correction).
-
-  Returns:
-    ``(g, xs, u, residual)``: the clipped gradients, the codec's inputs,
-    the new momentum (empty without it) and the rescaled residual.
-  """
-  step = state.count
-  if opts.clip_norm is not None and g:
-    norm = safe_norm(g)
-    limit = opts.clip_norm / jnp.sqrt(jnp.float32(n))
-    scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
-    g = [x * scale for x in g]
-  residual = list(state.residual)
-  if opts.lr_schedule is not None and residual:
-    prev = jnp.asarray(opts.lr_schedule(jnp.maximum(step - 1, 0)),
-                       jnp.float32)
-    cur = jnp.asarray(opts.lr_schedule(step), jnp.float32)
-    ratio = jnp.where(step > 0, prev / jnp.where(cur == 0, 1.0, cur), 1.0)
-    residual = [r * ratio for r in residual]
-  if not (isinstance(opts.residual_decay, float)
-          and opts.residual_decay == 1.0) and residual:
-    residual = [r * opts.residual_decay for r in residual]
-  if opts.ef21:
-    # EF21, or with momentum EF21-SGDM: the momentum stands for g.
-    u = ([opts.momentum * m + x for m, x in zip(state.momentum, g)]
-         if opts.use_momentum else [])
-    xs = [x - h for x, h in zip(u or g, state.estimate)]
-  elif opts.use_momentum:
-    u = [opts.momentum * m + x for m, x in zip(state.momentum, g)]
-    xs = [r + m for r, m in zip(residual, u)]
-  elif opts.keep_residual:
-    u = []
-    xs = [r + x for r, x in zip(residual, g)]
-  else:
-    u = []
-    xs = list(g)
-  return g, xs, u, residual
-
-
-def exchange(opts: _Options, layouts, xs: list, g: list, codec_state,
-             ctx: Context):
-  """The codec on every bucket, or the exact dense mean while
-  ``count < start_step`` (nothing left behind, codec state untouched).
-
-  Returns:
-    ``(mean, sent, codec_state, in_dense)`` per bucket.
-  """
-  n = ctx.num_devices
-
-  def compress_branch(_):
-    outs = [_apply_codec(opts.codec, lay, x, cs, ctx)
-            for lay, x, cs in zip(layouts, xs, codec_state)]
-    return ([o[0] for o in outs], [o[1] for o in outs],
-            tuple(o[2] for o in outs))
-
-  def dense_branch(_):
-    mean = [_core.psum(x, opts.axis_name) / n for x in g]
-    return mean, list(g), codec_state
-
-  if not g:
-    return [], [], codec_state, jnp.zeros([], bool)
-  if opts.start_step <= 0:
-    return (*compress_branch(None), jnp.zeros([], bool))
-  in_dense = ctx.step < opts.start_step
-  # Both branches must agree in type: where the codec makes a state leaf
-  # vary over the axis (a per-device statistic), the dense branch's
-  # unchanged leaf is marked varying too.
-  want = jax.eval_shape(compress_branch, None)[2]
-
-  def dense_typed(_):
-    mean, sent, cs = dense_branch(None)
-    return mean, sent, jax.tree.map(_vma.match_varying, cs, want)
-
-  mean, sent, new_cs = jax.lax.cond(in_dense, dense_typed, compress_branch,
-                                    None)
-  return mean, sent, new_cs, in_dense
-
-
-def update_memory(opts: _Options, xs: list, sent: list, u: list,
-                  residual: list, in_dense):
-  """The new residual ``e' = x - sent`` and momentum (DGC's masking zeroes
-  ``u`` where this device sent); in the dense phase the residual is kept
-  and the momentum cleared.
-
-  Returns:
-    ``(new_residual, new_momentum)``, lists per bucket (empty when off).
-  """
-  new_res = []
-  if opts.keep_residual:
-    new_res = [x - s for x, s in zip(xs, sent)]
-    if opts.start_step > 0:
-      new_res = [jnp.where(in_dense, r, e)
-                 for r, e in zip(residual, new_res)]
-  new_u = []
-  if opts.use_momentum:
-    new_u = ([jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
-             if opts.momentum_masking and not opts.ef21 else list(u))
-    if opts.start_step > 0:
-      new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
-  return new_res, new_u
-
-
-def update_estimates(opts: _Options, state: CompressState, g: list,
-                     sent: list, mean: list, in_dense):
-  """EF21's estimates: ``h_i' = h_i + sent`` per device and the aggregate
-  ``h' = h + mean`` (the update). In the dense phase both are set to the
-  exact gradients (``h_i' = g_i``, ``h' = mean_i g_i``), which starts
-  EF21 from exact estimates.
-
-  Returns:
-    ``(new_estimates, update)`` per bucket; ``([], mean)`` unless EF21.
-  """
-  if not opts.ef21:
-    return [], mean
-  new_h = [h + s for h, s in zip(state.estimate, sent)]
-  new_mean = [h + m for h, m in zip(state.estimate_mean, mean)]
-  if opts.start_step > 0:
-    new_h = [jnp.where(in_dense, x, h) for x, h in zip(g, new_h)]
-    new_mean = [jnp.where(in_dense, m, h) for m, h in zip(mean, new_mean)]
-  return new_h, new_mean
-
-
-def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
-                 dense: jax.Array, n: int):
-  """One decision, the same on every device: did any device see a NaN or
-  Inf in its gradients (``inputs``) or in what the compressor made of
-  them (``mean``, and ``kept``: the residual, or what was sent)?
-
-  The flag rides in the fused psum of the dense leaves (one more float32,
-  no extra collective). Dense leaves are divided by ``n`` first, so the
-  sum does not overflow where the mean would not; a mean that still
-  overflows is seen alike on every device (the psum's result is
-  replicated) and counts too.
-
-  Returns:
-    ``(any_bad, dense_mean)``.
-  """
-  local_bad = jnp.zeros([], bool)
-  for x in inputs:
-    local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
-  for m, e in zip(mean, kept):
-    local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
-      | ~jnp.all(jnp.isfinite(e))
-  flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
-  summed = _core.psum(flat, opts.axis_name)
-  dense_mean = summed[:-1]
-  any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
-  return any_bad, dense_mean
-
-
 def _check_state(state, layouts, keep_residual, use_momentum, ef21, name):
   """Names what is wrong when the state does not belong to these grads."""
   if not isinstance(state, CompressState):
@@ -862,119 +463,3 @@ def shared_options(factory):
     wrapper.__doc__ = (doc[:cut].rstrip("\n") + "\n" + _OPTIONS_DOC
                        + doc[cut:])
   return wrapper
-
-
-def spec_of(tx) -> Spec:
-  """The :class:`Spec` of a compressor built by :func:`compressed`."""
-  spec = getattr(getattr(tx, "init", None), "jaxcomm_spec", None)
-  if spec is None:
-    raise ValueError(
-      "tx must be a jaxcomm compressor (built by jaxcomm.compressed or one of "
-      f"its factories), got {type(tx).__name__}; wrap only the compressor, "
-      "not an optax.chain around it")
-  return spec
-
-
-def compress_states(opt_state) -> list[CompressState]:
-  """Every :class:`CompressState` in an optimizer state, in order: inside
-  ``optax.chain``, ``inject_hyperparams``, ``MultiSteps``, ``masked`` or any
-  nesting of tuples, named tuples, lists, mappings and other pytree nodes
-  (a Flax ``TrainState``, an ``nnx.Optimizer``).
-
-  Flax NNX trees work too: leaves wrapped in ``nnx.Variable`` (what
-  ``nnx.Optimizer.opt_state`` holds) come back as arrays, and in
-  ``nnx.state(optimizer)``, where NNX has turned every NamedTuple into a
-  mapping of its field names and dropped the fields that hold no arrays, a
-  mapping with a :class:`CompressState`'s fields (``count``, ``key`` and a
-  ``stats`` mapping with :class:`CompressStats`'s fields among them) is read
-  back as one: integer-keyed mappings become tuples and dropped fields
-  ``()``.
-  """
-  # A CompressState holds buckets, never params-shaped trees: unwrapping
-  # its Variables removes only nnx.Optimizer's OptArray wrappers.
-  return [_unwrap(s) for s in states_of(
-    opt_state, CompressState, from_mapping=_compress_state_from_mapping)]
-
-
-def _nnx_variable_class():
-  """``flax.nnx.Variable`` when Flax NNX is loaded (no NNX object can
-  exist otherwise), else None; jaxcomm does not import flax."""
-  nnx = sys.modules.get("flax.nnx")
-  return getattr(nnx, "Variable", None)
-
-
-def _unwrap(tree):
-  """``tree`` with each ``nnx.Variable`` replaced by its value."""
-  var = _nnx_variable_class()
-  if var is None:
-    return tree
-  return jax.tree.map(
-    lambda x: x.get_value() if isinstance(x, var) else x, tree,
-    is_leaf=lambda x: isinstance(x, var))
-
-
-def _as_tuples(x):
-  """An NNX mapping read back as the tuples it was: integer keys ``0..k``
-  give a tuple (missing entries, dropped by NNX for holding no arrays,
-  ``()``), string-keyed mappings keep their keys."""
-  if isinstance(x, collections.abc.Mapping):
-    if x and all(isinstance(k, int) for k in x):
-      return tuple(_as_tuples(x[i]) if i in x else ()
-                   for i in range(max(x) + 1))
-    return {k: _as_tuples(v) for k, v in x.items()}
-  return x
-
-
-def _compress_state_from_mapping(m):
-  """The :class:`CompressState` that ``nnx.state`` turned into the mapping
-  ``m``, or None when ``m`` is not one."""
-  fields = set(CompressState._fields)
-  keys = set(m)
-  stats_ = m.get("stats") if all(isinstance(k, str) for k in keys) else None
-  if not (keys <= fields and {"count", "key", "stats"} <= keys
-          and isinstance(stats_, collections.abc.Mapping)
-          and set(stats_) == set(CompressStats._fields)):
-    return None
-  values = {k: _as_tuples(_unwrap(m[k])) if k in m else ()
-            for k in CompressState._fields if k != "stats"}
-  return CompressState(
-    stats=CompressStats(**{k: _unwrap(stats_[k])
-                           for k in CompressStats._fields}), **values)
-
-
-def states_of(opt_state, cls, *, from_mapping=None) -> list:
-  """Every node of type ``cls`` in an optimizer state, in order (the one
-  state walker: tuples, named tuples, lists, mappings, then any other
-  pytree node's children, which covers dataclass states and Flax NNX
-  Variables and Pytrees). Found nodes come back as they are;
-  ``from_mapping(m)``, when given, may read a mapping as a ``cls`` (or
-  return None)."""
-  found = []
-
-  def visit(x):
-    if isinstance(x, cls):
-      found.append(x)
-    elif isinstance(x, (tuple, list)):
-      for y in x:
-        visit(y)
-    elif isinstance(x, collections.abc.Mapping):
-      read = from_mapping(x) if from_mapping is not None else None
-      if read is not None:
-        found.append(read)
-        return
-      for y in x.values():
-        visit(y)
-    elif x is not None:
-      children = jax.tree_util.tree_flatten(
-        x, is_leaf=lambda y: y is not x)[0]
-      if not (len(children) == 1 and children[0] is x):
-        for y in children:
-          visit(y)
-
-  visit(opt_state)
-  return found
-
-
-def stats(opt_state) -> list[CompressStats]:
-  """Every :class:`CompressStats` found in an optimizer state, in order."""
-  return [s.stats for s in compress_states(opt_state)]

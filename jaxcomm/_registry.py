@@ -14,11 +14,14 @@ which first imports every family, is :mod:`jaxcomm.registry`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from typing import Any
 from typing import Callable
 from typing import Mapping
+
+import optax
 
 # Keyword arguments every gradient compressor takes and forwards to
 # ``jaxcomm.compressed``: the shared mechanism, not the method.
@@ -130,6 +133,94 @@ class Method:
     return self.factory(*args, **{**self.defaults, **kwargs})
 
 
+class Built(optax.GradientTransformationExtraArgs):
+  """What a registered factory returns: an
+  ``optax.GradientTransformationExtraArgs`` that knows how it was built.
+
+  ``repr`` names the method and the arguments that differ from the
+  factory's defaults; two equal configurations compare equal (and hash
+  alike), e.g. ``jaxcomm.topk(0.01) == jaxcomm.topk(ratio=0.01)``. It
+  unpacks, chains and wraps as any Optax transformation.
+
+  Attributes:
+    method: the registered name.
+    arguments: every argument of the call, defaults applied.
+    changed: the arguments that differ from the defaults.
+    spec: the compressor's static :class:`jaxcomm._codec.Spec` (codec,
+      leaf policy, axis), or None for methods built otherwise.
+  """
+
+  def __new__(cls, tx, method_name: str, arguments: Mapping[str, Any],
+              changed: Mapping[str, Any]):
+    self = super().__new__(cls, tx.init, tx.update)
+    self.method = method_name
+    self.arguments = dict(arguments)
+    self.changed = dict(changed)
+    return self
+
+  @property
+  def spec(self):
+    return getattr(self.init, "jaxcomm_spec", None)
+
+  def _key(self):
+    return (self.method, tuple((k, repr(v))
+                               for k, v in sorted(self.arguments.items())))
+
+  def __eq__(self, other):
+    return isinstance(other, Built) and self._key() == other._key()
+
+  def __ne__(self, other):
+    return not self == other
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __repr__(self):
+    args = ", ".join(f"{k}={_show(v)}" for k, v in self.changed.items())
+    return f"jaxcomm.{self.method}({args})"
+
+
+def _show(v) -> str:
+  name = getattr(v, "__name__", None)
+  if isinstance(v, type) and name:
+    return f"jnp.{name}"
+  return repr(v)
+
+
+def _recording(factory: Callable, name: str) -> Callable:
+  """``factory`` whose result is a :class:`Built` recording the call."""
+  sig = inspect.signature(factory)
+
+  @functools.wraps(factory)
+  def build(*args, **kwargs):
+    tx = factory(*args, **kwargs)
+    bound = sig.bind(*args, **kwargs)
+    changed = dict(bound.arguments)
+    for k, p in sig.parameters.items():
+      if p.kind is p.VAR_KEYWORD and k in changed:
+        changed.update(changed.pop(k))
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for k, p in sig.parameters.items():
+      if p.kind is p.VAR_KEYWORD and k in arguments:
+        arguments.update(arguments.pop(k))
+    changed = {k: v for k, v in changed.items()
+               if k not in sig.parameters
+               or sig.parameters[k].default is inspect.Parameter.empty
+               or not _same(v, sig.parameters[k].default)}
+    return Built(tx, name, arguments, changed)
+
+  build.__signature__ = sig
+  return build
+
+
+def _same(a, b) -> bool:
+  try:
+    return bool(a is b or (type(a) is type(b) and a == b))
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
 # Registration order within a family is table order.
 _REGISTERED: list[Method] = []
 
@@ -138,7 +229,11 @@ def method(*, family: str, paper: str, summary: str = "",
            name: str | None = None, defaults: Mapping[str, Any] | None = None,
            static: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
            gossip: bool = False) -> Callable:
-  """Registers the decorated factory as a public method; returns it as is.
+  """Registers the decorated factory as a public method.
+
+  Returns the factory wrapped so that what it builds is a :class:`Built`
+  (the same transformation, with a ``repr`` and equality of its
+  configuration).
 
   Args:
     family: a key of :data:`FAMILIES`.
@@ -153,6 +248,7 @@ def method(*, family: str, paper: str, summary: str = "",
     gossip: a decentralized method.
   """
   def register(factory):
+    factory = _recording(factory, name or factory.__name__)
     m = Method(name=name or factory.__name__, factory=factory, family=family,
                paper=paper, summary=summary, defaults=dict(defaults or {}),
                static_args=derive_static_args(factory, tuple(static)),

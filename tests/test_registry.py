@@ -223,3 +223,27 @@ def test_method_validates_its_family():
   with pytest.raises(ValueError, match="family must be one of"):
     registry.Method("x", jaxcomm.topk, "compressors", "-")
   assert inspect.signature(registry.Method.make)
+
+
+def test_a_built_method_is_a_value():
+  """``repr`` says what a compressor is; equal configurations compare and
+  hash equal, other ones do not; it still unpacks and chains like any
+  Optax transformation, and carries its spec."""
+  a, b = jaxcomm.topk(0.01), jaxcomm.topk(ratio=0.01, granularity="leaf")
+  assert repr(a) == "jaxcomm.topk(ratio=0.01)"
+  assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+  assert a != jaxcomm.topk(0.02) and a != jaxcomm.randomk(0.01)
+  assert repr(jaxcomm.powersgd(4, error_feedback=False)) == (
+    "jaxcomm.powersgd(rank=4, error_feedback=False)")
+  assert a.method == "topk" and a.arguments["granularity"] == "leaf"
+  assert a.spec is jaxcomm.spec_of(a) and a.spec.axis_name == "data"
+  init, update = a
+  assert callable(init) and callable(update)
+  assert isinstance(a, optax.GradientTransformationExtraArgs)
+  tx = optax.chain(jaxcomm.topk(0.5, axis_name=None, policy=jaxcomm.LeafPolicy(
+    min_size=1)), optax.sgd(1.0))
+  params = {"w": jnp.zeros((64,))}
+  u, _ = tx.update({"w": jnp.arange(64.0)}, tx.init(params), params)
+  assert int((u["w"] != 0).sum()) == 32
+  opt = jaxcomm.onebit_adam(1e-3, freeze_step=10)
+  assert repr(opt) == "jaxcomm.onebit_adam(learning_rate=0.001, freeze_step=10)"

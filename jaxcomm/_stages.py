@@ -1,0 +1,220 @@
+"""The stages of one :func:`jaxcomm.compressed` update, each a function of
+static options and arrays: error feedback in, the codec's exchange, the
+residual out, and the one non-finite decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomm import _buckets
+from jaxcomm import _vma
+from jaxcomm._codec import Codec
+from jaxcomm._codec import CompressState
+from jaxcomm._codec import Context
+from jaxcomm.collectives import _core
+
+# ------------------------------------------------------------- stages ----
+# compressed()'s update in named stages, each a function of static options
+# and arrays (testable alone): accumulate -> exchange -> update_memory ->
+# agree_finite; the update then keeps or rolls back the state and splits
+# the averaged buckets into the leaves.
+
+
+
+def safe_norm(xs) -> jax.Array:
+  """L2 norm of a list of arrays, scaled by ``max |x|`` so that it does not
+  overflow float32 for finite inputs (``|x| ~ 1e20`` squares to inf)."""
+  xs = [x for x in xs if x.size]
+  if not xs:
+    return jnp.zeros([], jnp.float32)
+  m = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
+  safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+  total = sum(jnp.sum(jnp.square(x / safe)) for x in xs)
+  return jnp.where(m > 0, safe * jnp.sqrt(total), m)
+
+
+def _apply_codec(codec: Codec, layout, x, state, ctx):
+  """Runs the codec on one bucket; returns flat (mean, sent, state)."""
+  ctx = ctx._replace(layout=layout)
+  if codec.flat:
+    res = codec.apply(x, state, ctx)
+    return res.mean, res.sent, res.state
+  res = codec.apply(layout.split(x), state, ctx)
+  return (_buckets.flatten(res.mean), _buckets.flatten(res.sent), res.state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The static configuration of one :func:`compressed` transform."""
+
+  codec: Codec
+  axis_name: Any
+  clip_norm: float | None
+  lr_schedule: Callable | None
+  momentum: Any
+  momentum_masking: bool
+  keep_residual: bool
+  use_momentum: bool
+  start_step: int
+  ef21: bool = False
+  residual_decay: Any = 1.0
+
+
+def accumulate(opts: _Options, g: list, state: CompressState, n: int):
+  """What the codec compresses this step, per bucket.
+
+  Local clipping (DGC: threshold ``clip_norm / sqrt(n)``), the residual
+  rescaled by ``lr_{t-1} / lr_t``, then ``x = e + g`` (error feedback) or
+  ``u = m u + g; x = e + u`` (momentum correction).
+
+  Returns:
+    ``(g, xs, u, residual)``: the clipped gradients, the codec's inputs,
+    the new momentum (empty without it) and the rescaled residual.
+  """
+  step = state.count
+  if opts.clip_norm is not None and g:
+    norm = safe_norm(g)
+    limit = opts.clip_norm / jnp.sqrt(jnp.float32(n))
+    scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
+    g = [x * scale for x in g]
+  residual = list(state.residual)
+  if opts.lr_schedule is not None and residual:
+    prev = jnp.asarray(opts.lr_schedule(jnp.maximum(step - 1, 0)),
+                       jnp.float32)
+    cur = jnp.asarray(opts.lr_schedule(step), jnp.float32)
+    ratio = jnp.where(step > 0, prev / jnp.where(cur == 0, 1.0, cur), 1.0)
+    residual = [r * ratio for r in residual]
+  if not (isinstance(opts.residual_decay, float)
+          and opts.residual_decay == 1.0) and residual:
+    residual = [r * opts.residual_decay for r in residual]
+  if opts.ef21:
+    # EF21, or with momentum EF21-SGDM: the momentum stands for g.
+    u = ([opts.momentum * m + x for m, x in zip(state.momentum, g)]
+         if opts.use_momentum else [])
+    xs = [x - h for x, h in zip(u or g, state.estimate)]
+  elif opts.use_momentum:
+    u = [opts.momentum * m + x for m, x in zip(state.momentum, g)]
+    xs = [r + m for r, m in zip(residual, u)]
+  elif opts.keep_residual:
+    u = []
+    xs = [r + x for r, x in zip(residual, g)]
+  else:
+    u = []
+    xs = list(g)
+  return g, xs, u, residual
+
+
+def exchange(opts: _Options, layouts, xs: list, g: list, codec_state,
+             ctx: Context):
+  """The codec on every bucket, or the exact dense mean while
+  ``count < start_step`` (nothing left behind, codec state untouched).
+
+  Returns:
+    ``(mean, sent, codec_state, in_dense)`` per bucket.
+  """
+  n = ctx.num_devices
+
+  def compress_branch(_):
+    outs = [_apply_codec(opts.codec, lay, x, cs, ctx)
+            for lay, x, cs in zip(layouts, xs, codec_state)]
+    return ([o[0] for o in outs], [o[1] for o in outs],
+            tuple(o[2] for o in outs))
+
+  def dense_branch(_):
+    mean = [_core.psum(x, opts.axis_name) / n for x in g]
+    return mean, list(g), codec_state
+
+  if not g:
+    return [], [], codec_state, jnp.zeros([], bool)
+  if opts.start_step <= 0:
+    return (*compress_branch(None), jnp.zeros([], bool))
+  in_dense = ctx.step < opts.start_step
+  # Both branches must agree in type: where the codec makes a state leaf
+  # vary over the axis (a per-device statistic), the dense branch's
+  # unchanged leaf is marked varying too.
+  want = jax.eval_shape(compress_branch, None)[2]
+
+  def dense_typed(_):
+    mean, sent, cs = dense_branch(None)
+    return mean, sent, jax.tree.map(_vma.match_varying, cs, want)
+
+  mean, sent, new_cs = jax.lax.cond(in_dense, dense_typed, compress_branch,
+                                    None)
+  return mean, sent, new_cs, in_dense
+
+
+def update_memory(opts: _Options, xs: list, sent: list, u: list,
+                  residual: list, in_dense):
+  """The new residual ``e' = x - sent`` and momentum (DGC's masking zeroes
+  ``u`` where this device sent); in the dense phase the residual is kept
+  and the momentum cleared.
+
+  Returns:
+    ``(new_residual, new_momentum)``, lists per bucket (empty when off).
+  """
+  new_res = []
+  if opts.keep_residual:
+    new_res = [x - s for x, s in zip(xs, sent)]
+    if opts.start_step > 0:
+      new_res = [jnp.where(in_dense, r, e)
+                 for r, e in zip(residual, new_res)]
+  new_u = []
+  if opts.use_momentum:
+    new_u = ([jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
+             if opts.momentum_masking and not opts.ef21 else list(u))
+    if opts.start_step > 0:
+      new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
+  return new_res, new_u
+
+
+def update_estimates(opts: _Options, state: CompressState, g: list,
+                     sent: list, mean: list, in_dense):
+  """EF21's estimates: ``h_i' = h_i + sent`` per device and the aggregate
+  ``h' = h + mean`` (the update). In the dense phase both are set to the
+  exact gradients (``h_i' = g_i``, ``h' = mean_i g_i``), which starts
+  EF21 from exact estimates.
+
+  Returns:
+    ``(new_estimates, update)`` per bucket; ``([], mean)`` unless EF21.
+  """
+  if not opts.ef21:
+    return [], mean
+  new_h = [h + s for h, s in zip(state.estimate, sent)]
+  new_mean = [h + m for h, m in zip(state.estimate_mean, mean)]
+  if opts.start_step > 0:
+    new_h = [jnp.where(in_dense, x, h) for x, h in zip(g, new_h)]
+    new_mean = [jnp.where(in_dense, m, h) for m, h in zip(mean, new_mean)]
+  return new_h, new_mean
+
+
+def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
+                 dense: jax.Array, n: int):
+  """One decision, the same on every device: did any device see a NaN or
+  Inf in its gradients (``inputs``) or in what the compressor made of
+  them (``mean``, and ``kept``: the residual, or what was sent)?
+
+  The flag rides in the fused psum of the dense leaves (one more float32,
+  no extra collective). Dense leaves are divided by ``n`` first, so the
+  sum does not overflow where the mean would not; a mean that still
+  overflows is seen alike on every device (the psum's result is
+  replicated) and counts too.
+
+  Returns:
+    ``(any_bad, dense_mean)``.
+  """
+  local_bad = jnp.zeros([], bool)
+  for x in inputs:
+    local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
+  for m, e in zip(mean, kept):
+    local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
+      | ~jnp.all(jnp.isfinite(e))
+  flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
+  summed = _core.psum(flat, opts.axis_name)
+  dense_mean = summed[:-1]
+  any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
+  return any_bad, dense_mean
