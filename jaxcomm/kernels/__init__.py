@@ -77,6 +77,7 @@ give invariant outputs), in interpret mode too; see
 """
 
 from jaxcomm.kernels import bitpack
+from jaxcomm.kernels import threshold
 from jaxcomm.kernels import topk
 from jaxcomm.kernels._dispatch import ENV_VAR
 from jaxcomm.kernels._dispatch import mode
