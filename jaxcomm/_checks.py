@@ -44,9 +44,10 @@ def boolean(name: str, value) -> bool:
 
 
 def number(name: str, value, lo: float | None = None, hi: float | None = None,
-           *, lo_open: bool = False) -> Any:
+           *, lo_open: bool = False, finite: bool = False) -> Any:
   """A real number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); NaN is
-  refused. Tracers pass unchecked (injected hyperparameters)."""
+  refused, and so is an infinity with ``finite``. Tracers pass unchecked
+  (injected hyperparameters)."""
   if isinstance(value, jax.core.Tracer):
     return value
   try:
@@ -55,6 +56,8 @@ def number(name: str, value, lo: float | None = None, hi: float | None = None,
     raise ValueError(f"{name} must be a number, got {value!r}") from None
   bad = (lo is not None and (v <= lo if lo_open else v < lo)) or (
     hi is not None and v > hi)
+  if finite and math.isinf(v):
+    raise ValueError(f"{name} must be a finite number, got {value!r}")
   if bad or math.isnan(v):
     lo_s = "(" if lo_open else "["
     raise ValueError(f"{name} must be in {lo_s}{lo}, {hi}], got {value!r}")
@@ -99,3 +102,19 @@ def error_feedback(value) -> bool | str:
     "error_feedback must be True (keep what was not sent and add it to the "
     "next step), False (none) or 'ef21' (EF21: compress the change of a "
     f"per-device gradient estimate), got {value!r}")
+
+
+def axis_name(value) -> Any:
+  """A mesh axis name (a str), a non-empty tuple of distinct names, or None
+  (one device, no collectives)."""
+  names = (value,) if isinstance(value, str) else value
+  ok = value is None or (
+    isinstance(names, (tuple, list)) and len(names) > 0
+    and all(isinstance(a, str) for a in names))
+  if not ok:
+    raise ValueError(
+      "axis_name must be a mesh axis name (a str), a non-empty tuple of "
+      f"them, or None for one device without collectives; got {value!r}")
+  if value is not None and len(set(names)) != len(names):
+    raise ValueError(f"axis_name must name each axis once, got {value!r}")
+  return value

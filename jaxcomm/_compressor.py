@@ -71,17 +71,6 @@ from jaxcomm._states import stats  # noqa: F401
 from jaxcomm.collectives import _core
 
 
-def _check_axis_name(axis_name) -> None:
-  """``axis_name`` must be None, a name, or a non-empty tuple of names."""
-  ok = axis_name is None or isinstance(axis_name, str) or (
-    isinstance(axis_name, (tuple, list)) and len(axis_name) > 0
-    and all(isinstance(a, str) for a in axis_name))
-  if not ok:
-    raise ValueError(
-      "axis_name must be a mesh axis name (a str), a non-empty tuple of "
-      f"them, or None for one device without collectives; got {axis_name!r}")
-
-
 def _as_real(x: jax.Array) -> jax.Array:
   """A dense leaf as float32 values for the fused psum: complex leaves as
   interleaved (real, imaginary) pairs."""
@@ -192,7 +181,7 @@ def compressed(
       "options every compressor takes are start_step, clip_norm, momentum, "
       "momentum_masking, lr_schedule, residual_decay and seed")
   policy = _policy.as_policy(policy)
-  _check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   _checks.error_feedback(error_feedback)
   ef21 = error_feedback == _checks.EF21
   use_momentum = momentum is not None

@@ -40,6 +40,19 @@ def test_forward_shape(name, kwargs, shape, dtype):
   else:
     chex.assert_shape(out, (shape[0], 10))
   chex.assert_tree_all_finite(out)
+  # Each example's output is its own: applied alone, it is the same row.
+  x = _inputs(shape, dtype)
+  for i in range(shape[0]):
+    np.testing.assert_allclose(np.asarray(jax.jit(apply)(params, x[i:i + 1])),
+                               np.asarray(out[i:i + 1]), rtol=2e-5, atol=2e-5)
+  if name == "charlm":
+    # Causal: changing the last token leaves every earlier position's
+    # prediction unchanged, and changes the last one.
+    y = x.at[:, -1].set((x[:, -1] + 1) % 30)
+    out2 = jax.jit(apply)(params, y)
+    np.testing.assert_allclose(np.asarray(out2[:, :-1]),
+                               np.asarray(out[:, :-1]), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(out2[:, -1]), np.asarray(out[:, -1]))
 
 
 def test_default_parameter_counts():

@@ -129,6 +129,17 @@ def test_hand_written_shard_map_recipe(mesh):
       params, opt_state, parallel.shard_batch(_batch(t), mesh))
     first = float(loss) if first is None else first
   assert float(loss) < first
+  # The recipe is the managed step: DataParallel on the same batches ends
+  # with the same params and the same per-device residuals.
+  dp = parallel.DataParallel(_loss, tx, mesh, donate=False)
+  want, state = dp.init(_params())
+  for t in range(5):
+    want, state, _ = dp.step(want, state, _batch(t))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+    np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7), params, want)
+  np.testing.assert_allclose(np.asarray(opt_state[0].residual[0]),
+                             np.asarray(state[0].residual[0]), rtol=1e-6,
+                             atol=1e-7)
 
 
 def test_two_axis_mesh_compresses_over_data_only():

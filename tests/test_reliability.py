@@ -158,3 +158,23 @@ def test_advise_names_the_candidates_an_overhead_may_take():
   name = advise.default_candidates()[0].name
   rows = advise.advise(params, axes, overhead_s={name: 0.5})
   assert [r.overhead_s for r in rows if r.name == name] == [0.5]
+
+
+def test_axis_names_and_rates_are_checked_where_they_enter():
+  """A repeated axis name, an infinite learning rate and an infinite
+  min_compression_rate are refused by name at construction."""
+  import optax  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="axis_name must name each axis once"):
+    jaxcomm.topk(0.1, axis_name=("dcn", "dcn"))
+  with pytest.raises(ValueError, match="axis_name must name each axis once"):
+    jaxcomm.local_sgd(optax.sgd(0.1), 4, axis_name=("dcn", "dcn"))
+  for make in (jaxcomm.onebit_adam, jaxcomm.onebit_lamb):
+    with pytest.raises(ValueError, match="learning_rate must be a finite"):
+      make(float("inf"), freeze_step=2)
+  with pytest.raises(ValueError, match="learning_rate must be a finite"):
+    jaxcomm.zero_one_adam(float("inf"), var_freeze_step=2)
+  with pytest.raises(ValueError, match="min_compression_rate"):
+    jaxcomm.powersgd(2, min_compression_rate=float("inf"))
+  with pytest.raises(ValueError, match="min_compression_rate"):
+    jaxcomm.powersgd(2, min_compression_rate=-1.0)
+  jaxcomm.topk(0.1, axis_name=("dcn", "ici"))          # distinct: fine

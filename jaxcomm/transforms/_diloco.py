@@ -97,7 +97,7 @@ def diloco(inner: optax.GradientTransformation,
         f"compressor averages over axis_name="
         f"{_compressor.spec_of(compressor).axis_name!r} but diloco's "
         f"axis_name is {axis_name!r}: build both on the same data axis")
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   outer = optax.with_extra_args_support(outer)
 
   groups_of = {}

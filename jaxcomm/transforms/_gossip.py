@@ -105,7 +105,7 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
   from jaxcomm.collectives import _gossip
   _check_inner("inner", inner)
   _checks.choice("topology", topology, _gossip.MIXING_TOPOLOGIES)
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -274,7 +274,7 @@ def choco(inner: optax.GradientTransformation, compressor, *,
                      f"got start_step={spec.start_step}")
   gamma = _checks.number("gamma", gamma, 0.0, 1.0, lo_open=True)
   _checks.choice("topology", topology, CHOCO_TOPOLOGIES)
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   seed = _checks.integer("seed", seed, 0)
   inner = optax.with_extra_args_support(inner)
   codec = spec.codec
@@ -434,7 +434,7 @@ def sgp(inner: optax.GradientTransformation, *, topology="exponential",
     _checks.choice("topology", topology, ("exponential",))
   else:
     topology = _gossip.check_directed_graph(topology)
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

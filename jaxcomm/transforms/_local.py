@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm import _checks
-from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.transforms._local_engine import AdaCommSchedule
@@ -95,7 +94,7 @@ def local_sgd(inner: optax.GradientTransformation, period: int, *,
   _check_inner("inner", inner)
   period = _checks.integer("period", period, 1)
   start_step = _checks.integer("start_step", start_step, 0)
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
   spec = LocalSpec("local_sgd", period, start_step=start_step)
   return _local_engine(inner, method="local_sgd", axis_name=axis_name,
                        period=period, start_step=start_step,
@@ -147,7 +146,7 @@ def adacomm(inner: optax.GradientTransformation, period: int, *,
   if learning_rate is not None and not callable(learning_rate):
     raise ValueError("learning_rate must be a schedule (a callable of the "
                      f"step) or None, got {learning_rate!r}")
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
 
   def init_extra(params):
     del params
@@ -237,7 +236,7 @@ def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
   _check_inner("inner", inner)
   period = _checks.integer("period", period, 1)
   alpha = float(_checks.number("alpha", alpha, 0.0, 1.0, lo_open=True))
-  _compressor._check_axis_name(axis_name)
+  _checks.axis_name(axis_name)
 
   def sync(xs, anchors, outer, comp, sched):
     pulled = [((1 - alpha) * x + alpha * a.astype(x.dtype)).astype(x.dtype)

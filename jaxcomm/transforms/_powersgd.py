@@ -24,7 +24,6 @@ values as in PyTorch. The reshape is free (row-major, no transpose).
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import NamedTuple
 
@@ -355,14 +354,8 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
   seed = 0 if seed is None else seed
   num_iters_per_step = _checks.integer("num_iters_per_step",
                                       num_iters_per_step, 1)
-  try:
-    rate = float(min_compression_rate)
-  except (TypeError, ValueError):
-    rate = math.nan
-  if not rate >= 0 or math.isinf(rate):
-    raise ValueError(
-      "min_compression_rate must be a finite number >= 0, got "
-      f"{min_compression_rate!r}")
+  rate = float(_checks.number("min_compression_rate", min_compression_rate,
+                              0.0, finite=True))
   _checks.number("orthogonalization_epsilon", orthogonalization_epsilon,
                  0.0, None)
   _checks.boolean("warm_start", warm_start)

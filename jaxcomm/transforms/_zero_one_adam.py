@@ -165,8 +165,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
                           ("weight_decay", weight_decay, 0.0, None)):
     _checks.number(name, v, lo, hi)
   if not callable(learning_rate):
-    _checks.number("learning_rate", learning_rate, 0.0, None)
-  _compressor._check_axis_name(axis_name)
+    _checks.number("learning_rate", learning_rate, 0.0, None, finite=True)
+  _checks.axis_name(axis_name)
   schedule = (learning_rate if callable(learning_rate)
               else (lambda _: learning_rate))
   dense = _dense.mean_gradients(axis_name)
