@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py
 
-# Two workers (pytest-xdist): each test process simulates 8 CPU devices;
-# on 2 cores the suite (1,245 tests) took 14 min this way.
+# Two workers (pytest-xdist, work stealing): each simulates 8 CPU devices and
+# they share a persistent XLA compilation cache (.cache/jax); on 2 cores the
+# suite (1,299 tests) took 8 min 10 s this way from an empty cache.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 

@@ -178,3 +178,18 @@ def test_axis_names_and_rates_are_checked_where_they_enter():
   with pytest.raises(ValueError, match="min_compression_rate"):
     jaxcomm.powersgd(2, min_compression_rate=-1.0)
   jaxcomm.topk(0.1, axis_name=("dcn", "ici"))          # distinct: fine
+
+
+def test_resize_params_needs_a_device_axis():
+  """Replicated params (no leading device axis) are refused, naming the
+  leaves' leading sizes, instead of having their rows averaged."""
+  from jaxcomm import parallel  # pylint: disable=import-outside-toplevel
+  plain = {"w": np.ones((4, 3), np.float32), "b": np.ones((3,), np.float32)}
+  with pytest.raises(ValueError, match=r"resize_params needs per-device"):
+    parallel.resize_params(plain, 8)
+  per_device = {"w": np.arange(24.0).reshape(8, 3),
+                "b": np.arange(8.0).reshape(8, 1)}
+  four = parallel.resize_params(per_device, 4)
+  np.testing.assert_allclose(four["w"].mean(axis=0),
+                             per_device["w"].mean(axis=0))
+  np.testing.assert_allclose(four["w"][1], per_device["w"][2:4].mean(axis=0))

@@ -215,6 +215,23 @@ def resize_params(params, num_devices: int):
   """Per-device params (host arrays, leading device axis, as a local-update
   optimizer's :class:`DataParallel` holds them) on ``num_devices`` devices:
   averaged over groups of old devices when shrinking, copied when growing,
-  so the device average (the synchronised model) is kept."""
+  so the device average (the synchronised model) is kept.
+
+  Raises:
+    ValueError: when the leaves do not share one leading (device) axis
+      size: params without a device axis would be averaged row by row.
+  """
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  sizes = {}
+  for path, x in paths:
+    shape = np.shape(x)
+    sizes.setdefault(shape[0] if shape else None, []).append(
+      jax.tree_util.keystr(path))
+  if len(sizes) > 1 or None in sizes:
+    shown = "; ".join(f"{k}: {', '.join(v[:3])}" for k, v in sizes.items())
+    raise ValueError(
+      "resize_params needs per-device params (every leaf with the same "
+      f"leading device axis); leading sizes by leaf: {shown}. Replicated "
+      "params need no resizing")
   layout = jax.tree.map(lambda _: True, params)
   return resize_state(params, layout, num_devices)
