@@ -158,6 +158,11 @@ class Built(optax.GradientTransformationExtraArgs):
     self.changed = dict(changed)
     return self
 
+  def __getnewargs__(self):
+    # copy.copy / copy.deepcopy rebuild through __new__.
+    return (optax.GradientTransformationExtraArgs(self.init, self.update),
+            self.method, self.arguments, self.changed)
+
   @property
   def spec(self):
     return getattr(self.init, "jaxcomm_spec", None)

@@ -245,5 +245,8 @@ def test_a_built_method_is_a_value():
   params = {"w": jnp.zeros((64,))}
   u, _ = tx.update({"w": jnp.arange(64.0)}, tx.init(params), params)
   assert int((u["w"] != 0).sum()) == 32
+  import copy  # pylint: disable=import-outside-toplevel
+  assert copy.copy(a) == a and copy.deepcopy(a) == a
+  assert repr(copy.deepcopy(a)) == repr(a)
   opt = jaxcomm.onebit_adam(1e-3, freeze_step=10)
   assert repr(opt) == "jaxcomm.onebit_adam(learning_rate=0.001, freeze_step=10)"
