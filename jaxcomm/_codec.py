@@ -92,6 +92,11 @@ class Codec:
     wire_at: for a codec whose exchange changes with the step (DGC's
       warm-up stages, behind a ``lax.switch``): ``wire_at(layout | shapes,
       n, step)``, what that step moves. None: ``wire``, every step.
+    mean_of_sent: whether ``mean`` is exactly the device mean of ``sent``
+      (linear aggregation). EF21 keeps ``h = mean_i h_i`` only then, so
+      ``compressed(error_feedback="ef21")`` refuses a codec that says False
+      (a majority vote, a server stage that re-compresses, an owner that
+      re-rounds the average).
   """
 
   name: str
@@ -103,6 +108,7 @@ class Codec:
   message: Callable[[Any, Context], tuple[Any, Any]] | None = None
   decode: Callable[[Any, Context], Any] | None = None
   wire_at: Callable[[Any, int, int], list[Collective]] | None = None
+  mean_of_sent: bool = True
 
 
 class _Init:

@@ -185,6 +185,12 @@ def compressed(
   _checks.error_feedback(error_feedback)
   ef21 = error_feedback == _checks.EF21
   use_momentum = momentum is not None
+  if ef21 and not codec.mean_of_sent:
+    raise ValueError(
+      f"{codec.name}: error_feedback='ef21' needs an exchange whose result "
+      "is the mean of what the devices sent (EF21 keeps h = mean_i h_i); "
+      f"{codec.name}'s is not (it votes, re-compresses or re-rounds on the "
+      "way): use error_feedback=True")
   if ef21 and lr_schedule is not None:
     raise ValueError(
       f"{codec.name}: error_feedback='ef21' takes no lr_schedule: EF21 keeps "

@@ -193,3 +193,33 @@ def test_resize_params_needs_a_device_axis():
   np.testing.assert_allclose(four["w"].mean(axis=0),
                              per_device["w"].mean(axis=0))
   np.testing.assert_allclose(four["w"][1], per_device["w"][2:4].mean(axis=0))
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.signsgd(error_feedback="ef21"),
+  lambda: jaxcomm.signum(error_feedback="ef21"),
+  lambda: jaxcomm.onebit(error_feedback="ef21"),
+  lambda: jaxcomm.natural(error_feedback="ef21"),
+  lambda: jaxcomm.cast(jnp.bfloat16, error_feedback="ef21"),
+], ids=["signsgd", "signum", "onebit", "natural", "cast"])
+def test_ef21_is_refused_where_the_exchange_is_not_a_mean(make):
+  """EF21 keeps h = mean_i h_i only if the exchange returns the mean of
+  what devices sent; a vote, a server stage or a second rounding breaks it
+  (signSGD's update grew without bound), so the combination is refused by
+  name at construction."""
+  with pytest.raises(ValueError, match=r"error_feedback='ef21' needs an "
+                     r"exchange whose result is the mean"):
+    make()
+
+
+def test_ef21_keeps_its_invariant_where_the_exchange_is_a_mean(mesh):
+  """Where the exchange is linear (top-k, int8) EF21 still builds, and on 8
+  devices the aggregate stays the mean of the device estimates."""
+  from tests import harness  # pylint: disable=import-outside-toplevel
+  for tx in (jaxcomm.topk(0.1, error_feedback="ef21"),
+             jaxcomm.int8(error_feedback="ef21")):
+    _, state, _ = harness.device_run(tx, mesh, harness.make_grads(5, 4))
+    est = np.asarray(state.estimate[0])
+    np.testing.assert_allclose(est.mean(axis=0),
+                               np.asarray(state.estimate_mean[0]),
+                               rtol=1e-5, atol=1e-5)

@@ -55,6 +55,7 @@ def _natural_codec() -> _compressor.Codec:
 
   return _compressor.Codec(
     name="natural", init=lambda layout: (), apply=apply, flat=True,
+    mean_of_sent=False,
     wire=lambda layout, n: _quantized.natural_plan(layout.size,
                                                    n).wire)
 

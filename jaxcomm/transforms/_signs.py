@@ -48,7 +48,7 @@ def _onebit_codec() -> _compressor.Codec:
                                    state=OneBitState(err))
 
   return _compressor.Codec(
-    name="onebit", init=init, apply=apply, flat=True,
+    name="onebit", init=init, apply=apply, flat=True, mean_of_sent=False,
     wire=lambda layout, n: _signs.compressed_allreduce_wire(
       layout.sizes, n))
 
@@ -136,7 +136,7 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
                                    state=new_state)
 
   return _compressor.Codec(
-    name=name, init=init, apply=apply, flat=True,
+    name=name, init=init, apply=apply, flat=True, mean_of_sent=False,
     wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
 
 
