@@ -188,6 +188,35 @@ def flatten(leaves: Sequence[jax.Array], dtype=jnp.float32) -> jax.Array:
   return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
 
 
+def _is_complex(x) -> bool:
+  return bool(jnp.issubdtype(x.dtype, jnp.complexfloating))
+
+
+def real_shape(x) -> Shape:
+  """``x``'s shape as real values: complex leaves gain a trailing 2."""
+  return tuple(x.shape) + ((2,) if _is_complex(x) else ())
+
+
+def flatten_real(leaves: Sequence[jax.Array], dtype=jnp.float32
+                 ) -> jax.Array:
+  """:func:`flatten`, with complex leaves as interleaved (real, imaginary)
+  pairs, so that averaging or mixing the buffer keeps imaginary parts."""
+  return flatten([jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+                  if _is_complex(x) else x for x in leaves], dtype)
+
+
+def unflatten_like(flat: jax.Array, leaves: Sequence[jax.Array]) -> list:
+  """Inverse of :func:`flatten_real`: each piece in its leaf's shape and
+  dtype (complex leaves rebuilt from their pairs)."""
+  out = []
+  for piece, x in zip(unflatten(flat, [real_shape(x) for x in leaves]),
+                      leaves):
+    if _is_complex(x):
+      piece = jax.lax.complex(piece[..., 0], piece[..., 1])
+    out.append(piece.astype(x.dtype))
+  return out
+
+
 def plan(shapes: Sequence[Shape], bucket_bytes: int | None = None,
          itemsize: int = 4) -> tuple[Layout, ...]:
   """Lays compressed leaves of these shapes (tree order) into buckets.

@@ -173,7 +173,7 @@ def gossip_mix(leaves, axis_name, topology: str, step):
   if axis_name is None or not leaves:
     return list(leaves)
   n = _core.axis_size(axis_name)
-  flat = _core.pvary(_buckets.flatten(list(leaves), jnp.float32), axis_name)
+  flat = _core.pvary(_buckets.flatten_real(list(leaves)), axis_name)
   phases = mixing_phases(topology, n)
 
   def run(phase):
@@ -195,8 +195,7 @@ def gossip_mix(leaves, axis_name, topology: str, step):
   else:
     mixed = jax.lax.switch(jnp.asarray(step, jnp.int32) % len(phases),
                            [run(p) for p in phases], flat)
-  back = _buckets.unflatten(mixed, [l.shape for l in leaves])
-  return [b.astype(l.dtype) for b, l in zip(back, leaves)]
+  return _buckets.unflatten_like(mixed, leaves)
 
 
 def gossip_messages(words, own, decode, axis_name, topology: str):

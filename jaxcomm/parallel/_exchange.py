@@ -27,11 +27,13 @@ def exchange_share(params, fast_size: int) -> dict:
   ``n`` floating values in ``params`` (abstract; for ``wire.claimed``)."""
   d = _checks.integer("fast_size", fast_size, 1)
   leaves = jax.tree.leaves(params)
-  bad = [str(x.dtype) for x in leaves if not _core.is_inexact(x)]
+  bad = [str(x.dtype) for x in leaves
+         if not jnp.issubdtype(x.dtype, jnp.inexact)]
   if bad:
     raise ValueError("sharded_exchange: every gradient leaf must be "
-                     f"floating, got {bad}")
-  n = sum(int(np.prod(np.shape(x))) for x in leaves)
+                     f"floating or complex, got {bad}")
+  # Complex leaves travel as (real, imaginary) pairs.
+  n = sum(int(np.prod(_buckets.real_shape(x))) for x in leaves)
   return {"share": jax.ShapeDtypeStruct((-(-n // d),), jnp.float32)}
 
 
@@ -117,16 +119,14 @@ def sharded_exchange(compressor: optax.GradientTransformation,
                        f"{fast_axis!r} has {size} devices")
     share = exchange_share(updates, d)["share"].shape[0]
     leaves, treedef = jax.tree.flatten(updates)
-    flat = _buckets.flatten(leaves)
+    flat = _buckets.flatten_real(leaves)
     n = flat.shape[0]
     flat = jnp.pad(flat, (0, share * d - n))
     mine = jax.lax.psum_scatter(flat, fast_axis, tiled=True) / d
     out, inner = compressor.update({"share": mine}, state.inner, None,
                                    **extra)
     full = _core.all_gather(out["share"], fast_axis, tiled=True)[:n]
-    pieces = _buckets.unflatten(full, [x.shape for x in leaves])
-    return (treedef.unflatten([p.astype(x.dtype)
-                               for p, x in zip(pieces, leaves)]),
+    return (treedef.unflatten(_buckets.unflatten_like(full, leaves)),
             ShardedExchangeState(inner))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

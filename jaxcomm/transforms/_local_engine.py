@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomm import _buckets
 from jaxcomm import _compressor
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
@@ -136,11 +137,13 @@ def _where(c, a, b):
 
 
 def mean_leaves(leaves, axis_name):
-  """The device average of ``leaves`` (one fused float32 psum), each back
-  in its own dtype."""
+  """The device average of ``leaves`` (one fused float32 psum; complex
+  leaves as real and imaginary pairs), each back in its own dtype."""
   n = _core.axis_size(axis_name)
-  tot = _core.fused_psum(leaves, axis_name)
-  return [(t / n).astype(l.dtype) for t, l in zip(tot, leaves)]
+  if not leaves:
+    return []
+  tot = _core.psum(_buckets.flatten_real(leaves), axis_name)
+  return _buckets.unflatten_like(tot / n, leaves)
 
 
 def fragment_leaves(params, fragments: int) -> list[list[int]]:
