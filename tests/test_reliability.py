@@ -286,3 +286,16 @@ def test_sharded_exchange_carries_complex_leaves():
   got = np.asarray(f(z))
   np.testing.assert_allclose(got, np.tile(z.mean(0), (8, 1)), rtol=1e-5,
                              atol=1e-6)
+
+
+@pytest.mark.parametrize("opt,arg", [("onebit_adam", "freeze_step"),
+                                     ("zero_one_adam", "var_freeze_step")])
+def test_train_refuses_a_frozen_variance_no_warm_up_estimated(opt, arg,
+                                                              tmp_path):
+  """``--optimizer-args freeze_step=0`` on a new run froze a zero variance
+  (NaN eval loss, exit 0): refused by name, pointing at --resume."""
+  import train  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=rf"{arg}=0 freezes a variance"):
+    train.main(_TINY[:-6] + ["--optimizer", opt, "--optimizer-args",
+                             f"{arg}=0", "--steps", "2",
+                             "--out-dir", str(tmp_path / "r")])

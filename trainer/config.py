@@ -483,8 +483,16 @@ def make_comm_optimizer(cfg: Config, schedule):
     valid = [k for k in params if k not in ("learning_rate", "axis_name")]
     raise ValueError(f"--optimizer {cfg.optimizer} takes no argument(s) "
                      f"{', '.join(unknown)}; valid: {', '.join(valid)}")
-  kwargs.setdefault("var_freeze_step" if cfg.optimizer == "zero_one_adam"
-                    else "freeze_step", max(cfg.steps // 5, 1))
+  freeze = ("var_freeze_step" if cfg.optimizer == "zero_one_adam"
+            else "freeze_step")
+  kwargs.setdefault(freeze, max(cfg.steps // 5, 1))
+  if kwargs[freeze] == 0 and not cfg.resume:
+    # A frozen variance comes from the warm-up: a fresh state's is zero,
+    # and the first step would divide by eps.
+    raise ValueError(
+      f"--optimizer-args {freeze}=0 freezes a variance that no warm-up "
+      f"step estimated (a new run's is 0): give {freeze} >= 1, or 0 only "
+      "with --resume, to continue a run whose warm-up is done")
   kwargs.setdefault("weight_decay", cfg.weight_decay)
   return factory(schedule, axis_name=AXIS, **kwargs)
 
