@@ -198,8 +198,12 @@ def _threshold_ref(value, capacity_ratio):
     for dev in xs:
       segs = []
       for x in _segments(dev, "leaf"):
+        # Strom's threshold, with the documented capacity: of the
+        # coordinates at or above it, the cap largest |x| (lower index
+        # first on ties).
         cap = references.topk_count(capacity_ratio, x.size)
-        idx = np.nonzero(np.abs(x) >= value)[0][:cap]
+        above = np.nonzero(np.abs(x) >= value)[0]
+        idx = above[np.argsort(-np.abs(x[above]), kind="stable")][:cap]
         s = np.zeros_like(x)
         s[idx] = x[idx]
         segs.append(s)

@@ -420,8 +420,21 @@ def test_threshold_overflow_stays_in_the_residual():
   upd, state = tx.update(x, tx.init(x), x)
   sent = np.asarray(upd["w"])
   assert np.count_nonzero(sent) == 10               # the capacity
-  np.testing.assert_array_equal(np.nonzero(sent)[0], np.arange(10))
+  np.testing.assert_array_equal(np.nonzero(sent)[0], np.arange(10))  # ties
   np.testing.assert_allclose(sent + np.asarray(state.residual[0]), 1.0)
+
+
+def test_threshold_overflow_sends_the_largest_not_the_first():
+  """Over capacity, the c largest qualifying coordinates travel: a large
+  late coordinate is not kept waiting behind small early ones."""
+  tx = jaxcomm.threshold(0.5, capacity_ratio=0.01, axis_name=None)
+  w = np.full(1000, 0.6, np.float32)
+  w[[990, 995, 999]] = [3.0, -4.0, 5.0]             # late and large
+  upd, _ = tx.update({"w": jnp.asarray(w)}, tx.init({"w": w}),
+                     {"w": jnp.asarray(w)})
+  sent = np.asarray(upd["w"])
+  assert set(np.nonzero(sent)[0]) == {990, 995, 999, 0, 1, 2, 3, 4, 5, 6}
+  np.testing.assert_array_equal(sent[[990, 995, 999]], [3.0, -4.0, 5.0])
 
 
 def test_threshold_value_can_be_injected():

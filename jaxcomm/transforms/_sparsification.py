@@ -440,11 +440,12 @@ def _leaf_rows(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
 
   def apply(x, state, ctx):
-    # One mask over the bucket, one compaction with a capacity per leaf.
-    bounds, sizes = _leaf_rows(ctx.layout)
-    caps = tuple(num_selected(capacity_ratio, s) for s in sizes)
-    words = _topk.threshold_mask(x, value)
-    vals, gi, _ = _topk.compact_segments(x, words, bounds, caps)
+    # Each leaf's c largest |x| (the capacity), then those under the
+    # threshold dropped: when more than c qualify, the largest travel.
+    vals, gi = _local_topk(x, _segments(ctx.layout), capacity_ratio)
+    keep = jnp.abs(vals) >= value
+    vals = jnp.where(keep, vals, 0.0)
+    gi = jnp.where(keep, gi, ctx.layout.size)      # the unused slot
     mean, sent = _sparse_exchange(vals, gi, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
@@ -470,14 +471,15 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
   """Threshold sparsification with a bounded message (Strom 2015).
 
   .. math::
-    s_i = x_i \\odot \\mathbb{1}[\\,|x_i| \\geq \\tau\\,] \\text{ (first
-    } c \\text{ by index)}, \\quad e_i \\leftarrow x_i - s_i
+    s_i = x_i \\odot \\mathbb{1}[\\,|x_i| \\geq \\tau\\,] \\text{ (the } c
+    \\text{ largest)}, \\quad e_i \\leftarrow x_i - s_i
 
   Every coordinate with ``|x| >= value`` is sent, up to a static capacity
   of ``c = max(1, ceil(capacity_ratio * L))`` per leaf
-  (:func:`jaxcomm.kernels.threshold_select`). When more qualify, the ``c``
-  lowest indices are sent and the overflow stays in the residual (with
-  error feedback it is sent later; nothing is dropped). ``value`` may be a
+  When more qualify, the ``c`` largest ``|x|`` are sent (ties: lower
+  index first) and the overflow stays in the residual (with error feedback
+  it is sent later; nothing is dropped): late coordinates of a leaf do not
+  wait behind early ones. ``value`` may be a
   traced array (``optax.inject_hyperparams``).
 
   Departs from Strom, who sends each selected coordinate as ``+-value``
