@@ -269,7 +269,8 @@ def compressed(
     new_h, mean = update_estimates(opts, state, g, sent, mean, in_dense)
     any_bad, dense_mean = agree_finite(
       opts, [x for x in g + [dense] if x.size], mean,
-      new_res if keep_residual else new_h if ef21 else sent, dense, n)
+      new_res if keep_residual else new_h if ef21 else sent, dense, n,
+      exchanged=xs)
 
     keep = lambda new, old: jax.tree.map(
       lambda a, b: jnp.where(any_bad, b, a), new, old)

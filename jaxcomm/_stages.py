@@ -193,10 +193,15 @@ def update_estimates(opts: _Options, state: CompressState, g: list,
 
 
 def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
-                 dense: jax.Array, n: int):
+                 dense: jax.Array, n: int, exchanged: list = ()):
   """One decision, the same on every device: did any device see a NaN or
   Inf in its gradients (``inputs``) or in what the compressor made of
-  them (``mean``, and ``kept``: the residual, or what was sent)?
+  them (``mean``, and ``kept``: the residual, or what was sent), or hand
+  the exchange values whose sum over the ``n`` devices overflows float32
+  (``exchanged``: ``|x| > max_float32 / n``)? An overflow inside the
+  exchange need not show in its outputs (int8's scale became inf and every
+  code 0; the residual kept the value for good), so it is caught where it
+  enters.
 
   The flag rides in the fused psum of the dense leaves (one more float32,
   no extra collective). Dense leaves are divided by ``n`` first, so the
@@ -210,6 +215,10 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   local_bad = jnp.zeros([], bool)
   for x in inputs:
     local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
+  limit = jnp.float32(float(jnp.finfo(jnp.float32).max) / max(n, 1))
+  for x in exchanged:
+    if x.size:
+      local_bad = local_bad | ~(jnp.max(jnp.abs(x)) <= limit)
   for m, e in zip(mean, kept):
     local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
       | ~jnp.all(jnp.isfinite(e))
