@@ -43,3 +43,4 @@ from jaxcomm.parallel._resize import resize_state
 from jaxcomm.parallel._step import DataParallel
 from jaxcomm.parallel._step import consensus_distance
 from jaxcomm.parallel._step import synchronized
+from jaxcomm.parallel._shards import update_on_shards

@@ -108,6 +108,22 @@ def _with_data(spec, axis_name) -> P:
   return P(axis_name, *spec)
 
 
+def restrict(spec: P, keep) -> P:
+  """``spec`` naming only the axes in ``keep`` (the others dropped, a
+  dimension left with none becomes ``None``)."""
+  out = []
+  for e in spec:
+    if e is None:
+      out.append(None)
+      continue
+    kept = tuple(a for a in (e if isinstance(e, tuple) else (e,))
+                 if a in keep)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
 def _leaf_spec(b, axis_name) -> P:
   axes = _axes_of(b, axis_name)
   return P() if axes is None else P(axes)
@@ -285,8 +301,18 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   return jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
 
 
-def state_specs(layout, axis_name: str = "data"):
-  """PartitionSpecs for a state laid out by :func:`state_layout`."""
+def state_specs(layout, axis_name: str = "data", *, auto_axes=()):
+  """PartitionSpecs for a state laid out by :func:`state_layout`.
+
+  With ``auto_axes`` (a step manual over the data axes only, see
+  :func:`update_on_shards`): the specs for that step's ``in_specs``, naming
+  the data axes only; the state's sharding over the auto axes stays on the
+  arrays (as :func:`init_state` placed them) and is left to the compiler.
+  """
+  if auto_axes:
+    keep = set(_names(axis_name))
+    return jax.tree.map(
+      lambda b: restrict(_leaf_spec(b, axis_name), keep), layout)
   return jax.tree.map(lambda b: _leaf_spec(b, axis_name), layout)
 
 

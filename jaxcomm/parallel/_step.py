@@ -17,6 +17,7 @@ from jaxcomm import _checks
 from jaxcomm.collectives import _core
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel import _placement
+from jaxcomm.parallel import _shards
 from jaxcomm.transforms import _local_engine
 
 
@@ -102,9 +103,24 @@ class DataParallel:
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
-               mesh, axis_name: str = "data", *, has_aux: bool = False,
-               donate: bool = True, block: bool | None = None):
+               mesh, axis_name: str = "data", *, auto_axes=(),
+               batch_axes=None, has_aux: bool = False, donate: bool = True,
+               block: bool | None = None):
     _placement._data_size(mesh, axis_name)
+    self.auto_axes = (_shards.check_auto_axes(mesh, axis_name, auto_axes)
+                      if auto_axes else ())
+    names = _layout._names(axis_name)
+    if batch_axes is None:
+      batch_axes = names + self.auto_axes
+    else:
+      batch_axes = ((batch_axes,) if isinstance(batch_axes, str)
+                    else tuple(batch_axes))
+      if tuple(batch_axes[:len(names)]) != names or not set(
+          batch_axes[len(names):]) <= set(self.auto_axes):
+        raise ValueError(
+          f"batch_axes={batch_axes!r}: must be the data axes {names} "
+          f"followed by some of the auto axes {self.auto_axes}")
+    self.batch_axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
     self.loss_fn = loss_fn
     self.tx = tx
     self.mesh = mesh
@@ -173,26 +189,40 @@ class DataParallel:
     return synchronized(params, self.mesh, self.param_specs)
 
   def shard_batch(self, batch):
-    """This process's slice of a batch as global arrays (see shard_batch)."""
-    return _placement.shard_batch(batch, self.mesh, self.axis_name)
+    """This process's slice of a batch as global arrays (see shard_batch):
+    split over the data axes, and with ``auto_axes`` also over
+    ``batch_axes`` inside each slice (as FSDP splits it)."""
+    return _placement.shard_batch(batch, self.mesh, self.batch_axes)
 
   def _build(self, with_state: bool, with_rng: bool):
     """The jitted shard_map step for this combination of optional inputs."""
     axis, layout = self.axis_name, self.layout
     per_device = self.per_device_params
+    if self.auto_axes:
+      # Manual over the data axes only: loss_fn on whole arrays, the
+      # model axes left to the compiler, tx on each device's shards.
+      update = _shards.update_on_shards(self.tx, layout, self.param_specs,
+                                        axis, self.auto_axes)
+      specs = _layout.state_specs(layout, axis, auto_axes=self.auto_axes)
+      p_spec = P(axis) if per_device else P()
+      manual = {"axis_names": set(_layout._names(axis))}
+    else:
+      update = functools.partial(_update_here, self.tx, layout)
+      specs = _layout.state_specs(layout, axis)
+      p_spec = jax.tree.map(
+        lambda sp: _layout._with_data(sp, axis) if per_device else sp,
+        self.param_specs, is_leaf=lambda x: isinstance(x, P))
+      manual = {}
     step = functools.partial(
-      _device_step, self.loss_fn, self.tx, layout, axis,
+      _device_step, self.loss_fn, update, axis,
       has_aux=self.has_aux, per_device=per_device, with_state=with_state,
       with_rng=with_rng)
-    specs = _layout.state_specs(layout, axis)
-    p_spec = jax.tree.map(
-      lambda sp: _layout._with_data(sp, axis) if per_device else sp,
-      self.param_specs, is_leaf=lambda x: isinstance(x, P))
     m_spec = P(axis) if per_device else P()
     extra_specs = (P(),) * (with_state + with_rng)
     mapped = jax.shard_map(
       step, mesh=self.mesh, in_specs=(p_spec, specs, P(axis)) + extra_specs,
-      out_specs=(p_spec, specs, m_spec) + ((P(),) if with_state else ()))
+      out_specs=(p_spec, specs, m_spec) + ((P(),) if with_state else ()),
+      **manual)
     donated = (0, 1, 3) if with_state else (0, 1)
     return jax.jit(mapped, donate_argnums=donated if self.donate else ())
 
@@ -313,13 +343,22 @@ def _call_loss(loss_fn, params, batch, kwargs, *, with_state: bool,
   return loss, (aux, new_model_state)
 
 
-def _device_step(loss_fn, tx, layout, axis, params, state, batch, *extra,
+def _update_here(tx, layout, grads, state, params, **value):
+  """Block mode's update: ``tx.update`` on the arrays this device holds,
+  the updates applied; state in and out as the step's in_specs give it."""
+  local = _layout.to_local(state, layout)
+  updates, new_local = tx.update(grads, local, params, **value)
+  new_params = _local_engine.apply_updates(params, updates, new_local)
+  return new_params, _layout.to_global(new_local, layout)
+
+
+def _device_step(loss_fn, update, axis, params, state, batch, *extra,
                  has_aux: bool, per_device: bool, with_state: bool,
                  with_rng: bool):
   """One device's train step inside shard_map (see DataParallel): local
-  gradient, ``tx.update``, new params; ``extra`` holds the model state
-  and the step's key when given."""
-  local = _layout.to_local(state, layout)
+  gradient, ``update`` (``tx.update`` and the updates applied: here, or on
+  each device's shards with auto axes), new params; ``extra`` holds the
+  model state and the step's key when given."""
   if per_device:
     params = jax.tree.map(lambda x: x[0], params)
   kwargs = {}
@@ -334,8 +373,7 @@ def _device_step(loss_fn, tx, layout, axis, params, state, batch, *extra,
                       with_state=with_state, has_aux=has_aux),
     has_aux=True)(_core.pvary(params, axis))
   value = {"value": loss} if per_device else {}
-  updates, new_local = tx.update(grads, local, params, **value)
-  new_params = _local_engine.apply_updates(params, updates, new_local)
+  new_params, new_state = update(grads, state, params, **value)
   if per_device:
     new_params = jax.tree.map(lambda x: x[None], new_params)
   # Local-update steps send nothing between syncs, not even the loss:
@@ -345,7 +383,7 @@ def _device_step(loss_fn, tx, layout, axis, params, state, batch, *extra,
   metrics = {"loss": reduce(loss)}
   if has_aux:
     metrics["aux"] = jax.tree.map(reduce, aux)
-  out = (new_params, _layout.to_global(new_local, layout), metrics)
+  out = (new_params, new_state, metrics)
   if with_state:
     out += (_device_mean(new_model_state, axis),)
   return out

@@ -1,0 +1,116 @@
+"""Compression inside a jit step over a sharded model: manual over the data
+axes only, the model axes (FSDP, tensor) left to the compiler, and the
+optimizer run on each device's own shards.
+
+The train step is ``jax.jit(jax.shard_map(step, axis_names=<data axes>))``:
+``loss_fn`` sees whole (logical) arrays and the compiler partitions it over
+the auto axes as it would without jaxcomm. The gradient then enters
+:func:`update_on_shards`, a nested ``shard_map`` manual over the auto axes:
+``tx.update`` sees the device's block of every leaf (as in block mode), its
+collectives run over the data axes only, and its per-device state is the
+state of that block. Nothing gathers a gradient over the fast axes.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.parallel import _layout
+from jaxcomm.parallel._placement import _data_size
+from jaxcomm.transforms import _local_engine
+
+
+def check_auto_axes(mesh, axis_name, auto_axes) -> tuple:
+  """``auto_axes`` as a tuple, checked against ``mesh`` and the data axes.
+
+  Every mesh axis must be a data axis or an auto axis: the step is manual
+  over the first and leaves the second to the compiler; an axis that is
+  neither would have no meaning in it.
+  """
+  if isinstance(auto_axes, str):
+    auto_axes = (auto_axes,)
+  try:
+    auto_axes = tuple(auto_axes)
+  except TypeError:
+    raise ValueError(f"auto_axes must be a mesh axis name or a tuple of "
+                     f"them, got {auto_axes!r}") from None
+  names = _layout._names(axis_name)
+  _data_size(mesh, axis_name)
+  for a in auto_axes:
+    if not isinstance(a, str) or a not in mesh.shape:
+      raise ValueError(
+        f"auto_axes: {a!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if a in names:
+      raise ValueError(
+        f"auto_axes: {a!r} is also a data axis (axis_name={axis_name!r}); "
+        "an axis is either split over the batch and averaged by the "
+        "compressor (axis_name) or left to the compiler for the model "
+        "(auto_axes), not both")
+  if len(set(auto_axes)) != len(auto_axes):
+    raise ValueError(f"auto_axes names an axis twice: {auto_axes!r}")
+  rest = [a for a in mesh.axis_names if a not in names and a not in auto_axes]
+  if rest:
+    raise ValueError(
+      f"auto_axes: mesh axes {rest} are neither data axes (axis_name="
+      f"{axis_name!r}) nor auto axes {auto_axes!r}: name each one in "
+      "auto_axes (left to the compiler, e.g. FSDP or tensor axes), or leave "
+      "auto_axes out for block mode (every model axis manual, loss_fn on "
+      "the device's blocks)")
+  for a in auto_axes:
+    kind = _axis_type(mesh, a)
+    if kind is not None and kind == jax.sharding.AxisType.Manual:
+      raise ValueError(f"auto_axes: mesh axis {a!r} is already Manual")
+  return auto_axes
+
+
+def _axis_type(mesh, name):
+  types = getattr(mesh, "axis_types", None)
+  if types is None:
+    return None
+  return dict(zip(mesh.axis_names, types)).get(name)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def update_on_shards(tx, layout, specs, axis_name, auto_axes):
+  """``update(grads, state, params, **extra) -> (new_params, new_state)``
+  for a step manual over the data axes only (``jax.shard_map(...,
+  axis_names=set(data axes))``): ``tx.update`` and the updates applied on
+  each device's own shards of every leaf.
+
+  Args:
+    tx: the optimizer.
+    layout: :func:`state_layout` of ``tx`` for these params and ``specs``.
+    specs: the params' PartitionSpecs (:func:`param_specs`), over
+      ``auto_axes`` only.
+    axis_name: the data axis or axes (manual in the calling step).
+    auto_axes: the mesh axes left to the compiler.
+
+  ``grads`` and ``params`` are the whole (logical) arrays the step sees,
+  ``state`` the state as the step's ``in_specs`` (:func:`state_specs` with
+  ``auto_axes``) give it; ``extra`` (e.g. ``value=`` the loss for a
+  local-update optimizer) is passed to ``tx.update`` unchanged.
+  """
+  keep = set(auto_axes)
+  inner_state = jax.tree.map(
+    lambda b: _layout.restrict(_layout._leaf_spec(b, axis_name), keep), layout)
+  specs = jax.tree.map(lambda sp: _layout.restrict(sp, keep), specs,
+                       is_leaf=_is_spec)
+
+  def on_block(grads, state, params, extra):
+    local = _layout.to_local(state, layout)
+    updates, new = tx.update(grads, local, params, **extra)
+    new_params = _local_engine.apply_updates(params, updates, new)
+    return new_params, _layout.to_global(new, layout)
+
+  def update(grads, state, params, **extra):
+    mapped = jax.shard_map(
+      on_block, mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=(specs, inner_state, specs, P()),
+      out_specs=(specs, inner_state), axis_names=keep)
+    return mapped(grads, state, params, extra)
+
+  return update
