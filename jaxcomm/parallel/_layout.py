@@ -124,6 +124,90 @@ def restrict(spec: P, keep) -> P:
   return P(*out)
 
 
+def missing_axes(spec, auto_axes) -> tuple:
+  """The auto axes a leaf's ``spec`` does not split it over."""
+  used = _spec_axes(spec)
+  return tuple(a for a in auto_axes if a not in used)
+
+
+def expand_specs(specs, auto_axes):
+  """Each leaf's spec for the update on shards: a leaf replicated over some
+  auto axes gets a leading axis of one copy per device of those axes
+  (``P(missing, *spec)``), so that every device updates a block of its
+  own (see :func:`expand`)."""
+  def one(sp):
+    miss = missing_axes(sp, auto_axes)
+    if not miss:
+      return sp
+    return P(miss[0] if len(miss) == 1 else miss, *sp)
+  return jax.tree.map(one, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _copies(spec, mesh, auto_axes) -> int:
+  return int(np.prod([mesh.shape[a] for a in missing_axes(spec, auto_axes)]))
+
+
+def expand(tree, specs, mesh, auto_axes):
+  """``tree`` (params or gradients: host, global or traced arrays, or
+  ShapeDtypeStructs) with every leaf replicated over some auto axes
+  broadcast to one copy per device of those axes (:func:`expand_specs`).
+
+  Inside the update on shards each copy is one device's own: a replicated
+  leaf (a bias, a norm scale, anything no dimension of which is split) is
+  compressed on every device of the fast axes from the same slice
+  gradient, and :func:`contract` averages the copies' results, so the
+  state each device keeps stays the state of its own (virtual) block and
+  every update stays one value per leaf.
+  """
+  def one(x, sp):
+    k = _copies(sp, mesh, auto_axes)
+    if k == 1:
+      return x
+    shape = (k,) + tuple(np.shape(x))
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(shape, x.dtype)
+    if isinstance(x, jax.core.Tracer):
+      return jnp.broadcast_to(x[None], shape)
+    return np.broadcast_to(np.asarray(jax.device_get(x))[None], shape)
+  return jax.tree.map(one, tree, specs)
+
+
+def copied(specs, auto_axes):
+  """Per leaf: whether :func:`expand` gives it copies (a bool tree)."""
+  return jax.tree.map(lambda sp: bool(missing_axes(sp, auto_axes)), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def own(tree, copies):
+  """Inside the update on shards: each copy (a leading axis of size 1)
+  as the leaf itself."""
+  if copies is None:
+    return tree
+
+  def one(x, c):
+    if not c:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return x[0]
+  return jax.tree.map(one, tree, copies)
+
+
+def contract(tree, specs, mesh, auto_axes):
+  """Inverse of :func:`expand` inside the step: the copies of each expanded
+  leaf averaged (exactly their common value where they agree, as after a
+  dense mean; the first for non-floating leaves)."""
+  def one(x, sp):
+    if _copies(sp, mesh, auto_axes) == 1:
+      return x
+    first = x[0]
+    if not _core.is_inexact(x):
+      return first
+    mean = jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
+    return jnp.where(jnp.all(x == first[None], axis=0), first, mean)
+  return jax.tree.map(one, tree, specs)
+
+
 def _leaf_spec(b, axis_name) -> P:
   axes = _axes_of(b, axis_name)
   return P() if axes is None else P(axes)
@@ -186,7 +270,7 @@ def _joined_branches():
 
 def state_layout(tx: optax.GradientTransformation, params, mesh,
                  axis_name: str = "data", *, per_device_params=None,
-                 specs=None):
+                 specs=None, auto_axes=()):
   """Which leaves of ``tx``'s state are per device.
 
   Found by tracing ``tx.update`` in shard_map (no computation runs): a leaf
@@ -210,12 +294,22 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       :func:`param_specs`); state is then the state of one device's block
       of the params, and a leaf that varies over a model axis gets one row
       per block too.
+    auto_axes: for a step manual over the data axes only
+      (:func:`update_on_shards`): the model axes left to the compiler; the
+      state is then that of each device's own shards, with params
+      replicated over an auto axis updated as one copy per device of it
+      (:func:`expand`).
   """
   n = _data_size(mesh, axis_name)
   names = _names(axis_name)
   _check_nnx_params(params, "state_layout")
   if specs is None:
     specs = param_specs(params, mesh, axis_name)
+  copies = None
+  if auto_axes:
+    copies = copied(specs, auto_axes)
+    params = expand(_abstract(params), specs, mesh, auto_axes)
+    specs = expand_specs(specs, auto_axes)
   model_axes = set()
   for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
     model_axes |= _spec_axes(sp)
@@ -227,7 +321,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   local_abs = jax.tree.map(
     lambda x, sp: jax.ShapeDtypeStruct(_local_shape(x.shape, sp, mesh),
                                        x.dtype), params_abs, specs)
-  state_abs = jax.eval_shape(tx.init, local_abs)
+  state_abs = jax.eval_shape(tx.init, own(local_abs, copies))
   leaves, treedef = jax.tree.flatten(state_abs)
   per_device = [frozenset()] * len(leaves)
   grads_abs = jax.tree.map(
@@ -253,12 +347,13 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     layout = jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
 
     def probe(params, state, grads, layout=layout, found=found):
-      grads = jax.tree.map(lambda g: g[0], grads)
+      grads = own(jax.tree.map(lambda g: g[0], grads), copies)
       state = to_local(state, layout)
       extra = {}
       if per_device_params:
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
+      params = own(params, copies)
       updates, new_state = tx.update(grads, state, params, **extra)
       found[:] = [watched & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
@@ -337,25 +432,34 @@ def to_global(state, layout):
 
 
 def init_state(tx: optax.GradientTransformation, params, mesh,
-               axis_name: str = "data", layout=None, specs=None):
+               axis_name: str = "data", layout=None, specs=None, *,
+               auto_axes=()):
   """``tx.init(params)`` laid out for :class:`DataParallel` on ``mesh``.
 
   Per-device leaves get a leading axis of one row per device (every device
   starts from the same value) sharded over the data axes they vary over;
   the rest is replicated. With params sharded over model axes (``specs``,
-  default :func:`param_specs`), ``tx.init`` runs on each device's block.
+  default :func:`param_specs`), ``tx.init`` runs on each device's block;
+  with ``auto_axes`` (see :func:`state_layout`) on each device's shards.
   """
   _check_nnx_params(params, "init_state")
   if specs is None:
     specs = param_specs(params, mesh, axis_name)
   if layout is None:
-    layout = state_layout(tx, params, mesh, axis_name, specs=specs)
+    layout = state_layout(tx, params, mesh, axis_name, specs=specs,
+                          auto_axes=auto_axes)
+  copies = None
+  if auto_axes:
+    copies = copied(specs, auto_axes)
+    params = expand(params, specs, mesh, auto_axes)
+    specs = expand_specs(specs, auto_axes)
   if any(sp != P() for sp in jax.tree.leaves(
       specs, is_leaf=lambda x: isinstance(x, P))):
     placed = jax.tree.map(
       lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params,
       specs)
-    init = jax.shard_map(lambda p: to_global(tx.init(p), layout), mesh=mesh,
+    init = jax.shard_map(lambda p: to_global(tx.init(own(p, copies)), layout),
+                         mesh=mesh,
                          in_specs=(specs,),
                          out_specs=state_specs(layout, axis_name))
     return jax.jit(init)(placed)

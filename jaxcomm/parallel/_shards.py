@@ -75,19 +75,29 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def update_on_shards(tx, layout, specs, axis_name, auto_axes):
+def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
   """``update(grads, state, params, **extra) -> (new_params, new_state)``
   for a step manual over the data axes only (``jax.shard_map(...,
   axis_names=set(data axes))``): ``tx.update`` and the updates applied on
   each device's own shards of every leaf.
 
+  Every device compresses its own block of each leaf: top-k keeps its
+  ratio per block, quantizers and signs scale per block, PowerSGD
+  factorizes each block. A leaf replicated over an auto axis (a bias, a
+  norm scale) is compressed on every device of that axis from the same
+  slice gradient and the copies' results averaged (an all-reduce of that
+  leaf over the fast axis, where the plain step all-reduces its gradient
+  over every device); see :func:`expand`.
+
   Args:
     tx: the optimizer.
-    layout: :func:`state_layout` of ``tx`` for these params and ``specs``.
+    layout: :func:`state_layout` of ``tx`` for these params, ``specs`` and
+      ``auto_axes``.
     specs: the params' PartitionSpecs (:func:`param_specs`), over
       ``auto_axes`` only.
     axis_name: the data axis or axes (manual in the calling step).
     auto_axes: the mesh axes left to the compiler.
+    mesh: the mesh (default: the step's).
 
   ``grads`` and ``params`` are the whole (logical) arrays the step sees,
   ``state`` the state as the step's ``in_specs`` (:func:`state_specs` with
@@ -96,21 +106,34 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes):
   """
   keep = set(auto_axes)
   inner_state = jax.tree.map(
-    lambda b: _layout.restrict(_layout._leaf_spec(b, axis_name), keep), layout)
+    lambda b: _layout.restrict(_layout._leaf_spec(b, axis_name), keep),
+    layout)
   specs = jax.tree.map(lambda sp: _layout.restrict(sp, keep), specs,
                        is_leaf=_is_spec)
+  wide = _layout.expand_specs(specs, auto_axes)
+
+  copies = _layout.copied(specs, auto_axes)
 
   def on_block(grads, state, params, extra):
+    # A copy of a replicated leaf is the leaf itself: its own shape.
     local = _layout.to_local(state, layout)
-    updates, new = tx.update(grads, local, params, **extra)
+    params = _layout.own(params, copies)
+    updates, new = tx.update(_layout.own(grads, copies), local, params,
+                             **extra)
     new_params = _local_engine.apply_updates(params, updates, new)
+    new_params = jax.tree.map(lambda x, c: x[None] if c else x, new_params,
+                              copies)
     return new_params, _layout.to_global(new, layout)
 
   def update(grads, state, params, **extra):
+    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     mapped = jax.shard_map(
       on_block, mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, inner_state, specs, P()),
-      out_specs=(specs, inner_state), axis_names=keep)
-    return mapped(grads, state, params, extra)
+      in_specs=(wide, inner_state, wide, P()),
+      out_specs=(wide, inner_state), axis_names=keep)
+    new_params, new_state = mapped(
+      _layout.expand(grads, specs, m, auto_axes), state,
+      _layout.expand(params, specs, m, auto_axes), extra)
+    return _layout.contract(new_params, specs, m, auto_axes), new_state
 
   return update

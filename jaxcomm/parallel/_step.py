@@ -153,9 +153,11 @@ class DataParallel:
     self.per_device_params = _layout.local_params(self.tx, block)
     self.layout = _layout.state_layout(
       self.tx, params, self.mesh, self.axis_name,
-      per_device_params=self.per_device_params, specs=self.param_specs)
+      per_device_params=self.per_device_params, specs=self.param_specs,
+      auto_axes=self.auto_axes)
     state = _layout.init_state(self.tx, params, self.mesh, self.axis_name,
-                               self.layout, specs=self.param_specs)
+                               self.layout, specs=self.param_specs,
+                               auto_axes=self.auto_axes)
     host = jax.device_get(params)
     if self.per_device_params:
       return self.place_params(jax.tree.map(
@@ -202,7 +204,7 @@ class DataParallel:
       # Manual over the data axes only: loss_fn on whole arrays, the
       # model axes left to the compiler, tx on each device's shards.
       update = _shards.update_on_shards(self.tx, layout, self.param_specs,
-                                        axis, self.auto_axes)
+                                        axis, self.auto_axes, self.mesh)
       specs = _layout.state_specs(layout, axis, auto_axes=self.auto_axes)
       p_spec = P(axis) if per_device else P()
       manual = {"axis_names": set(_layout._names(axis))}
