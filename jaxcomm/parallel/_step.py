@@ -83,6 +83,18 @@ class DataParallel:
       over the axes it was built with, so ``optax.chain(
       jaxcomm.mean_gradients(axis_name="ici"), jaxcomm.powersgd(2,
       axis_name="dcn"), ...)`` compresses only between slices).
+    auto_axes: mesh axes left to the compiler (FSDP, tensor): the step is
+      then manual over the data axes only, ``loss_fn`` sees whole
+      (logical) arrays placed by ``NamedSharding`` over these axes (no
+      collective written by hand), and ``tx`` runs on each device's own
+      shards (:func:`update_on_shards`); every mesh axis must be a data
+      axis or an auto axis. Default ``()``: block mode, every mesh axis
+      manual, ``loss_fn`` on the device's blocks of params split over
+      model axes.
+    batch_axes: with ``auto_axes``, the axes the batch's leading axis is
+      split over: the data axes, then some auto axes (default: all of
+      them, as FSDP splits it; leave a tensor axis out to keep its devices
+      on the same examples).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
       averaged over devices.
     donate: donate params and state buffers to the step.
