@@ -1,6 +1,7 @@
 """Models and data for jaxcomm's training entry point and benchmarks.
 
-Flax NNX models (``mlp``, ``cnn``, ``resnet20``, ``charlm``) behind a name
+Flax NNX models (``mlp``, ``cnn``, ``resnet20``, ``charlm``,
+``transformer``) behind a name
 registry, a pure ``apply(params, x)`` view of any of them for Optax-style
 training steps, their losses, and offline datasets in ``models.data``.
 
@@ -25,3 +26,4 @@ from models.mlp import MLP as MLP
 from models.resnet import BasicBlock as BasicBlock
 from models.resnet import ResNet as ResNet
 from models.resnet import resnet20 as resnet20
+from models.transformer import TransformerLM as TransformerLM

@@ -8,6 +8,7 @@ from models import charlm
 from models import cnn
 from models import mlp
 from models import resnet
+from models import transformer
 
 # Name -> constructor taking keyword arguments and ``rngs``.
 MODELS: dict[str, Callable[..., nnx.Module]] = {
@@ -15,6 +16,7 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "cnn": cnn.CNN,
     "resnet20": resnet.resnet20,
     "charlm": charlm.CharLM,
+    "transformer": transformer.TransformerLM,
 }
 
 CLASSIFY = "classify"
@@ -26,6 +28,7 @@ TASKS: dict[str, str] = {
     "cnn": CLASSIFY,
     "resnet20": CLASSIFY,
     "charlm": LANGUAGE_MODEL,
+    "transformer": LANGUAGE_MODEL,
 }
 
 

@@ -61,7 +61,7 @@ def test_default_parameter_counts():
   # ResNet-20 with the paper's option-A shortcuts has 0.27M parameters
   # (GroupNorm has the same scale and bias per channel as BatchNorm).
   assert counts == {"mlp": 26_122, "cnn": 53_002, "resnet20": 269_722,
-                    "charlm": 895_104}
+                    "charlm": 895_104, "transformer": 443_008}
 
 
 # (small model of each family, input shape, registry name for the loss, SGD

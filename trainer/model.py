@@ -23,8 +23,8 @@ def load_data(cfg: Config):
   task = models.TASKS[cfg.model]
   dataset = cfg.dataset
   if dataset == "auto":
-    dataset = {"charlm": "text", "resnet20": "cifar10"}.get(cfg.model,
-                                                            "digits")
+    dataset = {"charlm": "text", "transformer": "text",
+               "resnet20": "cifar10"}.get(cfg.model, "digits")
   if task == models._registry.LANGUAGE_MODEL:
     if dataset != "text":
       raise ValueError(f"model {cfg.model!r} trains on --dataset text, got "
