@@ -18,6 +18,7 @@ from models._functional import functional as functional
 from models._functional import loss_and_metrics as loss_and_metrics
 from models._functional import make_loss_fn as make_loss_fn
 from models._registry import MODELS as MODELS
+from models._registry import PARTITION_SPECS as PARTITION_SPECS
 from models._registry import TASKS as TASKS
 from models._registry import create as create
 from models.charlm import CharLM as CharLM

@@ -19,6 +19,12 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "transformer": transformer.TransformerLM,
 }
 
+# Name -> ``partition_specs(params, mesh_axes)``: the models with logical
+# axes, which a mesh of model axes can split (train.py --mesh).
+PARTITION_SPECS: dict[str, Callable] = {
+    "transformer": transformer.partition_specs,
+}
+
 CLASSIFY = "classify"
 LANGUAGE_MODEL = "language_model"
 

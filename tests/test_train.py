@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxcomm
+import models
 import train
 
 TINY = ["--model-args", "embed_dim=8,hidden_size=32,num_layers=1",
@@ -575,3 +576,75 @@ def test_slices_checkpoint_refuses_another_device_count(tmp_path):
   _run(tmp_path, *flags, "--stop-after", 2, name="x")
   with pytest.raises(ValueError, match="cannot resize a state leaf"):
     _run(tmp_path, *flags, "--resume", "--num-devices", 4, name="x")
+
+
+_LM = ["--model", "transformer", "--model-args",
+       "d_model=32,num_heads=2,num_layers=1,d_ff=64,max_len=16"]
+
+
+@pytest.mark.parametrize("mesh,local", [("dcn=2,fsdp=4", None),
+                                        ("dcn=2,fsdp=2,tensor=2", None),
+                                        ("dcn=2,fsdp=4", "diloco")])
+def test_mesh_trains_a_sharded_lm_and_resumes_bit_identical(mesh, local,
+                                                            tmp_path):
+  """--mesh: the transformer LM split by its logical axes, top-k across
+  dcn: the loss falls, the params keep their shardings, the bytes are
+  top-k's claim for one device's shards on 2 devices, and a run stopped and
+  resumed ends bit-identical (params and per-shard state); DiLoCo with
+  top-k on the pseudo-gradient too."""
+  flags = _LM + ["--mesh", mesh, "--compressor", "topk",
+                 "--compressor-args", "ratio=0.05", "--steps", 6,
+                 "--lr", 0.01]
+  if local:
+    flags += ["--local", local, "--local-args", "period=2"]
+  full = _run(tmp_path, *flags, "--checkpoint-every", 0, name="full")
+  losses = [h["loss"] for h in full["history"]]
+  assert np.mean(losses[-2:]) < losses[0], losses
+  assert full["identical_params"]
+  specs = models.PARTITION_SPECS["transformer"](
+    full["params"], tuple(a.split("=")[0] for a in mesh.split(",")))
+  if local is None:
+    for x, sp in zip(jax.tree.leaves(full["params"]),
+                     jax.tree.leaves(specs, is_leaf=lambda s: isinstance(
+                       s, jax.sharding.PartitionSpec))):
+      assert x.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(x.sharding.mesh, sp), x.ndim), sp
+    shards = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.addressable_shards[0].data.shape,
+                                     x.dtype), full["params"])
+    claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(
+      jaxcomm.topk(0.05, axis_name="dcn"), shards, 2), 2).total_sent
+    assert full["bytes_per_step"] == pytest.approx(claim)
+  _run(tmp_path, *flags, "--stop-after", 3, name="split")
+  resumed = _run(tmp_path, *flags, "--resume", name="split")
+  for a, b in zip(jax.tree.leaves(jax.device_get(full["params"])),
+                  jax.tree.leaves(jax.device_get(resumed["params"]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for x, y in zip(jax.tree.leaves(_host_state(full)),
+                  jax.tree.leaves(_host_state(resumed)), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("flags,match", [
+  (["--mesh", "dcn=2,fsdp=2"], "holds 4 devices, --num-devices 8"),
+  (["--mesh", "dcn=2"], "name the data axis and at least one model axis"),
+  (["--mesh", "dcn=2,dcn=4"], "named twice"),
+  (["--mesh", "dcn=2,fsdp=x"], "size of 'fsdp' must be an integer"),
+  (["--mesh", "dcn=2,fsdp=4", "--slices", 2], "does not combine"),
+])
+def test_mesh_refuses_what_it_cannot_run(flags, match, tmp_path):
+  with pytest.raises(ValueError, match=match):
+    _run(tmp_path, *_LM, "--steps", 2, *flags)
+
+
+def test_mesh_needs_a_model_with_logical_axes(tmp_path):
+  with pytest.raises(ValueError, match="--model charlm has none"):
+    _run(tmp_path, "--steps", 2, "--mesh", "dcn=2,fsdp=4")
+
+
+def test_mesh_checkpoint_refuses_another_mesh(tmp_path):
+  flags = _LM + ["--compressor", "topk", "--compressor-args", "ratio=0.05",
+                 "--steps", 4]
+  _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--stop-after", 2)
+  with pytest.raises(train.CheckpointError, match="mesh"):
+    _run(tmp_path, *flags, "--mesh", "dcn=4,fsdp=2", "--resume")

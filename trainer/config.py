@@ -218,6 +218,7 @@ class Config:
   num_devices: int = 8
   slices: int = 1              # > 1: a ("dcn", "ici") pod mesh
   sharded_exchange: bool = False  # with slices: one exchange per slice
+  mesh: str | None = None      # e.g. dcn=2,fsdp=4: a sharded model
   batch_size: int = 64         # global; a multiple of num_devices
   steps: int = 1500
   stop_after: int | None = None  # stop (and checkpoint) at this step
@@ -244,7 +245,34 @@ class Config:
                  "optimizer_args", "local", "local_args", "lr",
                  "momentum", "weight_decay", "schedule", "warmup_steps",
                  "batch_size", "steps", "seed", "slices",
-                 "sharded_exchange")
+                 "sharded_exchange", "mesh")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"dcn=2,fsdp=4"`` -> ``{"dcn": 2, "fsdp": 4}`` (ordered); ValueError
+  naming ``--mesh`` and what is wrong."""
+  out = {}
+  for part in str(text).split(","):
+    name, eq, size = part.partition("=")
+    name = name.strip()
+    if not eq or not name.isidentifier():
+      raise ValueError(f"--mesh {text!r}: expected AXIS=SIZE,... (e.g. "
+                       "dcn=2,fsdp=4), got the part {part!r}")
+    try:
+      k = int(size)
+    except ValueError:
+      k = 0
+    if k < 1:
+      raise ValueError(f"--mesh {text!r}: the size of {name!r} must be an "
+                       f"integer >= 1, got {size!r}")
+    if name in out:
+      raise ValueError(f"--mesh {text!r}: axis {name!r} is named twice")
+    out[name] = k
+  if len(out) < 2:
+    raise ValueError(f"--mesh {text!r}: name the data axis and at least one "
+                     "model axis (e.g. dcn=2,fsdp=4); a data axis alone is "
+                     "--num-devices")
+  return out
 
 
 def _add_bool(parser, name, default, help_):
@@ -369,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
             "with --slices: run --compressor between slices once per "
             "slice, each device on its share of the values "
             "(jaxcomm.parallel.sharded_exchange; not PowerSGD)")
+  g.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                 help="a sharded model, e.g. dcn=2,fsdp=4 or "
+                 "dcn=2,fsdp=2,tensor=2: the first axis is the data axis "
+                 "(--compressor runs over it), the others are left to the "
+                 "compiler (params split by the model's logical axes: "
+                 "embed over fsdp, mlp and heads over tensor; the batch over "
+                 "every axis but tensor); --model transformer")
   g.add_argument("--batch-size", type=int, default=d.batch_size,
                  help="global batch size")
   g.add_argument("--steps", type=int, default=d.steps,
@@ -471,7 +506,7 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw",
               "lamb") + COMM_OPTIMIZERS
 
 
-def make_comm_optimizer(cfg: Config, schedule):
+def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
   """A jaxcomm optimizer (``--optimizer onebit_adam|onebit_lamb``) with
   ``--optimizer-args`` (``freeze_step`` defaults to 20% of the steps)."""
   factory = getattr(jaxcomm, cfg.optimizer)
@@ -494,7 +529,7 @@ def make_comm_optimizer(cfg: Config, schedule):
       f"step estimated (a new run's is 0): give {freeze} >= 1, or 0 only "
       "with --resume, to continue a run whose warm-up is done")
   kwargs.setdefault("weight_decay", cfg.weight_decay)
-  return factory(schedule, axis_name=AXIS, **kwargs)
+  return factory(schedule, axis_name=axis_name, **kwargs)
 
 
 LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
@@ -503,7 +538,8 @@ GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
                        if m.gossip)
 
 
-def make_local_optimizer(cfg: Config, inner, compressor, schedule):
+def make_local_optimizer(cfg: Config, inner, compressor, schedule,
+                         axis_name=AXIS):
   """``--local METHOD --local-args ...`` around the inner optimizer;
   diloco's outer optimizer is SGD with ``outer_lr`` (0.7),
   ``outer_momentum`` (0.9) and ``outer_nesterov`` (True), as in the paper;
@@ -546,7 +582,7 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule):
       valid += ["outer_lr", "outer_momentum", "outer_nesterov"]
     raise ValueError(f"--local {cfg.local} takes no argument(s) "
                      f"{', '.join(unknown)}; valid: {', '.join(valid)}")
-  return factory(inner, axis_name=AXIS, **extra, **kwargs)
+  return factory(inner, axis_name=axis_name, **extra, **kwargs)
 
 
 def make_optimizer(cfg: Config, schedule):

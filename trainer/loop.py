@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -43,20 +44,27 @@ from trainer.config import make_local_optimizer
 from trainer.config import make_optimizer
 from trainer.config import make_schedule
 from trainer.config import parse_kwargs
+from trainer.config import parse_mesh
 from trainer.config import resolve_compressor
 from trainer.model import build_model
 from trainer.model import load_data
 
 
 def _identical_across_devices(tree, per_device: bool = False) -> bool:
-  """Whether every addressable copy of every replicated leaf is equal (with
-  ``per_device``: every device's row of the per-device params)."""
+  """Whether every addressable copy of every replicated leaf (or block of a
+  sharded one) is equal (with ``per_device``: every device's row of the
+  per-device params)."""
   for x in jax.tree.leaves(tree):
-    shards = [np.asarray(s.data) for s in x.addressable_shards]
-    if per_device:
-      shards = [row for s in shards for row in s]
-    if any(not np.array_equal(shards[0], s) for s in shards[1:]):
-      return False
+    copies = {}
+    for s in x.addressable_shards:
+      rows = [np.asarray(s.data)]
+      if per_device:
+        rows = list(rows[0])
+      key = str(s.index[1:] if per_device else s.index)
+      copies.setdefault(key, []).extend(rows)
+    for same in copies.values():
+      if any(not np.array_equal(same[0], c) for c in same[1:]):
+        return False
   return True
 
 
@@ -70,6 +78,16 @@ def _make_eval(loss_fn, mesh, data_axes=AXIS):
   return jax.jit(jax.shard_map(local, mesh=mesh,
                                in_specs=(P(), P(data_axes)),
                                out_specs=P()))
+
+
+def _make_whole_eval(loss_fn):
+  """The held-out sums for a sharded model: the loss on whole arrays in a
+  plain jit (the compiler partitions it as in the train step)."""
+  def whole(params, batch):
+    _, m = loss_fn(params, batch)
+    cnt = jnp.sum(batch["mask"].astype(jnp.float32))
+    return jnp.stack([m["loss"] * cnt, m["accuracy"] * cnt, cnt])
+  return jax.jit(whole)
 
 
 def evaluate(eval_fn, params, test, cfg: Config, dp) -> dict[str, float]:
@@ -164,6 +182,20 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       f"--slices {cfg.slices} runs the pod recipe (a dense mean inside each "
       "slice, --compressor between slices); it does not combine with "
       f"--local {cfg.local} or --optimizer {cfg.optimizer}")
+  mesh_shape = parse_mesh(cfg.mesh) if cfg.mesh is not None else None
+  if mesh_shape is not None:
+    total = int(np.prod(list(mesh_shape.values())))
+    if total != cfg.num_devices:
+      raise ValueError(f"--mesh {cfg.mesh} holds {total} devices, "
+                       f"--num-devices {cfg.num_devices}: make them agree")
+    if pod or cfg.sharded_exchange:
+      raise ValueError("--mesh names its own data axis (the first): it does "
+                       "not combine with --slices or --sharded-exchange")
+    if cfg.model not in models.PARTITION_SPECS:
+      raise ValueError(
+        f"--mesh splits params by the model's logical axes; --model "
+        f"{cfg.model} has none (models with them: "
+        f"{', '.join(sorted(models.PARTITION_SPECS))})")
   if cfg.sharded_exchange and not pod:
     raise ValueError("--sharded-exchange splits the exchange between "
                      "slices over a slice's devices: it needs --slices > 1")
@@ -188,8 +220,10 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   cfg.dataset = dataset
   fn = build_model(cfg, data_kwargs)
   loss_fn = models.make_loss_fn(cfg.model, fn.apply)
+  data_axis = (next(iter(mesh_shape)) if mesh_shape is not None
+               else SLOW if pod else AXIS)
   comp, _, comp_kwargs = build_compressor(
-    canon, cfg.compressor_args, axis_name=SLOW if pod else AXIS)
+    canon, cfg.compressor_args, axis_name=data_axis)
   schedule = make_schedule(cfg)
   local_tx = None
   if cfg.local != "none":
@@ -200,7 +234,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                        "adam, adamw or lamb")
     local_tx = make_local_optimizer(
       cfg, make_optimizer(cfg, schedule),
-      None if canon == "dense" else comp, schedule)
+      None if canon == "dense" else comp, schedule, axis_name=data_axis)
     comp = tx = local_tx
   elif cfg.optimizer in COMM_OPTIMIZERS:
     if canon != "dense":
@@ -208,7 +242,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
         f"--optimizer {cfg.optimizer} exchanges its own 1-bit momentum: use "
         f"--compressor dense (got {canon!r})")
     # The optimizer is the exchange: its wire is what a step moves.
-    comp = tx = make_comm_optimizer(cfg, schedule)
+    comp = tx = make_comm_optimizer(cfg, schedule, axis_name=data_axis)
     if jaxcomm.local_states(jax.eval_shape(tx.init, fn.params)):
       local_tx = tx   # 0/1 Adam: params per device, bytes per step vary
   elif cfg.sharded_exchange:
@@ -221,7 +255,24 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                      make_optimizer(cfg, schedule))
   else:
     tx = optax.chain(comp, make_optimizer(cfg, schedule))
-  if pod:
+  init_params, auto = fn.params, ()
+  if mesh_shape is not None:
+    # A sharded model: manual over the data axis only, the model axes
+    # left to the compiler, params split by the model's logical axes.
+    mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape),
+                         devices=devices[:cfg.num_devices],
+                         axis_types=(jax.sharding.AxisType.Auto,)
+                         * len(mesh_shape))
+    data_axes = data_axis
+    auto = tuple(mesh_shape)[1:]
+    specs = models.PARTITION_SPECS[cfg.model](fn.params, mesh.axis_names)
+    init_params = jax.tree.map(
+      lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), fn.params,
+      specs, is_leaf=lambda x: isinstance(x, P))
+    dp = parallel.DataParallel(
+      loss_fn, tx, mesh, data_axes, auto_axes=auto, has_aux=True,
+      batch_axes=(data_axis,) + tuple(a for a in auto if a != "tensor"))
+  elif pod:
     mesh = parallel.make_pod_mesh(cfg.slices, slow_axis=SLOW,
                                   fast_axis=FAST,
                                   devices=devices[:cfg.num_devices])
@@ -229,31 +280,36 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   else:
     mesh = parallel.make_mesh(cfg.num_devices, AXIS, devices=devices)
     data_axes = AXIS
-  dp = parallel.DataParallel(loss_fn, tx, mesh, data_axes, has_aux=True)
-  params, opt_state = dp.init(fn.params)
+  if mesh_shape is None:
+    dp = parallel.DataParallel(loss_fn, tx, mesh, data_axes, has_aux=True)
+  params, opt_state = dp.init(init_params)
   n = cfg.num_devices
   # The bytes counted: each device's exchange over the data axis, or with
   # slices between them (the mean inside a slice stays inside), of the
-  # whole gradient or, sharded, of the device's share.
-  n_wire = cfg.slices if pod else n
+  # whole gradient or, sharded, of the device's share (with --mesh: its
+  # shards of every leaf, across the data axis).
+  n_wire = (cfg.slices if pod else mesh_shape[data_axis] if mesh_shape
+            else n)
   wire_params = fn.params
   if cfg.sharded_exchange:
     wire_params = parallel.exchange_share(fn.params, n // cfg.slices)
+  if mesh_shape is not None:
+    wire_params = parallel.shard_shapes(fn.params, dp.param_specs, mesh)
 
   # Bytes per device per step, as the compressor claims (checked against the
   # compiled HLO by the test battery), and the dense psum it replaces.
   # Before a start_step (freeze_step) a step moves the dense phase's psum.
   from jaxcomm import _compressor
   dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
-                                          fn.params, n_wire), n_wire,
-                             fn.params)
+                                          wire_params, n_wire), n_wire,
+                             wire_params)
   if local_tx is not None:
     # A local-update step moves bytes only when it syncs: the summary's
     # bytes per step are the average over the run's steps, and each
     # logged step records what it moved.
     lspec = _compressor.spec_of(local_tx)
-    sync_bytes = (wire.summarize(lspec.wire(fn.params, n), n).total_sent
-                  if n > 1 else 0.0)
+    sync_bytes = (wire.summarize(lspec.wire(wire_params, n_wire),
+                                 n_wire).total_sent if n_wire > 1 else 0.0)
     if lspec.adaptive:
       bytes_at = None  # read from the state: the period follows the loss
       per_step = float("nan")
@@ -262,9 +318,9 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
 
       def bytes_at(s):
         if s not in per_step_cache:
-          per_step_cache[s] = (wire.summarize(wire.claimed(local_tx,
-                               fn.params, n, step=s), n).total_sent
-                               if n > 1 else 0.0)
+          per_step_cache[s] = (wire.summarize(wire.claimed(
+            local_tx, wire_params, n_wire, step=s), n_wire).total_sent
+                               if n_wire > 1 else 0.0)
         return per_step_cache[s]
       per_step = (sum(bytes_at(s) for s in range(cfg.steps)) / cfg.steps)
     start_dense = 0
@@ -351,7 +407,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     stop = start
   it = mdata.batches(train, cfg.batch_size, seed=cfg.seed, num_shards=n,
                      start_step=start)
-  eval_fn = _make_eval(loss_fn, mesh, data_axes)
+  eval_fn = (_make_eval(loss_fn, mesh, data_axes) if not auto
+             else _make_whole_eval(loss_fn))
   nproc, pid = jax.process_count(), jax.process_index()
   bar = None
   if cfg.progress and main_proc and stop > start:

@@ -103,6 +103,16 @@ def _local_shape(shape, spec, mesh) -> tuple:
   return tuple(out)
 
 
+def shard_shapes(params, specs, mesh):
+  """One device's shards of ``params`` split by ``specs`` on ``mesh``, as
+  ShapeDtypeStructs: what a compressor in the update on shards (or block
+  mode) works on, e.g. for :func:`jaxcomm.wire.claimed`."""
+  return jax.tree.map(
+    lambda x, sp: jax.ShapeDtypeStruct(_local_shape(np.shape(x), sp, mesh),
+                                       jnp.result_type(x)), params, specs,
+    is_leaf=lambda x: isinstance(x, P) and not hasattr(x, "shape"))
+
+
 def _with_data(spec, axis_name) -> P:
   """``spec`` with a leading axis over the data axes (per-device rows)."""
   return P(axis_name, *spec)
