@@ -648,3 +648,25 @@ def test_mesh_checkpoint_refuses_another_mesh(tmp_path):
   _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--stop-after", 2)
   with pytest.raises(train.CheckpointError, match="mesh"):
     _run(tmp_path, *flags, "--mesh", "dcn=4,fsdp=2", "--resume")
+
+
+def test_mesh_checkpoint_resumes_on_another_number_of_slices(tmp_path):
+  """A (dcn=2, fsdp=4) checkpoint resumed on (dcn=1, fsdp=4): each fsdp
+  block's residual is the average of its two slices' rows (what the state
+  owes the averaged update), computed here from the saved state; then the
+  run continues on 4 devices."""
+  flags = _LM + ["--compressor", "topk", "--compressor-args", "ratio=0.05",
+                 "--lr", 0.01]
+  saved = _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--steps", 4,
+               "--stop-after", 2)
+  before = jaxcomm.compress_states(_host_state(saved))[0].residual[0]
+  assert before.shape[0] == 8 and np.abs(before).max() > 0
+  restored = _run(tmp_path, *flags, "--mesh", "dcn=1,fsdp=4",
+                  "--num-devices", 4, "--steps", 4, "--stop-after", 2,
+                  "--resume")
+  after = jaxcomm.compress_states(_host_state(restored))[0].residual[0]
+  want = before.reshape((2, 4) + before.shape[1:]).astype(np.float64)
+  np.testing.assert_allclose(after, want.mean(axis=0), rtol=1e-6, atol=1e-7)
+  more = _run(tmp_path, *flags, "--mesh", "dcn=1,fsdp=4", "--num-devices",
+              4, "--steps", 4, "--resume")
+  assert np.isfinite(more["eval_loss"])

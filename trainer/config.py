@@ -245,7 +245,7 @@ class Config:
                  "optimizer_args", "local", "local_args", "lr",
                  "momentum", "weight_decay", "schedule", "warmup_steps",
                  "batch_size", "steps", "seed", "slices",
-                 "sharded_exchange", "mesh")
+                 "sharded_exchange")
 
 
 def parse_mesh(text: str) -> dict[str, int]:

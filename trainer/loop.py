@@ -357,21 +357,29 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       meta, p_leaves, s_leaves, start = ckpts.read(path)
     except CheckpointError as e:
       raise CheckpointError(f"{e}{ckpts.fallback_hint(path)}") from None
+    old_data = _check_mesh_resume(meta, mesh_shape, path)
     check_compatible(meta, cfg, params, opt_state, dp.layout, path,
                      per_device_params=dp.per_device_params)
     treedef_p = jax.tree.structure(params)
     treedef_s = jax.tree.structure(opt_state)
     host_state = jax.tree.unflatten(treedef_s, s_leaves)
-    old_n = int(meta["num_devices"])
-    if old_n != n:
-      host_state = parallel.resize_state(host_state, dp.layout, n)
+    old_n, new_n = int(meta["num_devices"]), n
+    resize = {}
+    if mesh_shape is not None:
+      old_n, new_n = old_data, mesh_shape[data_axis]
+      resize = {"axis_name": data_axis,
+                "model_axes": {a: mesh_shape[a] for a in auto}}
+    if old_n != new_n:
+      host_state = parallel.resize_state(host_state, dp.layout, new_n,
+                                         **resize)
       if main_proc:
-        print(f"resumed a {old_n}-device checkpoint on {n} devices "
+        what = "slices" if mesh_shape is not None else "devices"
+        print(f"resumed a checkpoint of {old_n} {what} on {new_n} "
               "(per-device state averaged or copied: what it owes the "
               "averaged update is kept)")
     host_params = jax.tree.unflatten(treedef_p, p_leaves)
-    if dp.per_device_params and old_n != n:
-      host_params = parallel.resize_params(host_params, n)
+    if dp.per_device_params and old_n != new_n:
+      host_params = parallel.resize_params(host_params, new_n)
     params = dp.place_params(host_params)
     opt_state = _place_state(host_state, dp.layout, mesh, data_axes)
     if main_proc:
@@ -592,6 +600,35 @@ def _previous_result(out_dir: str, step: int) -> dict[str, Any]:
   if not isinstance(before, dict) or before.get("steps") != step:
     return {}
   return before
+
+
+def _check_mesh_resume(meta, mesh_shape, path) -> int | None:
+  """The checkpoint's data-axis size under ``--mesh`` (None without);
+  :class:`CheckpointError` naming what cannot move: a mesh run resumed
+  without one or the reverse, another data axis, or other model axes (a
+  device's state is its shards' state, shaped by the model axes). The
+  number of slices (the data axis's size) may change."""
+  saved = meta.get("config", {}).get("mesh")
+  if saved is None and mesh_shape is None:
+    return None
+  if saved is None or mesh_shape is None:
+    now = (None if mesh_shape is None
+           else ",".join(f"{k}={v}" for k, v in mesh_shape.items()))
+    raise CheckpointError(
+      f"{path}: the checkpoint was written with --mesh {saved}, this run "
+      f"has --mesh {now}: resume with the checkpoint's --mesh")
+  old = parse_mesh(saved)
+  (d_old, n_old), (d_new, _) = (next(iter(old.items())),
+                                next(iter(mesh_shape.items())))
+  model_old = {k: v for k, v in old.items() if k != d_old}
+  model_new = {k: v for k, v in mesh_shape.items() if k != d_new}
+  if d_old != d_new or model_old != model_new:
+    raise CheckpointError(
+      f"{path}: the checkpoint's --mesh is {saved}; this run may change "
+      f"the size of its data axis {d_old!r} (the number of slices) but "
+      f"must keep its model axes {model_old} (each device's state is the "
+      "state of its shards, shaped by them)")
+  return n_old
 
 
 def _place_state(host_state, layout, mesh, data_axes=AXIS):

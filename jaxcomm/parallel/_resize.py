@@ -146,7 +146,8 @@ def _check_restored_structure(state, layout, got, want) -> None:
     f"{want}")
 
 
-def resize_state(state, layout, num_devices: int):
+def resize_state(state, layout, num_devices: int, *, axis_name="data",
+                 model_axes=None):
   """Moves a laid-out state (host arrays) to ``num_devices`` devices.
 
   What the state still owes the *averaged* update is kept: compressors
@@ -166,8 +167,15 @@ def resize_state(state, layout, num_devices: int):
     layout: its :func:`state_layout`.
     num_devices: the new data-axis size. The old and new sizes must divide
       one another.
+    axis_name: the data axis (one), as in :func:`state_layout`.
+    model_axes: ``{axis: size}`` of the model axes, for a state whose
+      leaves vary over model axes too (params split over them, block mode or
+      ``auto_axes``): their rows are ``(data, *model axes sorted)``, and
+      each block's rows are resized over the data axis alone. The model
+      axes must keep their sizes (a block's state has its block's shape).
   """
   num_devices = _checks.integer("num_devices", num_devices, 1)
+  model_axes = dict(model_axes or {})
   _check_state_tree(state, layout, "resize_state")
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
@@ -180,35 +188,57 @@ def resize_state(state, layout, num_devices: int):
     if not dev:
       out.append(x)
       continue
+    blocks = 1
     if dev is not True:
-      raise ValueError(
-        f"cannot resize a state leaf laid out over the data axes {dev} only "
-        "(several data axes): resize states of one data axis")
-    old = x.shape[0]
-    new = num_devices
-    if old == new:
-      out.append(x)
-    elif isinstance(add, tuple):
-      out.append(np.full((new,) + x.shape[1:], add[1], x.dtype))
-    elif add == "owned" and (old % new == 0 or new % old == 0):
-      out.append(_rechunk(x, new))
-    elif old % new == 0:
-      g = x.reshape((new, old // new) + x.shape[1:])
-      if np.issubdtype(x.dtype, np.integer) or x.dtype == bool:
-        # Counters (a skipped-step count): the group's largest, not a mean
-        # that rounds 1 of 8 down to 0.
-        out.append(g.max(axis=1))
-      else:  # a group holding one value keeps it exactly
-        same = np.all(g == g[:, :1], axis=1)
-        mean = g.astype(np.float64).mean(axis=1)
-        out.append(np.where(same, g[:, 0], mean).astype(x.dtype))
-    elif new % old == 0:
-      out.append(np.repeat(x, new // old, axis=0))
+      model = sorted(a for a in dev if a != axis_name)
+      unknown = [a for a in model if a not in model_axes]
+      if axis_name not in dev or unknown:
+        if axis_name not in dev and not unknown:
+          out.append(x)   # one row per block, the same on every slice
+          continue
+        raise ValueError(
+          f"cannot resize a state leaf laid out over the axes {sorted(dev)}"
+          f" with axis_name={axis_name!r} and model_axes={model_axes}: "
+          "name the one data axis, and every model axis with its size")
+      blocks = int(np.prod([model_axes[a] for a in model]))
+      if x.shape[0] % blocks:
+        raise ValueError(
+          f"a state leaf has {x.shape[0]} rows, not a multiple of the "
+          f"{blocks} blocks of the model axes {model_axes}")
+    if blocks > 1:
+      rows = x.reshape((x.shape[0] // blocks, blocks) + x.shape[1:])
+      moved = np.stack([_resize_rows(rows[:, b], num_devices, add)
+                        for b in range(blocks)], axis=1)
+      out.append(moved.reshape((-1,) + x.shape[1:]))
     else:
-      raise ValueError(
-        f"cannot resize a state from {old} to {new} devices: the sizes must "
-        "divide one another")
+      out.append(_resize_rows(x, num_devices, add))
   return jax.tree.unflatten(treedef, out)
+
+
+def _resize_rows(x: np.ndarray, new: int, add) -> np.ndarray:
+  """One leaf's rows ``[old, ...]`` on ``new`` devices (see
+  :func:`resize_state`)."""
+  old = x.shape[0]
+  if old == new:
+    return x
+  if isinstance(add, tuple):
+    return np.full((new,) + x.shape[1:], add[1], x.dtype)
+  if add == "owned" and (old % new == 0 or new % old == 0):
+    return _rechunk(x, new)
+  if old % new == 0:
+    g = x.reshape((new, old // new) + x.shape[1:])
+    if np.issubdtype(x.dtype, np.integer) or x.dtype == bool:
+      # Counters (a skipped-step count): the group's largest, not a mean
+      # that rounds 1 of 8 down to 0.
+      return g.max(axis=1)
+    same = np.all(g == g[:, :1], axis=1)   # a group holding one value
+    mean = g.astype(np.float64).mean(axis=1)  # keeps it exactly
+    return np.where(same, g[:, 0], mean).astype(x.dtype)
+  if new % old == 0:
+    return np.repeat(x, new // old, axis=0)
+  raise ValueError(
+    f"cannot resize a state from {old} to {new} devices: the sizes must "
+    "divide one another")
 
 
 def resize_params(params, num_devices: int):
