@@ -19,6 +19,20 @@ def _is_int(value) -> bool:
   return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
 
+# Step counters are int32 in every state: a step setting above this is never
+# reached (and would not fit the comparison).
+MAX_STEP = 2**31 - 1
+
+
+def step(name: str, value, lo: int = 0) -> int:
+  """A step count or period: an int in ``[lo, MAX_STEP]``; the error says
+  that counters are int32."""
+  if _is_int(value) and value > MAX_STEP:
+    raise ValueError(f"{name} must be <= {MAX_STEP} (step counters are "
+                     f"int32), got {value!r}")
+  return integer(name, value, lo)
+
+
 def integer(name: str, value, lo: int | None = None, hi: int | None = None,
             *, allow_none: bool = False) -> int | None:
   """``value`` as an int in ``[lo, hi]`` (bounds optional), or None when

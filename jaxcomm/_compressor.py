@@ -199,7 +199,7 @@ def compressed(
     _checks.number("momentum", momentum, 0.0, 1.0)
   if clip_norm is not None:
     _checks.number("clip_norm", clip_norm, 0.0, None, lo_open=True)
-  start_step = _checks.integer("start_step", start_step, 0)
+  start_step = _checks.step("start_step", start_step)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
   keep_residual = error_feedback is True or (use_momentum and not ef21)

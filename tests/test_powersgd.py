@@ -7,6 +7,8 @@ rule and its one-time warning; zero and non-finite gradients; the dense
 phase; the orthogonalizations; convergence on a low-rank regression.
 """
 
+import subprocess
+import sys
 import warnings
 
 import chex
@@ -22,6 +24,7 @@ from jaxcomm.collectives import _lowrank
 from jaxcomm.transforms import _powersgd
 from tests import entries_powersgd
 from tests import harness
+from tests import procs
 
 N = 8
 
@@ -584,3 +587,42 @@ def test_padded_orthogonalization_equals_per_shape(method):
       np.testing.assert_allclose(qg.T @ qg, np.eye(3), atol=1e-4)
   # Far apart row counts with big blocks get bins of their own.
   assert _lowrank._bins([(64, 8192, 4), (96, 256, 4)]) == [[0], [1]]
+
+
+_MANY_SHAPES_CHILD = r"""
+import os
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+import jax, numpy as np, optax
+import jaxcomm
+from jaxcomm import parallel
+from flax import nnx
+from models import transformer
+model = transformer.TransformerLM(vocab_size=128, d_model=256, num_heads=8,
+                                  num_layers=1, d_ff=1024, max_len=64,
+                                  rngs=nnx.Rngs(0))
+graphdef, params = nnx.split(model, nnx.Param)
+def loss_fn(p, b):
+  logits = nnx.merge(graphdef, p)(b["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+tx = optax.chain(jaxcomm.powersgd(4), optax.sgd(0.01))
+dp = parallel.DataParallel(loss_fn, tx, parallel.make_mesh())
+params, state = dp.init(params)
+tok = np.random.RandomState(0).randint(0, 128, (16, 65)).astype(np.int32)
+out = dp.step(params, state, {"x": tok[:, :-1], "y": tok[:, 1:]})
+jax.block_until_ready(out)
+print("finished", float(out[2]["loss"]))
+"""
+
+
+def test_batched_orthogonalization_finishes_on_8_cpu_devices():
+  """XLA's CPU QR kernel splits a batch of matrices over the intra-op
+  thread pool and waits; 8 simulated devices doing so at once on few cores
+  used to wait forever (the LM's equal-shaped blocks: wq, wk, wv). Run in a
+  child process with a deadline, so a regression fails instead of hanging
+  the suite."""
+  out = subprocess.run([sys.executable, "-c", _MANY_SHAPES_CHILD],
+                       env=procs.child_env(), cwd=procs.ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "finished" in out.stdout, out.stdout[-500:]

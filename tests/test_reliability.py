@@ -6,6 +6,7 @@ compressed, a run that could not resume) and checks what a user expects.
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxcomm
@@ -333,3 +334,23 @@ def test_a_device_sum_that_overflows_is_a_skipped_step(make, mesh):
   for a, b in zip(upd[1:], again):
     np.testing.assert_allclose(np.asarray(a["w"]), np.asarray(b["w"]),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make,name", [
+  (lambda: jaxcomm.topk(0.1, start_step=2**31), "start_step"),
+  (lambda: jaxcomm.onebit_adam(1e-3, freeze_step=10**12), "freeze_step"),
+  (lambda: jaxcomm.zero_one_adam(1e-3, var_freeze_step=2**40),
+   "var_freeze_step"),
+  (lambda: jaxcomm.local_sgd(optax.sgd(0.1), period=2**31), "period"),
+  (lambda: jaxcomm.diloco(optax.sgd(0.1), optax.sgd(1.0), 2**32), "period"),
+])
+def test_step_settings_beyond_int32_counters_are_named(make, name):
+  """Step counters are int32: a step setting no counter can reach is an
+  error naming it, not an overflow inside the traced comparison."""
+  with pytest.raises(ValueError, match=f"{name} must be <= 2147483647"):
+    make()
+
+
+def test_pod_mesh_refuses_one_name_for_both_axes():
+  with pytest.raises(ValueError, match="slow_axis and fast_axis must differ"):
+    jaxcomm.parallel.make_pod_mesh(2, slow_axis="x", fast_axis="x")

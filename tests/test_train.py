@@ -670,3 +670,17 @@ def test_mesh_checkpoint_resumes_on_another_number_of_slices(tmp_path):
   more = _run(tmp_path, *flags, "--mesh", "dcn=1,fsdp=4", "--num-devices",
               4, "--steps", 4, "--resume")
   assert np.isfinite(more["eval_loss"])
+
+
+@pytest.mark.parametrize("flags,match", [
+  (["--keep-checkpoints", 0], "--keep-checkpoints must be >= 1"),
+  (["--weight-decay", -1], "--weight-decay must be a finite number >= 0"),
+  (["--eval-every", -1], "--eval-every must be >= 0"),
+  (["--compressor", "topk", "--compressor-args", "ratio=0.1,ratio=0.2"],
+   "'ratio' is given twice"),
+  (["--local", "diloco", "--local-args", "period=2,outer_lr=abc"],
+   "outer_lr='abc': expected a finite number"),
+])
+def test_run_flags_out_of_range_are_named(flags, match, tmp_path):
+  with pytest.raises(ValueError, match=match):
+    _run(tmp_path, "--steps", 2, *flags)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import dataclasses
 import inspect
 import json
@@ -114,6 +115,8 @@ def parse_kwargs(text: str | None) -> dict[str, Any]:
     key, value = (s.strip() for s in item.split("=", 1))
     if not key.isidentifier():
       raise ValueError(f"bad argument name {key!r} in {text!r}")
+    if key in out:
+      raise ValueError(f"argument {key!r} is given twice in {text!r}")
     low = value.lower()
     if low in ("true", "false"):
       out[key] = low == "true"
@@ -563,6 +566,11 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
   if cfg.local == "diloco":
     lr = kwargs.pop("outer_lr", 0.7)
     mom = kwargs.pop("outer_momentum", 0.9)
+    for name, v in (("outer_lr", lr), ("outer_momentum", mom)):
+      if (isinstance(v, bool) or not isinstance(v, (int, float))
+          or not math.isfinite(v) or v < 0):
+        raise ValueError(f"--local-args {name}={v!r}: expected a finite "
+                         "number >= 0")
     nesterov = kwargs.pop("outer_nesterov", True)
     extra["outer"] = optax.sgd(lr, momentum=mom or None,
                                nesterov=bool(nesterov and mom))

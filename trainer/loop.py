@@ -166,13 +166,17 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
   for flag, value, lo in (("--eval-examples", cfg.eval_examples, 1),
                           ("--log-every", cfg.log_every, 1),
-                          ("--checkpoint-every", cfg.checkpoint_every, 0)):
+                          ("--checkpoint-every", cfg.checkpoint_every, 0),
+                          ("--keep-checkpoints", cfg.keep_checkpoints, 1),
+                          ("--eval-every", cfg.eval_every, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be >= {lo}, got {value}")
   if cfg.stop_after is not None and cfg.stop_after < 1:
     raise ValueError(f"--stop-after must be >= 1, got {cfg.stop_after}")
-  if not math.isfinite(cfg.lr) or cfg.lr < 0:
-    raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+  for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay),
+                      ("--momentum", cfg.momentum)):
+    if not math.isfinite(value) or value < 0:
+      raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
   if cfg.slices < 1 or cfg.num_devices % cfg.slices:
     raise ValueError(f"--slices {cfg.slices} must be >= 1 and divide "
                      f"--num-devices {cfg.num_devices}")

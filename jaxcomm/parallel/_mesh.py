@@ -53,6 +53,12 @@ def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
   ``axis_name=(slow_axis, fast_axis)`` in :class:`DataParallel`, dense
   averaging over ``fast_axis`` and compression over ``slow_axis``.
   """
+  for name, v in (("slow_axis", slow_axis), ("fast_axis", fast_axis)):
+    if not isinstance(v, str) or not v:
+      raise ValueError(f"{name} must be a non-empty str, got {v!r}")
+  if slow_axis == fast_axis:
+    raise ValueError(f"slow_axis and fast_axis must differ, both are "
+                     f"{slow_axis!r}")
   devices = list(devices if devices is not None else jax.devices())
   if num_slices is not None:
     num_slices = _checks.integer("num_slices", num_slices, 1)

@@ -356,8 +356,8 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
   pick = lambda v, d: d if v is None else v
   ratio = _checks.ratio("ratio", pick(ratio, 0.001))
   sample_ratio = _checks.ratio("sample_ratio", pick(sample_ratio, 0.01))
-  warmup_steps_per_stage = _checks.integer(
-    "warmup_steps_per_stage", pick(warmup_steps_per_stage, 0), 0)
+  warmup_steps_per_stage = _checks.step(
+    "warmup_steps_per_stage", pick(warmup_steps_per_stage, 0))
   max_rounds = _checks.integer("max_rounds", pick(max_rounds, 10), 0)
   try:
     warm = tuple(_checks.ratio("warmup_densities", d)

@@ -80,7 +80,7 @@ def diloco(inner: optax.GradientTransformation,
   """
   _check_inner("inner", inner)
   _check_inner("outer", outer)
-  period = _checks.integer("period", period, 1)
+  period = _checks.step("period", period, 1)
   fragments = _checks.integer("fragments", fragments, 1, period)
   overlap_steps = _checks.integer("overlap_steps", overlap_steps, 0,
                                   period - 1)

@@ -92,8 +92,8 @@ def local_sgd(inner: optax.GradientTransformation, period: int, *,
     tx = jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), period=8)
   """
   _check_inner("inner", inner)
-  period = _checks.integer("period", period, 1)
-  start_step = _checks.integer("start_step", start_step, 0)
+  period = _checks.step("period", period, 1)
+  start_step = _checks.step("start_step", start_step)
   _checks.axis_name(axis_name)
   spec = LocalSpec("local_sgd", period, start_step=start_step)
   return _local_engine(inner, method="local_sgd", axis_name=axis_name,
@@ -138,7 +138,7 @@ def adacomm(inner: optax.GradientTransformation, period: int, *,
     axis_name: the data axis.
   """
   _check_inner("inner", inner)
-  period = _checks.integer("period", period, 1)
+  period = _checks.step("period", period, 1)
   interval = _checks.integer("interval", interval if interval is not None
                              else 10 * period, 1)
   max_period = _checks.integer("max_period", max_period if max_period
@@ -234,7 +234,7 @@ def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
     axis_name: the data axis.
   """
   _check_inner("inner", inner)
-  period = _checks.integer("period", period, 1)
+  period = _checks.step("period", period, 1)
   alpha = float(_checks.number("alpha", alpha, 0.0, 1.0, lo_open=True))
   _checks.axis_name(axis_name)
 

@@ -150,7 +150,7 @@ def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
     raise ValueError(
       f"{name}: freeze_step decides which exchange the step compiles and "
       "must be static: list it in optax.inject_hyperparams(static_args=...)")
-  freeze_step = _checks.integer("freeze_step", freeze_step, 0)
+  freeze_step = _checks.step("freeze_step", freeze_step)
   _checks.boolean("bias_correction", bias_correction)
   return freeze_step
 

@@ -153,7 +153,7 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     axis_name: the data axis.
     policy: the exchanges' :class:`jaxcomm.LeafPolicy`.
   """
-  var_freeze_step = _checks.integer("var_freeze_step", var_freeze_step, 0)
+  var_freeze_step = _checks.step("var_freeze_step", var_freeze_step)
   var_update_scaler = _checks.integer("var_update_scaler",
                                       var_update_scaler, 1)
   local_step_scaler = _checks.integer("local_step_scaler",
