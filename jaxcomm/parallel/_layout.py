@@ -210,11 +210,17 @@ def contract(tree, specs, mesh, auto_axes):
   def one(x, sp):
     if _copies(sp, mesh, auto_axes) == 1:
       return x
-    first = x[0]
+    # Reductions over the copies' axis only (all-reduces over the auto
+    # axes; reading one copy, x[0], would gather them): where the largest
+    # and smallest copy agree, that value, exactly.
+    if jnp.iscomplexobj(x):
+      return jax.lax.complex(one(jnp.real(x), sp), one(jnp.imag(x), sp))
+    hi = jnp.max(x, axis=0)
     if not _core.is_inexact(x):
-      return first
+      return hi
+    lo = jnp.min(x, axis=0)
     mean = jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
-    return jnp.where(jnp.all(x == first[None], axis=0), first, mean)
+    return jnp.where(hi == lo, hi, mean)
   return jax.tree.map(one, tree, specs)
 
 
