@@ -114,10 +114,11 @@ def test_sgd_steps_reduce_loss(make, shape, name, lr):
 def test_create_rejects_unknown_name_listing_choices():
   with pytest.raises(ValueError) as info:
     models.create("resnet50")
-  for name in ("mlp", "cnn", "resnet20", "charlm", "resnet50"):
+  for name in ("mlp", "cnn", "resnet20", "charlm", "transformer",
+               "resnet50"):
     assert name in str(info.value)
   with pytest.raises(ValueError, match="charlm"):
-    models.loss_and_metrics("transformer")
+    models.loss_and_metrics("gpt2")
 
 
 def test_create_accepts_rngs_or_seed():

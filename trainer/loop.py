@@ -186,6 +186,15 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       f"--slices {cfg.slices} runs the pod recipe (a dense mean inside each "
       "slice, --compressor between slices); it does not combine with "
       f"--local {cfg.local} or --optimizer {cfg.optimizer}")
+  if cfg.optimizer_args and cfg.optimizer not in COMM_OPTIMIZERS:
+    raise ValueError(
+      f"--optimizer-args {cfg.optimizer_args!r}: --optimizer "
+      f"{cfg.optimizer} takes none (they are for "
+      f"{', '.join(COMM_OPTIMIZERS)}; its rate is --lr, --momentum, "
+      "--weight-decay)")
+  if cfg.local_args and cfg.local == "none":
+    raise ValueError(f"--local-args {cfg.local_args!r} without --local: "
+                     "name the local-update method they are for")
   mesh_shape = parse_mesh(cfg.mesh) if cfg.mesh is not None else None
   if mesh_shape is not None:
     total = int(np.prod(list(mesh_shape.values())))
