@@ -11,7 +11,8 @@ compiled memory per device (arguments + temporaries), and the CPU step
 time (median). Simulated devices share this machine's cores: the times say
 what the compressors cost in compute, not what a slow link would save.
 
-  python -m benchmarks.bench_sharded [--steps 5] [--out docs/benchmarks/sharded.md]
+  python -m benchmarks.bench_sharded --steps 5 \
+      --out docs/benchmarks/sharded.md
 """
 
 from __future__ import annotations

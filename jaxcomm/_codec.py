@@ -29,8 +29,7 @@ class Context(NamedTuple):
     step: the step counter before this step (int32 array).
     key: a PRNG key for this step, identical on every device (a shared key
       for random-k; fold in ``device_index`` for independent noise).
-    layout: the bucket's static :class:`jaxcomm._buckets.Layout` (for flat
-      codecs; None for codecs that take a list of leaves).
+    layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
   """
 
   axis_name: Any
@@ -46,8 +45,7 @@ class CodecResult(NamedTuple):
 
   Attributes:
     mean: the decoded average over devices; identical (and typed invariant)
-      on every device. A flat ``[size]`` buffer for a flat codec, a list of
-      leaves otherwise.
+      on every device, as the bucket's flat ``[size]`` buffer.
     sent: what this device's own message decodes to (same form as
       ``mean``); the error-feedback residual is ``x - sent``.
     state: the codec's new state.
@@ -63,35 +61,32 @@ class Codec:
   """A compressor's math and exchange, in the form :func:`compressed` takes.
 
   :func:`compressed` lays the compressed leaves into flat float32 buckets
-  (:mod:`jaxcomm._buckets`) and calls the codec once per bucket. A *flat*
-  codec (``flat=True``) works on the bucket itself: ``init(layout)``,
-  ``apply(x, state, ctx)`` with ``x`` the ``[layout.size]`` buffer and
-  ``ctx.layout`` its layout, ``wire(layout, n)``; per-leaf semantics go
-  through the layout's group views, one op per group of equal shapes, so
-  the program does not grow with the number of leaves. A codec with
-  ``flat=False`` gets the bucket's leaves as a list (``init(shapes)``,
-  ``apply(xs, ...)``, ``wire(shapes, n)``), which costs ops per leaf.
+  (:mod:`jaxcomm._buckets`) and calls the codec once per bucket, on the
+  bucket itself: ``init(layout)``, ``apply(x, state, ctx)`` with ``x`` the
+  ``[layout.size]`` buffer and ``ctx.layout`` its layout, ``wire(layout,
+  n)``. Per-leaf semantics go through the layout's group views, one op per
+  group of equal shapes, so the program does not grow with the number of
+  leaves.
 
   Attributes:
     name: the public name, used in messages.
-    init: ``init(layout | shapes) -> state``.
-    apply: ``apply(x | xs, state, ctx) -> CodecResult`` (error feedback
+    init: ``init(layout) -> state``.
+    apply: ``apply(x, state, ctx) -> CodecResult`` (error feedback
       already added to the input).
-    wire: ``wire(layout | shapes, n) -> [(kind, payload_bytes), ...]``, the
+    wire: ``wire(layout, n) -> [(kind, payload_bytes), ...]``, the
       collectives ``apply`` issues on ``n`` devices, in HLO terms
       (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
       ``collective-permute``). Checked against the compiled HLO in tests.
     accepts: ``accepts(shape) -> bool``, the codec's own leaf rule.
-    flat: whether the codec works on flat buckets (see above).
-    message: for gossip (:func:`jaxcomm.choco`), flat stateless codecs
-      only: ``message(x, ctx) -> (words, sent)``, this device's compressed
+    message: for gossip (:func:`jaxcomm.choco`), stateless codecs only:
+      ``message(x, ctx) -> (words, sent)``, this device's compressed
       message as one ``uint32`` array (what travels to a neighbour) and
       what it decodes to; no collective. None: the codec cannot gossip.
     decode: ``decode(words, ctx) -> float32[layout.size]``, a received
       message decoded (``decode(message(x)[0]) == message(x)[1]``).
     wire_at: for a codec whose exchange changes with the step (DGC's
-      warm-up stages, behind a ``lax.switch``): ``wire_at(layout | shapes,
-      n, step)``, what that step moves. None: ``wire``, every step.
+      warm-up stages, behind a ``lax.switch``): ``wire_at(layout, n,
+      step)``, what that step moves. None: ``wire``, every step.
     mean_of_sent: whether ``mean`` is exactly the device mean of ``sent``
       (linear aggregation). EF21 keeps ``h = mean_i h_i`` only then, so
       ``compressed(error_feedback="ef21")`` refuses a codec that says False
@@ -104,7 +99,6 @@ class Codec:
   apply: Callable[[Any, Any, Context], CodecResult]
   wire: Callable[[Any, int], list[Collective]]
   accepts: Callable[[Shape], bool] = lambda shape: True
-  flat: bool = False
   message: Callable[[Any, Context], tuple[Any, Any]] | None = None
   decode: Callable[[Any, Context], Any] | None = None
   wire_at: Callable[[Any, int, int], list[Collective]] | None = None
@@ -174,11 +168,10 @@ class Spec:
       if dense_phase:
         out.append(("all-reduce", 4 * lay.size))
       if codec_phase:
-        arg = lay if self.codec.flat else list(lay.shapes)
         if step is not None and self.codec.wire_at is not None:
-          out.extend(self.codec.wire_at(arg, n, step))
+          out.extend(self.codec.wire_at(lay, n, step))
         else:
-          out.extend(self.codec.wire(arg, n))
+          out.extend(self.codec.wire(lay, n))
     dense = sum(_policy.real_size(l) for l in _policy.select(leaves, paths,
                                                     _policy.DENSE))
     # The fused dense psum always carries one extra float32: the flag that

@@ -215,7 +215,7 @@ def compressed(
               start_step=start_step)
 
   def codec_init(layout):
-    return codec.init(layout if codec.flat else list(layout.shapes))
+    return codec.init(layout)
 
   def init_fn(params):
     layouts = spec.layouts(params)

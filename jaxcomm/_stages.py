@@ -11,7 +11,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxcomm import _buckets
 from jaxcomm import _vma
 from jaxcomm._codec import Codec
 from jaxcomm._codec import CompressState
@@ -40,12 +39,8 @@ def safe_norm(xs) -> jax.Array:
 
 def _apply_codec(codec: Codec, layout, x, state, ctx):
   """Runs the codec on one bucket; returns flat (mean, sent, state)."""
-  ctx = ctx._replace(layout=layout)
-  if codec.flat:
-    res = codec.apply(x, state, ctx)
-    return res.mean, res.sent, res.state
-  res = codec.apply(layout.split(x), state, ctx)
-  return (_buckets.flatten(res.mean), _buckets.flatten(res.sent), res.state)
+  res = codec.apply(x, state, ctx._replace(layout=layout))
+  return res.mean, res.sent, res.state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,7 +169,8 @@ def lower(tx, mesh_name):
   _, specs = MESHES[mesh_name]
   state = parallel.init_state(tx, params, mesh, DATA, layout, specs=specs,
                               auto_axes=auto_axes(mesh))
-  grads = place_grads(mesh_name, harness.make_grads(0, 1, n=mesh.shape[DATA])[0])
+  grads = harness.make_grads(0, 1, n=mesh.shape[DATA])[0]
+  grads = place_grads(mesh_name, grads)
   return fn.lower(params, state, grads)
 
 

@@ -49,7 +49,7 @@ _MODULE = textwrap.dedent('''
 
       codec = jaxcomm.Codec(
         name="toy_round", init=lambda layout: (), apply=apply,
-        wire=lambda layout, n: [("all-reduce", 4 * layout.size)], flat=True)
+        wire=lambda layout, n: [("all-reduce", 4 * layout.size)])
       return jaxcomm.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)

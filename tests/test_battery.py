@@ -677,9 +677,6 @@ def test_program_does_not_grow_with_leaves(name, mesh):
   step than to the dense mean's (whose per-leaf split is the floor)."""
   entry = ENTRIES[name]
   tx = entry.make(axis_name="data")
-  if not _flat(tx):
-    pytest.xfail(f"{name}: its codec still takes a list of leaves (the "
-                 "per-leaf adapter); not yet converted to flat buckets")
   # A whole optimizer is compared with the dense optimizer it replaces.
   dense = (entry.dense_baseline() if entry.dense_baseline is not None
            else jaxcomm.mean_gradients())
@@ -691,12 +688,3 @@ def test_program_does_not_grow_with_leaves(name, mesh):
   # The compressed leaves' per-leaf split and state add a few ops per leaf
   # at most; a per-leaf codec adds tens.
   assert growth[name] <= 2 * growth["dense"] + 64, growth
-
-
-def _flat(tx) -> bool:
-  for t in (tx, getattr(tx, "inner", None)):
-    try:
-      return jaxcomm.spec_of(t).codec.flat
-    except (ValueError, AttributeError):
-      continue
-  return True

@@ -318,7 +318,7 @@ def test_diloco_equals_per_slice_plain_steps_then_the_average():
     for i in range(2):
       p = theta
       for t in range(period):
-        half = jax.tree.map(lambda x: x[8 * i:8 * i + 8],
+        half = jax.tree.map(lambda x, i=i: x[8 * i:8 * i + 8],
                             batches[r * period + t])
         p, _ = plain(p, jax.device_put(half, NamedSharding(mesh, P("fsdp"))))
       slices.append(jax.device_get(p))
@@ -355,6 +355,7 @@ def test_diloco_equals_per_slice_plain_steps_then_the_average():
 def _lm(mesh):
   """The transformer LM's params placed by its logical sharding rules."""
   from flax import nnx  # noqa: PLC0415 (optional for the rest of the file)
+
   from models import transformer  # noqa: PLC0415
   model = transformer.TransformerLM(vocab_size=64, d_model=64, num_heads=4,
                                     num_layers=2, d_ff=128, max_len=32,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import math
 import dataclasses
 import inspect
 import json
+import math
 import os
 from typing import Any
 

@@ -41,7 +41,7 @@ from jaxcomm.parallel._pmap import pmap_replicate
 from jaxcomm.parallel._pmap import pmap_train_step
 from jaxcomm.parallel._resize import resize_params
 from jaxcomm.parallel._resize import resize_state
+from jaxcomm.parallel._shards import update_on_shards
 from jaxcomm.parallel._step import DataParallel
 from jaxcomm.parallel._step import consensus_distance
 from jaxcomm.parallel._step import synchronized
-from jaxcomm.parallel._shards import update_on_shards

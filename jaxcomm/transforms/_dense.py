@@ -19,8 +19,7 @@ def _mean_codec() -> _compressor.Codec:
     apply=None,  # never called: no leaf is compressed
     wire=lambda layout, n: [],
     accepts=lambda shape: False,
-    flat=True,
-  )
+    )
 
 
 @_registry.method(
@@ -87,8 +86,7 @@ def _cast_codec(dtype) -> _compressor.Codec:
   # The bf16 chunk sums are rounded again after the float32 sum: the
   # mean is not exactly the mean of what the devices sent.
   return _compressor.Codec(name=f"cast({name})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True,
-                           mean_of_sent=False)
+                           apply=apply, wire=wire, mean_of_sent=False)
 
 
 @_registry.method(

@@ -264,8 +264,7 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
       _num_pairs(_segments(layout), densities[stage]), layout.size, n)
 
   return _compressor.Codec(name=f"dgc({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True,
-                           wire_at=wire_at)
+                           apply=apply, wire=wire, wire_at=wire_at)
 
 
 @_registry.method(

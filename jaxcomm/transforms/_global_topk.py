@@ -40,7 +40,7 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
       [s.count * s.size for s in segs], n)
 
   return _compressor.Codec(name=f"gtopk({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True)
+                           apply=apply, wire=wire)
 
 
 @_registry.method(
@@ -116,8 +116,7 @@ def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
       layout.size, chunk_size, csc_num_chunks(ratio, layout.size, chunk_size))
 
   return _compressor.Codec(name=f"csc({chunk_size}, {ratio})",
-                           init=lambda layout: (), apply=apply, wire=wire,
-                           flat=True)
+                           init=lambda layout: (), apply=apply, wire=wire)
 
 
 @_registry.method(

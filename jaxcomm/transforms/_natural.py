@@ -54,8 +54,7 @@ def _natural_codec() -> _compressor.Codec:
     return _compressor.CodecResult(mean=mean, sent=flat, state=state)
 
   return _compressor.Codec(
-    name="natural", init=lambda layout: (), apply=apply, flat=True,
-    mean_of_sent=False,
+    name="natural", init=lambda layout: (), apply=apply, mean_of_sent=False,
     wire=lambda layout, n: _quantized.natural_plan(layout.size,
                                                    n).wire)
 

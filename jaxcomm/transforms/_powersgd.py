@@ -7,7 +7,7 @@ the *average* matrix over devices. Each device sends ``(n + m) r`` floats per
 matrix instead of ``n m``; all matrices of a step travel in two fused
 all-reduces (:func:`jaxcomm.collectives.lowrank_allreduce`).
 
-The codec is flat (``Codec(flat=True)``): it works on the bucket that
+The codec works on the flat bucket that
 :func:`jaxcomm.compressed` lays out, where leaves of equal shape sit side
 by side, so each run of equal matrix shapes is a free ``(G, n, m)`` view
 and one batched matmul (:func:`batches`); the program grows with the
@@ -238,7 +238,7 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
     return [("all-reduce", p_bytes), ("all-reduce", q_bytes)] * num_iters
 
   return _compressor.Codec(name="powersgd", init=init, apply=apply,
-                           wire=wire, accepts=accepts, flat=True)
+                           wire=wire, accepts=accepts)
 
 
 @_registry.method(

@@ -253,7 +253,7 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
             + _quantized.plan(lay.padded, bound, n, low).wire)
 
   return _compressor.Codec(name=name, init=lambda layout: (), apply=apply,
-                           wire=wire, flat=True)
+                           wire=wire)
 
 
 def _safe_ratio(x, s):

@@ -48,7 +48,7 @@ def _onebit_codec() -> _compressor.Codec:
                                    state=OneBitState(err))
 
   return _compressor.Codec(
-    name="onebit", init=init, apply=apply, flat=True, mean_of_sent=False,
+    name="onebit", init=init, apply=apply, mean_of_sent=False,
     wire=lambda layout, n: _signs.compressed_allreduce_wire(
       layout.sizes, n))
 
@@ -136,7 +136,7 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
                                    state=new_state)
 
   return _compressor.Codec(
-    name=name, init=init, apply=apply, flat=True, mean_of_sent=False,
+    name=name, init=init, apply=apply, mean_of_sent=False,
     wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
 
 
@@ -262,7 +262,7 @@ def _ef_sign_codec() -> _compressor.Codec:
     return _signs.decode_sign_message(words, ctx.layout.sizes)
 
   return _compressor.Codec(
-    name="ef_signsgd", init=lambda layout: (), apply=apply, flat=True,
+    name="ef_signsgd", init=lambda layout: (), apply=apply,
     wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n),
     message=message, decode=decode)
 

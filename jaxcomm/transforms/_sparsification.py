@@ -181,7 +181,7 @@ def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
     f"topk({ratio}, {value_bits}-bit)")
   gossip = value_bits is None
   return _compressor.Codec(name=name, init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True,
+                           apply=apply, wire=wire,
                            message=message if gossip else None,
                            decode=decode if gossip else None)
 
@@ -381,8 +381,8 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
       vals)
 
   return _compressor.Codec(name=f"randomk({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True,
-                           message=message, decode=decode)
+                           apply=apply, wire=wire, message=message,
+                           decode=decode)
 
 
 @_registry.method(
@@ -454,7 +454,7 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
     return _sparse.sparse_psum_wire(cap, layout.size, n)
 
   return _compressor.Codec(name="threshold", init=lambda layout: (),
-                           apply=apply, wire=wire, flat=True)
+                           apply=apply, wire=wire)
 
 
 @_registry.method(
