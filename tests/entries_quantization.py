@@ -66,13 +66,21 @@ def _onebit_ref_step(xs, state, step, key, n):
     flat_w.append(_flat(w))
   avg = np.mean(flat_w, axis=0)
   chunk = -((-(-length // n)) // -WORD) * WORD
+  ends = np.cumsum([x.size for x in like])
+  starts = ends - np.asarray([x.size for x in like])
   mean = np.zeros(length)
   for k in range(n):
     lo, hi = k * chunk, min((k + 1) * chunk, length)
     if lo >= hi:
       continue
     y = avg[lo:hi] + state["server"][k][lo:hi] / n
-    z = np.sqrt(np.sum(y * y) / (hi - lo)) * _sign(y)
+    z = np.zeros_like(y)
+    # One scale per leaf segment of the chunk (the part of a leaf in it).
+    for a, b in zip(starts, ends):
+      a, b = max(a, lo), min(b, hi)
+      if a < b:
+        seg = y[a - lo:b - lo]
+        z[a - lo:b - lo] = np.sqrt(np.sum(seg * seg) / (b - a)) * _sign(seg)
     state["server"][k][lo:hi] = n * (y - z)
     mean[lo:hi] = z
   return _split(mean, like), sent, state

@@ -170,12 +170,18 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   .. math::
     w = s_l \\operatorname{sign}(x), \\qquad s_l = \\|x_l\\|_2 / \\sqrt{d_l}
 
-  Server stage, on the chunk ``k`` this device owns (``C`` elements):
+  Server stage, on the chunk ``k`` this device owns, one scale per leaf
+  segment ``S`` of the chunk (the part of a leaf that falls in it):
 
   .. math::
     y = \\frac{1}{n}\\sum_i w_{i,k} + \\frac{e_k}{n}, \\quad
-    z = \\frac{\\|y\\|_2}{\\sqrt{C}} \\operatorname{sign}(y), \\quad
-    e_k' = n (y - z)
+    z_S = \\frac{\\|y_S\\|_2}{\\sqrt{|S|}} \\operatorname{sign}(y_S),
+    \\quad e_k' = n (y - z)
+
+  (DeepSpeed scales a whole chunk at once; a chunk spanning a large and a
+  small leaf then gives the small one sign noise at the large one's scale,
+  8-16x its own gradient measured on the battery's leaves. Per segment it
+  costs one float per leaf of the bucket in the all-gather.)
 
   and the result is the all-gather of every chunk's ``z``. The server error
   is kept in *gradient-sum units* (``n`` times the error of the mean), so
@@ -226,19 +232,29 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   leaf = _leaf_index(pos, sizes)                                    # [c]
   avg = jnp.sum(signs * their[:, leaf], axis=0) / n
 
-  # Server stage on my chunk.
+  # Server stage on my chunk: one scale per leaf segment (padding is the
+  # extra segment k, all zeros).
   valid = pos < length
   err_pad = jnp.pad(server_error, (0, n * c - length))
   mine = jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
   y = jnp.where(valid, avg + mine / n, 0.0)
-  count = jnp.clip(length - idx * c, 1, c).astype(jnp.float32)
-  s = jnp.sqrt(jnp.sum(y * y) / count)
-  z = jnp.where(valid, s * _sign(y), 0.0)
+  seg_sq = jax.ops.segment_sum(y * y, leaf, num_segments=k + 1)
+  seg_n = jax.ops.segment_sum(valid.astype(jnp.float32), leaf,
+                              num_segments=k + 1)
+  s = jnp.sqrt(seg_sq / jnp.maximum(seg_n, 1.0))                    # [k+1]
+  z = jnp.where(valid, s[leaf] * _sign(y), 0.0)
   new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
-  out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s)[None]])
-  rows = _core.all_gather(out, axis_name).reshape(n, cw + 1)
+  out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s[:k])])
+  rows = _core.all_gather(out, axis_name).reshape(n, cw + k)
   all_signs = bitpack.unpack_signs(rows[:, :cw].reshape(-1), n * c)
-  mean = (all_signs.reshape(n, c) * _words_f32(rows[:, cw:])).reshape(-1)
+  scales = jnp.concatenate(
+    [_words_f32(rows[:, cw:]), jnp.zeros((n, 1), jnp.float32)], axis=1)
+  # Positions behind a barrier: XLA would fold a leaf search over a
+  # constant range of every element at compile time.
+  every = jax.lax.optimization_barrier(jnp.arange(n * c, dtype=jnp.int32))
+  leaf_all = _leaf_index(every, sizes).reshape(n, c)
+  mean = (all_signs.reshape(n, c)
+          * jnp.take_along_axis(scales, leaf_all, axis=1)).reshape(-1)
   return mean[:length], sent, new_err[:length]
 
 
@@ -247,7 +263,7 @@ def compressed_allreduce_wire(sizes: Sequence[int], n: int) -> list:
   length = int(sum(sizes))
   cw = chunk_length(length, n) // WORD_BITS
   return [("all-to-all", 4 * n * (cw + len(sizes))),
-          ("all-gather", 4 * n * (cw + 1))]
+          ("all-gather", 4 * n * (cw + len(sizes)))]
 
 
 # ------------------------------------------------------------- gather --
