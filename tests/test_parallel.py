@@ -536,3 +536,54 @@ def test_cpu_step_waits_for_the_previous_step(mesh, monkeypatch):
   assert parallel.DataParallel(_loss, tx, parallel.make_mesh(1)).block is False
   with pytest.raises(ValueError, match="block must be a bool"):
     parallel.DataParallel(_loss, tx, mesh, block="yes")
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.onebit_adam(1e-2, freeze_step=1,
+                              policy=jaxcomm.LeafPolicy(min_size=16)),
+  lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=1),
+  lambda: jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), period=4),
+], ids=["onebit_adam", "zero_one_adam", "local_sgd_momentum"])
+@pytest.mark.parametrize("new", [4, 16])
+def test_resize_keeps_what_every_per_device_buffer_owes(mesh, make, new):
+  """Every per-device buffer kind after 3 steps on 8 devices (worker and
+  server errors, local momenta, per-device params): on ``new`` devices
+  a buffer the averaged update reads keeps its device mean, a chunk-owned
+  one (the server error) its total, and per-device params their mean."""
+  tx = make()
+  dp = parallel.DataParallel(_loss, tx, mesh)
+  params, state = dp.init(_params())
+  for t in range(3):
+    params, state, _ = dp.step(params, state, _batch(t))
+  host = jax.device_get(state)
+  moved = parallel.resize_state(host, dp.layout, new)
+  leaves = jax.tree.leaves(host)
+  after = jax.tree.leaves(moved)
+  layout = jax.tree.leaves(dp.layout)
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_leaves_with_path(host)]
+  seen = set()
+  for path, x, y, b in zip(paths, leaves, after, layout):
+    x, y = np.asarray(x), np.asarray(y)
+    if not b:
+      np.testing.assert_array_equal(x, y, err_msg=path)
+      continue
+    assert y.shape == (new,) + x.shape[1:], path
+    if not np.issubdtype(x.dtype, np.floating):
+      continue
+    if "server_error" in path:
+      want, got, kind = x.sum(axis=0), y.sum(axis=0), "total"
+    else:
+      want, got, kind = x.mean(axis=0), y.mean(axis=0), "mean"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                               err_msg=f"{path}: {kind}")
+    if np.abs(x).max() > 0:
+      seen.add(path.split(".")[-1].split("[")[0] or path)
+  assert seen, "no nonzero per-device float buffer was checked"
+  if dp.per_device_params:
+    p = jax.device_get(params)
+    q = parallel.resize_params(p, new)
+    for k in p:
+      np.testing.assert_allclose(np.asarray(q[k]).mean(axis=0),
+                                 np.asarray(p[k]).mean(axis=0), rtol=1e-5,
+                                 atol=1e-7)
