@@ -30,7 +30,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -54,18 +53,7 @@ COMPRESSORS = {
 
 
 def _model(mesh):
-  model = transformer.TransformerLM(**CONFIG, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  specs = transformer.partition_specs(params, mesh.axis_names)
-  placed = jax.tree.map(
-    lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params, specs,
-    is_leaf=lambda x: isinstance(x, P))
-
-  def loss_fn(p, batch):
-    logits = nnx.merge(graphdef, p)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]).mean()
-  return loss_fn, placed, specs
+  return transformer.sharded(mesh, **CONFIG)
 
 
 def _split(ops):

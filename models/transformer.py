@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Logical axes of each parameter, by its name in the module tree.
@@ -147,3 +149,24 @@ def partition_specs(params, mesh_axes, rules=None):
                for a in logical])
 
   return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def sharded(mesh, rngs=0, rules=None, **config):
+  """A :class:`TransformerLM` split over ``mesh`` by its logical axes:
+  ``(loss_fn, params, specs)``, with ``params`` placed by ``NamedSharding``
+  (:func:`partition_specs`) and ``loss_fn(params, {"x", "y"})`` the mean
+  next-token cross-entropy on whole arrays (no collective in it)."""
+  if not isinstance(rngs, nnx.Rngs):
+    rngs = nnx.Rngs(rngs)
+  graphdef, params = nnx.split(TransformerLM(**config, rngs=rngs), nnx.Param)
+  specs = partition_specs(params, mesh.axis_names, rules)
+  placed = jax.tree.map(
+    lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params, specs,
+    is_leaf=lambda x: isinstance(x, P))
+
+  def loss_fn(p, batch):
+    logits = nnx.merge(graphdef, p)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+  return loss_fn, placed, specs

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import parallel
+from models import transformer
 from tests import harness
 from tests import registry
 from tests import sharded
@@ -359,24 +360,8 @@ def test_diloco_equals_per_slice_plain_steps_then_the_average():
 
 def _lm(mesh):
   """The transformer LM's params placed by its logical sharding rules."""
-  from flax import nnx  # noqa: PLC0415 (optional for the rest of the file)
-
-  from models import transformer  # noqa: PLC0415
-  model = transformer.TransformerLM(vocab_size=64, d_model=64, num_heads=4,
-                                    num_layers=2, d_ff=128, max_len=32,
-                                    rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  specs = transformer.partition_specs(params, mesh.axis_names)
-  placed = jax.tree.map(
-    lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params, specs,
-    is_leaf=lambda x: isinstance(x, P))
-
-  def loss_fn(p, batch):
-    logits = nnx.merge(graphdef, p)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]).mean()
-
-  return loss_fn, placed, specs
+  return transformer.sharded(mesh, vocab_size=64, d_model=64, num_heads=4,
+                             num_layers=2, d_ff=128, max_len=32)
 
 
 @pytest.mark.parametrize("mesh_name", sorted(sharded.MESHES))
@@ -434,3 +419,4 @@ def test_transformer_lm_mean_equals_plain_step_and_topk_trains(mesh_name):
     "all-gather", "all-to-all") and o.group != 2)
   if mesh_name == "dcn2_fsdp4":   # group sizes tell the axes apart
     assert gathers(ours) <= gathers(theirs) + 4096, (ours, theirs)
+
