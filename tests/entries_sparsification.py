@@ -423,3 +423,63 @@ registry.register(registry.Entry(
   bad_args=_RATIO_BAD + [({"chunk_size": 0}, "chunk_size"),
                          ({"chunk_size": 2.5}, "chunk_size")],
 ))
+
+
+# ------------------------------------------------------------ STC, SBC ----
+
+def _stc_ref(ratio):
+  """Sattler et al. 2019: per leaf, the top-k by magnitude, each kept value
+  replaced by its sign times the mean magnitude of the kept values."""
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, "leaf"):
+        s = np.zeros_like(x)
+        sel = _largest(np.abs(x), references.topk_count(ratio, x.size))
+        s[sel] = np.abs(x[sel]).mean() * np.sign(x[sel])
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+def _sbc_ref(ratio):
+  """Sattler et al. 2018: per leaf, the k largest and the k most negative
+  values; the group with the larger mean magnitude is sent as its mean."""
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, "leaf"):
+        k = references.topk_count(ratio, x.size)
+        s = np.zeros_like(x)
+        pos, neg = _largest(x, k), _largest(-x, k)
+        mu_pos, mu_neg = x[pos].mean(), (-x[neg]).mean()
+        if mu_pos >= mu_neg:
+          s[pos] = mu_pos
+        else:
+          s[neg] = -mu_neg
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="stc_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_stc_ref(0.05),
+  factory=jaxcomm.stc,
+  kwargs={"ratio": 0.05},
+  bad_args=_RATIO_BAD,
+))
+
+registry.register(registry.Entry(
+  name="sbc_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_sbc_ref(0.05),
+  factory=jaxcomm.sbc,
+  kwargs={"ratio": 0.05},
+  bad_args=_RATIO_BAD,
+))

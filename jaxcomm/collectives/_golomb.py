@@ -1,0 +1,140 @@
+"""Golomb-coded positions: sparse messages whose indices cost about
+``log2(1/p) + 2`` bits each instead of 8, 16 or 32.
+
+Sattler et al. (2019, STC, eq. 7-8) send the positions of a sparse tensor
+of density ``p`` as Golomb-Rice codes of the gaps between consecutive
+positions, with the parameter
+
+.. math::
+  b^* = 1 + \\left\\lfloor \\log_2 \\frac{\\log(\\phi - 1)}{\\log(1 - p)}
+  \\right\\rfloor, \\qquad \\phi = \\tfrac{1 + \\sqrt 5}{2},
+
+for an average of ``b* + 1 / (1 - (1 - p)^(2^b*))`` bits per position
+(:func:`expected_bits`). Gap ``d`` is sent as ``q = d >> b`` in unary (``q``
+ones and a zero) and ``r = d mod 2^b`` in ``b`` bits.
+
+Collectives move static shapes, so the code lives in a fixed-capacity
+buffer: the ``k`` remainders first (``k b`` bits), then the ``k`` unary
+quotients (:func:`encode`). The same bits as the interleaved code, only
+reordered, and the reorder makes both directions parallel: the quotients
+decode as the distances between consecutive zeros of the unary section (a
+cumulative sum, no sequential scan). The capacity is exact, never an
+estimate: gaps between ``k`` distinct positions of ``[0, L)`` sum to at most
+``L - k``, so the quotients sum to at most ``(L - k) >> b`` and the unary
+section holds ``k + ((L - k) >> b)`` bits (:func:`capacity_bits`). It costs
+4-7% more than the paper's average at densities 0.1-5% (measured in
+``tests/test_sparsification.py``): the paper's average assumes geometric
+gaps, the capacity the worst case.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_PHI = (1 + math.sqrt(5)) / 2
+
+
+def rice_parameter(k: int, size: int) -> int:
+  """The paper's ``b*`` for ``k`` positions out of ``size`` (clamped to
+  ``[0, 30]``; density 1 gives 0)."""
+  p = k / size
+  if p >= 1:
+    return 0
+  b = 1 + math.floor(math.log2(math.log(_PHI - 1) / math.log1p(-p)))
+  return int(min(30, max(0, b)))
+
+
+def expected_bits(k: int, size: int) -> float:
+  """The paper's average bits per position at density ``k / size``."""
+  p = k / size
+  b = rice_parameter(k, size)
+  if p >= 1:
+    return 1.0
+  return b + 1 / (1 - (1 - p) ** (2 ** b))
+
+
+def capacity_bits(k: int, size: int) -> int:
+  """Bits of the coded positions of one row: ``k b`` remainder bits and
+  ``k + (size - k) >> b`` unary bits (exact upper bound)."""
+  b = rice_parameter(k, size)
+  return k * b + k + ((size - k) >> b)
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """``bool[..., B]`` -> ``uint32[..., ceil(B / 32)]`` (bit ``j`` of word
+  ``w`` is element ``32 w + j``)."""
+  num = bits.shape[-1]
+  words = -(-num // 32)
+  b = jnp.pad(bits.astype(jnp.uint32),
+              [(0, 0)] * (bits.ndim - 1) + [(0, 32 * words - num)])
+  b = b.reshape(bits.shape[:-1] + (words, 32))
+  return jnp.sum(b << jnp.arange(32, dtype=jnp.uint32), axis=-1,
+                 dtype=jnp.uint32)
+
+
+def unpack_bits(words: jax.Array, num: int) -> jax.Array:
+  """Inverse of :func:`pack_bits`: the first ``num`` bits, ``bool``."""
+  bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+  return bits.reshape(words.shape[:-1] + (-1,))[..., :num].astype(bool)
+
+
+def encode(positions: jax.Array, size: int) -> jax.Array:
+  """Golomb-Rice code of ``k`` distinct sorted positions in ``[0, size)``.
+
+  Args:
+    positions: ``int32[..., k]``, strictly increasing along the last axis.
+    size: the row length ``L`` (static).
+
+  Returns:
+    ``bool[..., capacity_bits(k, size)]``: the ``k`` remainders (``b`` bits
+    each, least significant first), then the unary quotients; unused
+    trailing bits are ones.
+  """
+  k = positions.shape[-1]
+  b = rice_parameter(k, size)
+  prev = jnp.concatenate(
+    [jnp.full(positions.shape[:-1] + (1,), -1, positions.dtype),
+     positions[..., :-1]], axis=-1)
+  gaps = (positions - prev - 1).astype(jnp.uint32)
+  rem = ((gaps[..., None] >> jnp.arange(b, dtype=jnp.uint32)) & 1
+         ).astype(bool).reshape(positions.shape[:-1] + (k * b,))
+  q = (gaps >> b).astype(jnp.int32)
+  unary_bits = k + ((size - k) >> b)
+  # Quotient j ends with a zero at position sum_{i<=j} q_i + j.
+  zeros = jnp.cumsum(q, axis=-1) + jnp.arange(k, dtype=jnp.int32)
+  lead = positions.shape[:-1]
+  flat_zeros = zeros.reshape(-1, k)
+  unary = jax.vmap(lambda z: jnp.ones((unary_bits,), bool).at[z].set(False))(
+    flat_zeros).reshape(lead + (unary_bits,))
+  return jnp.concatenate([rem, unary], axis=-1)
+
+
+def decode(bits: jax.Array, k: int, size: int) -> jax.Array:
+  """Inverse of :func:`encode`: ``bool[..., capacity_bits(k, size)]`` ->
+  ``int32[..., k]`` positions."""
+  b = rice_parameter(k, size)
+  lead = bits.shape[:-1]
+  rem_bits = bits[..., :k * b].reshape(lead + (k, b)).astype(jnp.int32)
+  rem = jnp.sum(rem_bits << jnp.arange(b, dtype=jnp.int32), axis=-1)
+  unary = bits[..., k * b:]
+  unary_bits = unary.shape[-1]
+
+  def zeros_of(u):
+    is_zero = ~u
+    rank = jnp.cumsum(is_zero.astype(jnp.int32)) - 1
+    slot = jnp.where(is_zero & (rank < k), rank, k)
+    return jnp.zeros((k,), jnp.int32).at[slot].set(
+      jnp.arange(unary_bits, dtype=jnp.int32), mode="drop")
+
+  zeros = jax.vmap(zeros_of)(unary.reshape(-1, unary_bits)).reshape(
+    lead + (k,))
+  prev = jnp.concatenate([jnp.full(lead + (1,), -1, jnp.int32),
+                          zeros[..., :-1]], axis=-1)
+  q = zeros - prev - 1
+  gaps = (q << b) + rem
+  return jnp.cumsum(gaps + 1, axis=-1) - 1
+
