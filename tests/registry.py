@@ -28,6 +28,7 @@ MODULES = [
   "tests.entries_dense",
   "tests.entries_quantization",
   "tests.entries_sparsification",
+  "tests.entries_sketch",
   "tests.entries_powersgd",
   "tests.entries_optimizers",
 ]

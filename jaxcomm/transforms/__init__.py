@@ -18,6 +18,7 @@ from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
 from jaxcomm.transforms import _quantization
 from jaxcomm.transforms import _signs
+from jaxcomm.transforms import _sketch
 from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms import _ternary
 from jaxcomm.transforms import _zero_one_adam
@@ -33,6 +34,7 @@ from jaxcomm.transforms._optimizers import *
 from jaxcomm.transforms._powersgd import *
 from jaxcomm.transforms._quantization import *
 from jaxcomm.transforms._signs import *
+from jaxcomm.transforms._sketch import *
 from jaxcomm.transforms._sparsification import *
 from jaxcomm.transforms._ternary import *
 from jaxcomm.transforms._zero_one_adam import *
@@ -50,6 +52,7 @@ __all__ += _optimizers.__all__
 __all__ += _powersgd.__all__
 __all__ += _quantization.__all__
 __all__ += _signs.__all__
+__all__ += _sketch.__all__
 __all__ += _sparsification.__all__
 __all__ += _ternary.__all__
 __all__ += _zero_one_adam.__all__
