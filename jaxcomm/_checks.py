@@ -103,19 +103,25 @@ def choice(name: str, value, options: Sequence) -> Any:
   return value
 
 
-# error_feedback's values: the classic residual, none, or EF21's estimates.
+# error_feedback's values: the classic residual, none, EF21's estimates, or
+# DIANA's shifts (the same per-device estimates, moved by a fraction).
 EF21 = "ef21"
+DIANA = "diana"
 
 
 def error_feedback(value) -> bool | str:
-  """``True`` (the classic residual), ``False`` (none) or ``"ef21"``
-  (Richtarik et al. 2021: per-device gradient estimates)."""
-  if isinstance(value, bool) or value == EF21:
+  """``True`` (the classic residual), ``False`` (none), ``"ef21"``
+  (Richtarik et al. 2021: per-device gradient estimates) or ``"diana"``
+  (Mishchenko et al. 2019: per-device shifts, for unbiased compressors)."""
+  if isinstance(value, bool) or (isinstance(value, str)
+                                 and value in (EF21, DIANA)):
     return value
   raise ValueError(
     "error_feedback must be True (keep what was not sent and add it to the "
-    "next step), False (none) or 'ef21' (EF21: compress the change of a "
-    f"per-device gradient estimate), got {value!r}")
+    "next step), False (none), 'ef21' (EF21: compress the change of a "
+    "per-device gradient estimate) or 'diana' (DIANA: compress the "
+    "difference from a per-device shift, for unbiased compressors), got "
+    f"{value!r}")
 
 
 def axis_name(value) -> Any:

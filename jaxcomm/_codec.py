@@ -92,6 +92,15 @@ class Codec:
       ``compressed(error_feedback="ef21")`` refuses a codec that says False
       (a majority vote, a server stage that re-compresses, an owner that
       re-rounds the average).
+    unbiased: whether ``sent`` is an unbiased estimate of ``x`` over the
+      codec's own randomness, ``E[sent] = x`` for every input (stochastic
+      rounding: QSGD, TernGrad without clipping, natural compression).
+      DIANA needs it (its shifts learn ``g_i`` only through unbiased
+      differences), so ``compressed(error_feedback="diana")`` refuses a
+      codec that says False, and one that says ``mean_of_sent=False``.
+      Deterministic codecs (top-k, signs, int8 rounding, low rank) and
+      random-k without its ``L / k`` rescaling are biased. The tests check
+      every codec that says True statistically.
   """
 
   name: str
@@ -103,6 +112,7 @@ class Codec:
   decode: Callable[[Any, Context], Any] | None = None
   wire_at: Callable[[Any, int, int], list[Collective]] | None = None
   mean_of_sent: bool = True
+  unbiased: bool = False
 
 
 class _Init:
@@ -219,10 +229,12 @@ class CompressState(NamedTuple):
     codec: the codec's own state, one per bucket (a tuple).
     key: PRNG key data (uint32[2]), split every step, identical everywhere.
     stats: :class:`CompressStats`.
-    estimate: EF21's gradient estimate ``h_i`` per bucket (per device);
-      empty unless ``error_feedback="ef21"``.
-    estimate_mean: EF21's aggregate ``h = mean_i h_i`` per bucket
-      (replicated), the update every step returns; empty unless EF21.
+    estimate: EF21's gradient estimate (DIANA's shift) ``h_i`` per bucket
+      (per device); empty unless ``error_feedback`` is ``"ef21"`` or
+      ``"diana"``.
+    estimate_mean: their aggregate ``h = mean_i h_i`` per bucket
+      (replicated): EF21's update every step; DIANA returns ``h + mean_i
+      C(g_i - h_i)`` before moving it. Empty unless EF21 or DIANA.
   """
 
   count: jax.Array

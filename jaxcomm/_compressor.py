@@ -33,6 +33,15 @@ the change of a per-device gradient estimate instead::
   r  = codec.apply(x)
   h_i' = h_i + r.sent        this device's estimate
   u  = h' = h + r.mean       the aggregate (= mean_i h_i'), identical
+
+``error_feedback="diana"`` (Mishchenko et al. 2019) is the same path for
+unbiased codecs, with the shifts moved by ``alpha = shift_rate`` and the
+update taken before they move::
+
+  x  = g - h_i               c_i = C(x), unbiased
+  r  = codec.apply(x)
+  u  = h + r.mean            ghat = h + mean_i c_i
+  h_i' = h_i + alpha r.sent;  h' = h + alpha r.mean
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from jaxcomm._stages import accumulate
 from jaxcomm._stages import agree_finite
 from jaxcomm._stages import exchange
 from jaxcomm._stages import safe_norm
+from jaxcomm._stages import shifted
 from jaxcomm._stages import update_estimates
 from jaxcomm._stages import update_memory
 from jaxcomm._states import compress_states  # noqa: F401
@@ -119,6 +129,7 @@ def compressed(
   clip_norm: float | None = None,
   lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
   residual_decay: float = 1.0,
+  shift_rate: float | None = None,
   start_step: int = 0,
   policy: _policy.LeafPolicy | None = None,
   seed: int = 0,
@@ -141,7 +152,15 @@ def compressed(
       gradient estimate ``h_i`` and sends the compressed change
       ``C(g_i - h_i)``; the update is the aggregate ``h = mean_i h_i``,
       kept replicated. For contractive compressors (top-k, signs, low
-      rank); not with ``lr_schedule``. ``False``: none.
+      rank); not with ``lr_schedule``. ``"diana"``: DIANA (Mishchenko et
+      al. 2019; Horvath et al. 2019), for unbiased compressors (QSGD,
+      TernGrad without clipping): each device keeps a shift ``h_i`` and
+      sends ``c_i = C(g_i - h_i)``; the update is ``h + mean_i c_i``, then
+      ``h_i += shift_rate c_i`` and ``h += shift_rate mean_i c_i``. Refused
+      for a codec that is not ``unbiased`` or whose exchange is not the
+      mean of what was sent; not with ``lr_schedule`` or ``momentum``
+      (DIANA's momentum is heavy ball on the update: chain an optimizer
+      with momentum after the compressor). ``False``: none.
     momentum: if set, DGC's momentum correction (Lin et al. 2018): the codec
       compresses the accumulated velocity ``v += u``, ``u = m u + g``;
       use a downstream optimizer without momentum. Implies error feedback.
@@ -163,6 +182,14 @@ def compressed(
       many times over). ``1.0`` (the default) keeps every residual whole;
       below 1 the decayed part is dropped by design. Needs
       ``error_feedback=True`` (or ``momentum``).
+    shift_rate: DIANA's ``alpha`` in ``(0, 1]`` (only with
+      ``error_feedback="diana"``; None there: 0.5). The theory (Mishchenko
+      et al. 2019, Theorem 2) asks ``alpha <= 1 / (omega + 1)`` for a
+      compressor of variance ``E||C(x) - x||^2 <= omega ||x||^2``; with a
+      fixed gradient the shift's error ``g_i - h_i`` shrinks by ``1 -
+      alpha`` a step in expectation, and its second moment contracts for
+      ``alpha < 2 / (omega + 1)``. 0.5 fits ``omega <= 1`` (natural
+      compression's is 1/8); pass a smaller rate for coarser quantizers.
     start_step: exchange dense means (no compression, residual untouched)
       while ``count < start_step``.
     policy: which leaves to compress and how to bucket them
@@ -179,11 +206,14 @@ def compressed(
     raise ValueError(
       f"{codec.name}: unknown option(s) {', '.join(sorted(unknown))}; the "
       "options every compressor takes are start_step, clip_norm, momentum, "
-      "momentum_masking, lr_schedule, residual_decay and seed")
+      "momentum_masking, lr_schedule, residual_decay, shift_rate and seed")
   policy = _policy.as_policy(policy)
   _checks.axis_name(axis_name)
   _checks.error_feedback(error_feedback)
   ef21 = error_feedback == _checks.EF21
+  diana = error_feedback == _checks.DIANA
+  # EF21 and DIANA keep per-device estimates h_i and their mean h.
+  estimates = ef21 or diana
   use_momentum = momentum is not None
   if ef21 and not codec.mean_of_sent:
     raise ValueError(
@@ -191,10 +221,39 @@ def compressed(
       "is the mean of what the devices sent (EF21 keeps h = mean_i h_i); "
       f"{codec.name}'s is not (it votes, re-compresses or re-rounds on the "
       "way): use error_feedback=True")
-  if ef21 and lr_schedule is not None:
+  if diana and not (codec.unbiased and codec.mean_of_sent):
+    why = []
+    if not codec.unbiased:
+      why.append("its messages are biased (E[C(x)] != x: deterministic "
+                 "rounding, selection or unscaled sampling)")
+    if not codec.mean_of_sent:
+      why.append("its exchange is not the mean of what the devices sent "
+                 "(it votes, re-compresses or re-rounds on the way)")
     raise ValueError(
-      f"{codec.name}: error_feedback='ef21' takes no lr_schedule: EF21 keeps "
-      "gradient estimates, not delayed mass to rescale")
+      f"{codec.name}: error_feedback='diana' needs an unbiased codec whose "
+      "exchange returns the mean of what the devices sent (DIANA's shifts "
+      "learn g_i from unbiased differences and keep h = mean_i h_i); "
+      f"{codec.name}: {'; '.join(why)}. Use error_feedback=True, or 'ef21' "
+      "for a contractive codec")
+  if estimates and lr_schedule is not None:
+    raise ValueError(
+      f"{codec.name}: error_feedback={error_feedback!r} takes no "
+      "lr_schedule: it keeps gradient estimates, not delayed mass to "
+      "rescale")
+  if diana and use_momentum:
+    raise ValueError(
+      f"{codec.name}: error_feedback='diana' takes no momentum: DIANA's "
+      "momentum is heavy ball on the update it returns (Mishchenko et al. "
+      "2019); chain an optimizer with momentum after the compressor")
+  if shift_rate is not None:
+    if not diana:
+      raise ValueError(
+        f"{codec.name}: shift_rate={shift_rate!r} is DIANA's step for its "
+        "shifts and needs error_feedback='diana'; got "
+        f"error_feedback={error_feedback!r}")
+    _checks.number("shift_rate", shift_rate, 0.0, 1.0, lo_open=True)
+  shift = (DIANA_SHIFT_RATE if shift_rate is None else shift_rate) \
+    if diana else 1.0
   if use_momentum:
     _checks.number("momentum", momentum, 0.0, 1.0)
   if clip_norm is not None:
@@ -202,7 +261,7 @@ def compressed(
   start_step = _checks.step("start_step", start_step)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
-  keep_residual = error_feedback is True or (use_momentum and not ef21)
+  keep_residual = error_feedback is True or (use_momentum and not estimates)
   residual_decay = _checks.number("residual_decay", residual_decay, 0.0,
                                   1.0)
   if not isinstance(residual_decay, jax.core.Tracer) and \
@@ -228,16 +287,16 @@ def compressed(
       key=jax.random.PRNGKey(seed),
       stats=CompressStats(residual_norm=jnp.zeros([], jnp.float32),
                           nonfinite_steps=jnp.zeros([], jnp.int32)),
-      estimate=zeros if ef21 else (),
-      estimate_mean=zeros if ef21 else (),
+      estimate=zeros if estimates else (),
+      estimate_mean=zeros if estimates else (),
     )
 
   opts = _Options(codec=codec, axis_name=axis_name, clip_norm=clip_norm,
                   lr_schedule=lr_schedule, momentum=momentum,
                   momentum_masking=momentum_masking,
                   keep_residual=keep_residual, use_momentum=use_momentum,
-                  start_step=start_step, ef21=ef21,
-                  residual_decay=residual_decay)
+                  start_step=start_step, estimates=estimates,
+                  residual_decay=residual_decay, shift_rate=shift)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -248,7 +307,7 @@ def compressed(
     _warn_if_wide(leaves, codec.name)
     paths = spec.paths(updates)
     layouts = spec.layouts(updates)
-    _check_state(state, layouts, keep_residual, use_momentum, ef21,
+    _check_state(state, layouts, keep_residual, use_momentum, estimates,
                  codec.name)
     _check_codec_state(state.codec, layouts, codec_init, codec.name)
     comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
@@ -266,10 +325,11 @@ def compressed(
     mean, sent, codec_state, in_dense = exchange(opts, layouts, xs, g,
                                                  state.codec, ctx)
     new_res, new_u = update_memory(opts, xs, sent, u, residual, in_dense)
-    new_h, mean = update_estimates(opts, state, g, sent, mean, in_dense)
+    new_h, new_hmean, mean = update_estimates(opts, state, g, sent, mean,
+                                              in_dense)
     any_bad, dense_mean = agree_finite(
       opts, [x for x in g + [dense] if x.size], mean,
-      new_res if keep_residual else new_h if ef21 else sent, dense, n,
+      new_res if keep_residual else new_h if estimates else sent, dense, n,
       exchanged=xs)
 
     keep = lambda new, old: jax.tree.map(
@@ -278,9 +338,11 @@ def compressed(
     new_u = keep(tuple(new_u), state.momentum)
     codec_state = keep(tuple(codec_state), state.codec)
     new_h = keep(tuple(new_h), state.estimate)
-    new_hmean = keep(tuple(mean), state.estimate_mean) if ef21 else ()
-    # EF21's statistic: what this device's estimate misses of its gradient.
-    missed = [x - s for x, s in zip(xs, sent)] if ef21 else list(new_res)
+    new_hmean = keep(tuple(new_hmean), state.estimate_mean)
+    # EF21's and DIANA's statistic: what this device's estimate misses of
+    # its gradient.
+    missed = ([x - shifted(opts, s) for x, s in zip(xs, sent)] if estimates
+              else list(new_res))
 
     out = list(leaves)
     nan = jnp.float32(jnp.nan)
@@ -316,7 +378,8 @@ def compressed(
     _Init(init_fn, spec), update_fn)
 
 
-def _check_state(state, layouts, keep_residual, use_momentum, ef21, name):
+def _check_state(state, layouts, keep_residual, use_momentum, estimates,
+                 name):
   """Names what is wrong when the state does not belong to these grads."""
   if not isinstance(state, CompressState):
     raise ValueError(
@@ -324,7 +387,8 @@ def _check_state(state, layouts, keep_residual, use_momentum, ef21, name):
       f"returned, got {type(state).__name__}")
   want = [(lay.size,) for lay in layouts]
   for field, on in (("residual", keep_residual), ("momentum", use_momentum),
-                    ("estimate", ef21), ("estimate_mean", ef21)):
+                    ("estimate", estimates),
+                    ("estimate_mean", estimates)):
     got = [tuple(x.shape) for x in getattr(state, field)]
     if on and got != want:
       raise ValueError(
@@ -415,13 +479,18 @@ def _check_codec_state(codec_state, layouts, codec_init, name):
 # them static unless they are passed).
 SHARED_OPTIONS = (("start_step", None), ("clip_norm", None),
                   ("momentum", None), ("momentum_masking", True),
-                  ("lr_schedule", None), ("residual_decay", 1.0))
+                  ("lr_schedule", None), ("residual_decay", 1.0),
+                  ("shift_rate", None))
+
+# DIANA's shift rate when error_feedback="diana" and shift_rate is None.
+DIANA_SHIFT_RATE = 0.5
 
 
 _OPTIONS_DOC = """\
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay``,
+      ``shift_rate`` (and ``seed`` where not above), forwarded to
+      :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

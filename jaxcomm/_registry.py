@@ -44,7 +44,8 @@ FAMILIES = {
 _TRACEABLE = frozenset({"float", "optax.ScalarOrSchedule", "ScalarOrSchedule",
                         "base.ScalarOrSchedule", "chex.Numeric"})
 # The shared options of ``jaxcomm.compressed`` that are real numbers.
-_TRACEABLE_SHARED = frozenset({"clip_norm", "momentum", "residual_decay"})
+_TRACEABLE_SHARED = frozenset({"clip_norm", "momentum", "residual_decay",
+                               "shift_rate"})
 
 
 def _traceable(p: inspect.Parameter) -> bool:

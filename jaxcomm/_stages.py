@@ -56,8 +56,22 @@ class _Options:
   keep_residual: bool
   use_momentum: bool
   start_step: int
-  ef21: bool = False
+  # EF21 or DIANA: per-device estimates h_i and their mean h, moved by
+  # shift_rate times what was sent (1 for EF21).
+  estimates: bool = False
   residual_decay: Any = 1.0
+  shift_rate: Any = 1.0
+
+
+def _is_one(value) -> bool:
+  return isinstance(value, (int, float)) and float(value) == 1.0
+
+
+def shifted(opts: _Options, x: jax.Array) -> jax.Array:
+  """``shift_rate * x`` (``x`` itself for EF21's rate 1, exactly)."""
+  if _is_one(opts.shift_rate):
+    return x
+  return x * jnp.asarray(opts.shift_rate, x.dtype)
 
 
 def accumulate(opts: _Options, g: list, state: CompressState, n: int):
@@ -87,8 +101,9 @@ def accumulate(opts: _Options, g: list, state: CompressState, n: int):
   if not (isinstance(opts.residual_decay, float)
           and opts.residual_decay == 1.0) and residual:
     residual = [r * opts.residual_decay for r in residual]
-  if opts.ef21:
-    # EF21, or with momentum EF21-SGDM: the momentum stands for g.
+  if opts.estimates:
+    # EF21 and DIANA: the codec gets g - h_i. With momentum (EF21 only)
+    # it is EF21-SGDM: the momentum stands for g.
     u = ([opts.momentum * m + x for m, x in zip(state.momentum, g)]
          if opts.use_momentum else [])
     xs = [x - h for x, h in zip(u or g, state.estimate)]
@@ -161,7 +176,7 @@ def update_memory(opts: _Options, xs: list, sent: list, u: list,
   new_u = []
   if opts.use_momentum:
     new_u = ([jnp.where(s != 0, 0.0, m) for m, s in zip(u, sent)]
-             if opts.momentum_masking and not opts.ef21 else list(u))
+             if opts.momentum_masking and not opts.estimates else list(u))
     if opts.start_step > 0:
       new_u = [jnp.where(in_dense, jnp.zeros_like(m), m) for m in new_u]
   return new_res, new_u
@@ -169,22 +184,30 @@ def update_memory(opts: _Options, xs: list, sent: list, u: list,
 
 def update_estimates(opts: _Options, state: CompressState, g: list,
                      sent: list, mean: list, in_dense):
-  """EF21's estimates: ``h_i' = h_i + sent`` per device and the aggregate
-  ``h' = h + mean`` (the update). In the dense phase both are set to the
-  exact gradients (``h_i' = g_i``, ``h' = mean_i g_i``), which starts
-  EF21 from exact estimates.
+  """The estimates of EF21 and DIANA, with ``alpha = shift_rate`` (1 for
+  EF21): ``h_i' = h_i + alpha sent`` per device, ``h' = h + alpha mean``
+  (replicated, so ``h = mean_i h_i`` where the exchange is the mean of
+  what was sent), and the update ``h + mean``: EF21's ``h'``, DIANA's
+  ``ghat = h + mean_i C(g_i - h_i)``. In the dense phase both are set to
+  the exact gradients (``h_i' = g_i``, ``h' = mean_i g_i``, the update the
+  exact mean), which starts from exact estimates.
 
   Returns:
-    ``(new_estimates, update)`` per bucket; ``([], mean)`` unless EF21.
+    ``(new_estimates, new_aggregate, update)`` per bucket; ``([], [],
+    mean)`` unless EF21 or DIANA.
   """
-  if not opts.ef21:
-    return [], mean
-  new_h = [h + s for h, s in zip(state.estimate, sent)]
-  new_mean = [h + m for h, m in zip(state.estimate_mean, mean)]
+  if not opts.estimates:
+    return [], [], mean
+  new_h = [h + shifted(opts, s) for h, s in zip(state.estimate, sent)]
+  update = [h + m for h, m in zip(state.estimate_mean, mean)]
+  new_mean = (list(update) if _is_one(opts.shift_rate) else
+              [h + shifted(opts, m)
+               for h, m in zip(state.estimate_mean, mean)])
   if opts.start_step > 0:
     new_h = [jnp.where(in_dense, x, h) for x, h in zip(g, new_h)]
     new_mean = [jnp.where(in_dense, m, h) for m, h in zip(mean, new_mean)]
-  return new_h, new_mean
+    update = [jnp.where(in_dense, m, u) for m, u in zip(mean, update)]
+  return new_h, new_mean, update
 
 
 def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,

@@ -425,3 +425,43 @@ registry.register(registry.Entry(
   bad_args=[({"policy": 3}, "policy"),
             ({"error_feedback": None}, "error_feedback")],
 ))
+
+
+# ------------------------------------------------------------------ diana --
+# DIANA (Mishchenko et al. 2019) around the unbiased quantizers: the
+# harness (numpy_run) keeps each device's shift h_i and h = mean_i h_i,
+# feeds the reference x_i = g_i - h_i, returns h + mean_i C(x_i) and moves
+# h_i by alpha C(x_i), h by alpha mean_i C(x_i). alpha = 0.5 is a power
+# of two: alpha * C(x) is exact in float32 and float64 alike.
+
+_DIANA_BAD_ARGS = [({"shift_rate": 0.0}, "shift_rate"),
+                   ({"shift_rate": 1.5}, "shift_rate"),
+                   ({"shift_rate": float("nan")}, "shift_rate"),
+                   ({"momentum": 0.9}, "momentum"),
+                   ({"lr_schedule": lambda step: 0.1}, "lr_schedule"),
+                   ({"error_feedback": "Diana"}, "error_feedback")]
+
+registry.register(registry.Entry(
+  name="qsgd_diana",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(128, lambda b: np.sqrt(np.sum(b * b, axis=1)),
+                        _qsgd_quantize(7), lambda s: s / 7, True),
+  factory=jaxcomm.qsgd,
+  kwargs={"levels": 7, "bucket_size": 128, "error_feedback": "diana",
+          "shift_rate": 0.5},
+  error_feedback="diana",
+  stochastic=True,
+  bad_args=_DIANA_BAD_ARGS,
+))
+
+registry.register(registry.Entry(
+  name="terngrad_diana",
+  ref_init=lambda shapes: None,
+  ref_step=_integer_ref(None, lambda b: np.max(np.abs(b), axis=1),
+                        _tern_quantize, lambda s: s, True),
+  factory=jaxcomm.terngrad,
+  kwargs={"error_feedback": "diana", "shift_rate": 0.5},
+  error_feedback="diana",
+  stochastic=True,
+  bad_args=_DIANA_BAD_ARGS + [({"clip_sigma": 2.5}, "error_feedback")],
+))

@@ -139,10 +139,15 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N, memory=None):
   shapes = [first[k].shape[1:] for k in comp]
   ref_state = entry.ref_init(shapes)
   # Classic error feedback keeps the residual e_i; EF21 the estimate h_i
-  # (and the aggregate h = mean_i h_i, which is the update).
+  # (and the aggregate h = mean_i h_i, which is the update); DIANA the
+  # shift h_i and h = mean_i h_i, both moved by alpha (its shift_rate)
+  # times what was sent, the update being h + mean_i C(g_i - h_i) before
+  # they move (Mishchenko et al. 2019).
   res = [[np.zeros(s) for s in shapes] for _ in range(n)]
   agg = [np.zeros(s) for s in shapes]
-  ef21 = entry.error_feedback == "ef21"
+  diana = entry.error_feedback == "diana"
+  ef21 = entry.error_feedback == "ef21" or diana
+  alpha = entry.kwargs["shift_rate"] if diana else 1.0
   key = jax.random.PRNGKey(seed)
   out, sent_all = [], []
   for t, grads in enumerate(grads_seq):
@@ -166,9 +171,11 @@ def numpy_run(entry, grads_seq, seed: int = 0, n: int = N, memory=None):
         xs.append(g)
     mean, sent, ref_state = entry.ref_step(xs, ref_state, t, sub, n)
     if ef21:
-      res = [[_f32(h + s) for h, s in zip(res[i], sent[i])] for i in range(n)]
-      agg = [a + m for a, m in zip(agg, mean)]
-      mean = agg
+      res = [[_f32(h + alpha * s) for h, s in zip(res[i], sent[i])]
+             for i in range(n)]
+      update = [a + m for a, m in zip(agg, mean)]
+      agg = [a + alpha * m for a, m in zip(agg, mean)]
+      mean = update
     elif entry.error_feedback:
       res = [[_f32(x - s) for x, s in zip(xs[i], sent[i])] for i in range(n)]
     upd = {k: np.asarray(m, np.float64) for k, m in zip(comp, mean)}

@@ -322,3 +322,201 @@ def test_onebit_server_scales_each_leaf_segment(mesh):
     g = sum(np.asarray(x[k], np.float64).mean(axis=0) for x in grads)
     ratio = np.linalg.norm(u) / np.linalg.norm(g)
     assert 0.8 < ratio < 1.25, (k, ratio)
+
+
+# ------------------------------------------ unbiased codecs, and DIANA --
+# Codec.unbiased says E[sent] = x over the codec's own randomness; DIANA
+# (error_feedback="diana") needs it. Every registered compressor's codec
+# that says so is checked statistically here; a wrong mark fails.
+
+_UNBIASED_KEYS = 2000
+
+
+def _sent_samples(tx, x, keys=_UNBIASED_KEYS):
+  """What the codec of compressor ``tx`` decodes its own message of ``x``
+  (one ``[d]`` leaf, one device, no exchange) to, under ``keys`` step keys:
+  ``[keys, d]`` float64."""
+  params = {"w": jnp.zeros(x.shape, jnp.float32)}
+  spec = jaxcomm.spec_of(tx)
+  layouts = spec.layouts(params)
+  assert len(layouts) == 1 and layouts[0].size == x.size, spec.codec.name
+  layout = layouts[0]
+  codec = spec.codec
+  state = codec.init(layout)
+  flat = jnp.asarray(x, jnp.float32)
+
+  def one(key):
+    ctx = jaxcomm.Context(axis_name=None, num_devices=1,
+                          device_index=jnp.zeros([], jnp.int32),
+                          step=jnp.zeros([], jnp.int32), key=key,
+                          layout=layout)
+    return codec.apply(flat, state, ctx).sent
+
+  ks = jax.random.split(jax.random.PRNGKey(7), keys)
+  return np.asarray(jax.jit(jax.vmap(one))(ks), np.float64)
+
+
+def _bias_ratio(samples, want) -> float:
+  """The largest ``|mean - want|`` over its tolerance, per element: 5
+  standard errors of the mean (the variance floored at its average over
+  the elements: an element whose rare rounding never fired in these draws
+  shows no variance, but its bias is far below the floor) plus 1e-6 of
+  ``max |want|`` (float32 arithmetic). Above 1: biased."""
+  k = samples.shape[0]
+  var = samples.var(axis=0, ddof=1)
+  se = np.sqrt(np.maximum(var, var.mean()) / k)
+  tol = 5.0 * se + 1e-6 * np.abs(want).max()
+  return float(np.max(np.abs(samples.mean(axis=0) - want) / tol))
+
+
+def _probe(d=512, seed=0):
+  rng = np.random.RandomState(seed)
+  return (rng.randn(d) * np.exp(rng.randn(d))).astype(np.float32)
+
+
+_COMPRESSORS = {m.attr: m for m in jaxcomm.registry.methods("compressor")
+                if m.attr != "mean_gradients"}
+
+
+@pytest.mark.parametrize("name", sorted(_COMPRESSORS))
+def test_codecs_marked_unbiased_are_unbiased(name):
+  """Every registered compressor whose codec sets ``unbiased``: the mean
+  of its decoded message over 2000 keys is the input within 5 standard
+  errors per element, and along ``sign(x)`` (where a shrinking bias, such
+  as random-k's unscaled ``k / L``, adds up) within 5 standard errors."""
+  m = _COMPRESSORS[name]
+  tx = m.factory(**harness.required_args(m), axis_name=None)
+  if not jaxcomm.spec_of(tx).codec.unbiased:
+    pytest.skip(f"{name}'s codec does not say it is unbiased")
+  x = _probe()
+  samples = _sent_samples(tx, x)
+  want = x.astype(np.float64)
+  assert _bias_ratio(samples, want) < 1.0, name
+  proj = samples @ np.sign(want)
+  se = proj.std(ddof=1) / np.sqrt(proj.size)
+  assert abs(proj.mean() - np.abs(want).sum()) < 5 * se + 1e-6 * np.abs(
+    want).sum(), name
+  # It is a random compressor, not the identity.
+  assert samples.var(axis=0).mean() > 1e-4 * np.mean(want * want), name
+
+
+def test_unbiased_marks_and_the_check_sees_a_bias():
+  """Which codecs say they are unbiased, and the statistical check above
+  catching the biased ones: random-k sends the chosen coordinates
+  unscaled (``E[sent] = (k / L) x``, not ``x``), int8 rounds
+  deterministically, TernGrad's clipping cuts the tails."""
+  codec = lambda tx: jaxcomm.spec_of(tx).codec
+  for tx in (jaxcomm.qsgd(axis_name=None), jaxcomm.terngrad(axis_name=None),
+             jaxcomm.natural(axis_name=None)):
+    assert codec(tx).unbiased, codec(tx).name
+  x = _probe()
+  want = x.astype(np.float64)
+  for tx in (jaxcomm.randomk(0.5, axis_name=None),
+             jaxcomm.int8(axis_name=None),
+             jaxcomm.terngrad(clip_sigma=1.0, axis_name=None),
+             jaxcomm.topk(0.5, axis_name=None)):
+    assert not codec(tx).unbiased, codec(tx).name
+    assert _bias_ratio(_sent_samples(tx, x, keys=200), want) > 1.0, \
+      codec(tx).name
+
+
+def test_diana_is_refused_for_biased_codecs_and_shift_rate_needs_it():
+  for make, why in (
+      (lambda: jaxcomm.topk(0.1, error_feedback="diana"), "biased"),
+      (lambda: jaxcomm.randomk(0.1, error_feedback="diana"), "biased"),
+      (lambda: jaxcomm.int8(error_feedback="diana"), "biased"),
+      (lambda: jaxcomm.terngrad(clip_sigma=2.5, error_feedback="diana"),
+       "biased"),
+      (lambda: jaxcomm.signsgd(error_feedback="diana"), "not the mean"),
+      (lambda: jaxcomm.natural(error_feedback="diana"), "not the mean")):
+    with pytest.raises(ValueError, match=r"error_feedback='diana' needs an "
+                       rf"unbiased codec.*{why}"):
+      make()
+  with pytest.raises(ValueError, match="shift_rate=0.5 .*needs "
+                     "error_feedback='diana'"):
+    jaxcomm.qsgd(shift_rate=0.5)
+  with pytest.raises(ValueError, match="momentum"):
+    jaxcomm.qsgd(error_feedback="diana", momentum=0.9)
+
+
+_ALPHA = 0.5
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.qsgd(levels=7, bucket_size=128, error_feedback="diana",
+                       shift_rate=_ALPHA, axis_name=None),
+  lambda: jaxcomm.terngrad(error_feedback="diana", shift_rate=_ALPHA,
+                           axis_name=None),
+], ids=["qsgd", "terngrad"])
+def test_diana_shift_learns_a_fixed_gradient(make):
+  """A fixed gradient g, T steps, 400 seeds: the shift's error ``e_t = g -
+  h_t`` moves as ``e' = e - alpha C(e)``, so ``E[h_t] = (1 - (1 -
+  alpha)^t) g`` (the paper's closed form with C unbiased); every update
+  ``h + C(g - h)`` is unbiased, ``E[u_t] = g``; and ``E||e||^2`` contracts
+  (these codecs' variance on this gradient is below ``2 / alpha - 1``:
+  ``E||e'||^2 <= (1 - 2 alpha + alpha^2 (1 + omega)) E||e||^2``, about
+  0.65 a step for both), so after 30 steps the shift is within 1% of g
+  and so is the update."""
+  tx = make()
+  steps = 30
+  g = {"w": jnp.asarray(np.random.RandomState(3).randn(512), jnp.float32)}
+  want = np.asarray(g["w"], np.float64)
+
+  def run(key):
+    def step(s, _):
+      u, s = tx.update(g, s)
+      return s, (u["w"], s.estimate[0])
+    return jax.lax.scan(step, tx.init(g)._replace(key=key), None,
+                        length=steps)[1]
+
+  keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(400))
+  ups, hs = jax.jit(jax.vmap(run))(keys)
+  ups, hs = np.asarray(ups, np.float64), np.asarray(hs, np.float64)
+  for t in (0, 1, 2, 4):
+    shrink = 1.0 - (1.0 - _ALPHA) ** (t + 1)
+    assert _bias_ratio(hs[:, t], shrink * want) < 1.0, t
+    assert _bias_ratio(ups[:, t], want) < 1.0, t
+  err = np.sum((hs - want) ** 2, axis=-1).mean(axis=0)   # E||e_t||^2
+  assert np.all(np.diff(err[:15]) < 0), err
+  assert err[0] < np.sum(want ** 2)
+  assert err[-1] < 1e-4 * np.sum(want ** 2), err[-1]
+  norm = np.sqrt(np.sum(want ** 2))
+  rel = np.sqrt(np.sum((hs[:, -1] - want) ** 2, axis=-1)) / norm
+  assert rel.max() < 1e-2, rel.max()
+  # The update's quantization noise shrinks with the shift's error (plain
+  # quantization of g keeps it: ||C(g) - g|| is of the order of ||g||).
+  rel_u = np.sqrt(np.sum((ups[:, -1] - want) ** 2, axis=-1)) / norm
+  assert rel_u.max() < 1e-2, rel_u.max()
+  assert np.sqrt(np.sum((ups[:, 0] - want) ** 2, axis=-1)).min() > 0.3 * norm
+
+
+def test_diana_on_8_devices_learns_each_device_gradient(mesh):
+  """Each device repeats its own gradient: every shift ``h_i`` reaches
+  ``g_i``, ``h = mean_i h_i`` stays the aggregate, and the update reaches
+  ``mean_i g_i``; a NaN step then leaves ``h_i`` and ``h`` unchanged."""
+  tx = jaxcomm.qsgd(levels=7, bucket_size=128, error_feedback="diana",
+                    shift_rate=_ALPHA)
+  params = {"w": jnp.zeros((64, 48), jnp.float32)}
+  # Equal scales on every device (the quantizer's scale is shared: the
+  # max over devices of the bucket norms).
+  g = {"w": np.random.RandomState(4).randn(harness.N, 64, 48).astype(
+    np.float32)}
+  upd, state, _ = harness.device_run(tx, mesh, [g] * 30, params=params)
+  comp = jaxcomm.compress_states(state)[0]
+  h_i = np.asarray(comp.estimate[0], np.float64).reshape(harness.N, 64, 48)
+  want = g["w"].astype(np.float64)
+  first = np.abs(want).max()
+  assert np.abs(h_i - want).max() < 1e-4 * first
+  h = np.asarray(comp.estimate_mean[0], np.float64).reshape(64, 48)
+  np.testing.assert_allclose(h, h_i.mean(axis=0), atol=1e-6 * first)
+  np.testing.assert_allclose(upd[-1]["w"], want.mean(axis=0),
+                             atol=1e-4 * first)
+  bad = {"w": g["w"].copy()}
+  bad["w"][2, 0, 0] = np.nan
+  _, after, _ = harness.device_run(tx, mesh, [bad], params=params,
+                                   state=state)
+  comp2 = jaxcomm.compress_states(after)[0]
+  np.testing.assert_array_equal(comp2.estimate[0], comp.estimate[0])
+  np.testing.assert_array_equal(comp2.estimate_mean[0],
+                                comp.estimate_mean[0])
+  assert int(np.asarray(comp2.stats.nonfinite_steps).max()) == 1

@@ -55,6 +55,9 @@ def _natural_codec() -> _compressor.Codec:
 
   return _compressor.Codec(
     name="natural", init=lambda layout: (), apply=apply, mean_of_sent=False,
+    # Both roundings are unbiased; the owner's second one is why the mean
+    # is not the mean of what was sent (so DIANA and EF21 refuse it).
+    unbiased=True,
     wire=lambda layout, n: _quantized.natural_plan(layout.size,
                                                    n).wire)
 

@@ -328,8 +328,9 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
       ``"gram_schmidt"`` (PyTorch's choice) or ``"cholesky"`` (Cholesky-QR2
       with a Householder fallback).
     **options: ``start_step``, ``clip_norm``, ``momentum``,
-      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` (and
-      ``seed`` where not above), forwarded to :func:`jaxcomm.compressed`.
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay``,
+      ``shift_rate`` (and ``seed`` where not above), forwarded to
+      :func:`jaxcomm.compressed`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its codec state is a

@@ -102,7 +102,8 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
                    prepare: Callable | None = None,
                    stochastic: bool, low: int | None = None,
                    zero: Callable | None = None,
-                   stat_is_max: bool = False) -> _compressor.Codec:
+                   stat_is_max: bool = False,
+                   unbiased: bool = False) -> _compressor.Codec:
   """A quantizer whose codes, under a scale shared by all devices, add up.
 
   Per bucket: ``stat(xb) -> [nb]`` (``[nb, 2]`` when ``zero`` is set) the
@@ -113,6 +114,7 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
   ``prepare(v)`` runs before bucketing on ``[G, d]`` rows, one leaf per
   row (TernGrad's per-leaf clipping).
   Codes are summed exactly by :func:`jaxcomm.collectives.integer_allreduce`.
+  ``unbiased``: ``E[decoded] = x`` (the codec's ``unbiased``, for DIANA).
 
   Asymmetric codes: ``zero(S)`` is the value of code 0, a code ``q`` decodes
   to ``zero(S) + unit(S) q`` and a sum ``t`` of ``n`` codes to ``n zero(S) +
@@ -253,7 +255,7 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
             + _quantized.plan(lay.padded, bound, n, low).wire)
 
   return _compressor.Codec(name=name, init=lambda layout: (), apply=apply,
-                           wire=wire)
+                           wire=wire, unbiased=unbiased)
 
 
 def _safe_ratio(x, s):
@@ -298,7 +300,8 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
       overflow.
     bucket_size: elements per bucket, ``>= 1`` (static; default 128).
     axis_name: the data axis.
-    error_feedback: keep the quantization error (not in the paper).
+    error_feedback: keep the quantization error (not in the paper), or
+      ``"diana"`` (unbiased: DIANA's shifts, with ``shift_rate``).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
 
@@ -335,7 +338,7 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
 
   codec = _integer_codec(f"qsgd({levels})", levels, bucket_size, stat=stat,
                          quantize=quantize, unit=lambda s: s / levels,
-                         stochastic=True)
+                         stochastic=True, unbiased=True)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
@@ -368,7 +371,8 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
   Args:
     clip_sigma: ``c > 0`` or None (no clipping; injectable when set).
     axis_name: the data axis.
-    error_feedback: keep the quantization error (not in the paper).
+    error_feedback: keep the quantization error (not in the paper), or
+      ``"diana"`` (without ``clip_sigma``, which biases it).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
 
@@ -398,7 +402,9 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
   codec = _integer_codec(
     "terngrad", 1, None, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
     quantize=quantize, unit=lambda s: s, prepare=prepare, stochastic=True,
-    stat_is_max=True)
+    stat_is_max=True,
+    # Clipping to c sigma biases it; the stochastic ternary step does not.
+    unbiased=clip_sigma is None)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
