@@ -134,6 +134,17 @@ METHODS = [
   *[_m(f"top-k 0.001 + EF21-SGDM, lr {lr}", "topk",
        "ratio=0.001,error_feedback=ef21,momentum=0.9", ("sgd", "", lr),
        "momentum SGD") for lr in (1.0, 0.3)],
+  # Sattler et al.: the top-k 0.01 rows' positions Golomb-coded and the
+  # values replaced by one mean per leaf (STC: with signs; SBC: one sign).
+  _m("STC 0.01 + EF", "stc", "ratio=0.01", MSGD, "momentum SGD"),
+  _m("SBC 0.01 + EF", "sbc", "ratio=0.01", MSGD, "momentum SGD"),
+  # SIDCo: a fitted threshold at the top-k 0.01 rows' density.
+  _m("SIDCo 0.01 (exponential, 3 stages) + EF", "sidco", "ratio=0.01", MSGD,
+     "momentum SGD"),
+  # FetchSGD: momentum and error live in the sketch; plain SGD after it,
+  # as after DGC.
+  _m("FetchSGD k 0.01, 5 x 20000 sketch -> SGD", "fetchsgd",
+     "k_ratio=0.01,cols=20000", SGD, "momentum SGD"),
   _m("DGC 0.001 -> SGD", "dgc", "ratio=0.001", SGD, "momentum SGD"),
   # The paper's warm-up: densities 25%, 6.25%, 1.56%, 0.4%, then 0.1%
   # (here 80 steps each, 20% of the run, as its 4 of ~100 epochs are not).

@@ -483,3 +483,70 @@ registry.register(registry.Entry(
   kwargs={"ratio": 0.05},
   bad_args=_RATIO_BAD,
 ))
+
+
+# --------------------------------------------------------------- SIDCo ----
+
+def _sidco_threshold(mag, ratio, stages, first_ratio, dist):
+  """Abdelmoniem et al. 2021: the threshold of one leaf's ``|x|``, fitted
+  in stages (stage 1 on all of ``|x|``, later ones on the exceedances
+  shifted by their minimum)."""
+  def quantile(y, d):
+    m = y.mean()
+    if dist == "exponential":
+      return m * np.log(1 / d)        # exponential MLE: rate 1 / mean
+    v = y.var(ddof=1) if y.size > 1 else 0.0
+    r = m * m / max(v, np.finfo(np.float32).tiny)
+    a, c = 0.5 * m * (r + 1), 0.5 * (r - 1)   # GPD, method of moments
+    return a * np.log(1 / d) if abs(c) < 1e-6 else a * (1 - d ** c) / c
+
+  if stages == 1 or ratio >= first_ratio:
+    dens = [ratio]
+  else:
+    dens = [first_ratio] + [(ratio / first_ratio) ** (1 / (stages - 1))] * (
+      stages - 1)
+  t = quantile(mag, dens[0])
+  for d in dens[1:]:
+    exc = mag[mag > t]
+    if exc.size:
+      t = exc.min() + quantile(exc - exc.min(), d)
+  return t
+
+
+def _sidco_ref(ratio, stages, first_ratio, dist, capacity_factor):
+  def step(xs, state, t, key, n):
+    out = []
+    for dev in xs:
+      segs = []
+      for x in _segments(dev, "leaf"):
+        thr = _sidco_threshold(np.abs(x), ratio, stages, first_ratio, dist)
+        cap = min(x.size, max(1, math.ceil(
+          capacity_factor * references.topk_count(ratio, x.size))))
+        sel = np.flatnonzero(np.abs(x) > thr)[:cap]   # first by index
+        s = np.zeros_like(x)
+        s[sel] = x[sel]
+        segs.append(s)
+      out.append(segs)
+    return (*_finish(out, xs, n), state)
+  return step
+
+
+registry.register(registry.Entry(
+  name="sidco_exp_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_sidco_ref(0.05, 3, 0.25, "exponential", 2.0),
+  factory=jaxcomm.sidco,
+  kwargs={"ratio": 0.05},
+  bad_args=_RATIO_BAD + [({"first_ratio": 0.0}, "first_ratio"),
+                         ({"stages": 0}, "stages"),
+                         ({"distribution": "gamma"}, "distribution"),
+                         ({"capacity_factor": 0.5}, "capacity_factor")],
+))
+
+registry.register(registry.Entry(
+  name="sidco_gpareto_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_sidco_ref(0.05, 2, 0.25, "gpareto", 2.0),
+  factory=jaxcomm.sidco,
+  kwargs={"ratio": 0.05, "distribution": "gpareto", "stages": 2},
+))

@@ -258,8 +258,11 @@ def test_inject_hyperparams_needs_only_the_passed_static_args(name):
   default left out, and gives the plain factory's update."""
   factory = getattr(jaxcomm, name)
   args = dict(_REQUIRED[name], axis_name=None)
-  static = tuple(k for k in args if k not in ("ratio", "value")
-                 or name in ("topk", "randomk", "gtopk", "csc"))
+  # The passed arguments that set shapes: what the registry derived from
+  # the factory's signature (plus its ``static=``), and the axis.
+  method = next(m for m in jaxcomm.registry.methods() if m.attr == name)
+  static = tuple(k for k in args
+                 if k in method.static_args or k == "axis_name")
   injected = optax.inject_hyperparams(factory, static_args=static)(**args)
   plain = factory(**args)
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
@@ -322,13 +325,16 @@ def test_every_factory_forwards_the_shared_options(name):
     calls.append(step)
     return 0.1
 
-  extra = {} if name == "dgc" else {"momentum": 0.5}
+  # DGC passes its own momentum to compressed(); FetchSGD's ``momentum``
+  # is its sketch's (kept in the codec state, no per-device buffer).
+  extra = {} if name in ("dgc", "fetchsgd") else {"momentum": 0.5}
   tx = factory(**args, start_step=2, lr_schedule=schedule, **extra)
   assert jaxcomm.spec_of(tx).start_step == 2
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
   rng = np.random.default_rng(2)
   state = tx.init(params)
-  assert len(state.momentum) == 1          # a momentum buffer per bucket
+  # A momentum buffer per bucket.
+  assert len(state.momentum) == (0 if name == "fetchsgd" else 1)
   update = jax.jit(tx.update)
   for _ in range(2):                        # dense phase: the exact mean
     grads = {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),
@@ -341,8 +347,12 @@ def test_every_factory_forwards_the_shared_options(name):
     factory(**args, clip_norm=-1.0)
   with pytest.raises(ValueError, match="residual_decay"):
     factory(**args, residual_decay=1.5)
-  decayed = factory(**args, residual_decay=0.5, **extra)
-  assert jaxcomm.compress_states(decayed.init(params))
+  if name == "fetchsgd":        # no residual to decay: refused by name
+    with pytest.raises(ValueError, match="residual_decay"):
+      factory(**args, residual_decay=0.5)
+  else:
+    decayed = factory(**args, residual_decay=0.5, **extra)
+    assert jaxcomm.compress_states(decayed.init(params))
   with pytest.raises(ValueError, match="unknown option"):
     factory(**args, bucket_cap=3)
 
