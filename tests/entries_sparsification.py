@@ -550,3 +550,57 @@ registry.register(registry.Entry(
   factory=jaxcomm.sidco,
   kwargs={"ratio": 0.05, "distribution": "gpareto", "stages": 2},
 ))
+
+
+# ------------------------------------------------------------ ScaleCom ----
+
+def _scalecom_ref(ratio, beta):
+  """Chen et al. 2020, Algorithm 1: the leader ``t mod n`` picks, per leaf,
+  its k largest ``|x|``; every device sends its own values there and the
+  update is their mean. The memory is low-pass filtered, ``m_t = (1 - beta)
+  m_{t-1} + beta (x_t - C(x_t))``; the harness keeps ``x - sent`` as the
+  memory, so sent is ``x - m_t``. The state holds each device's ``m``."""
+  def init(shapes):
+    return None
+
+  def step(xs, state, t, key, n):
+    if state is None:
+      state = [[np.zeros_like(x) for x in dev] for dev in xs]
+    lead = t % n
+    chosen = [[np.zeros_like(x) for x in dev] for dev in xs]
+    for j, xl in enumerate(xs[lead]):
+      flat = xl.ravel()
+      sel = _largest(np.abs(flat), references.topk_count(ratio, flat.size))
+      for i in range(n):
+        c = chosen[i][j].reshape(-1)
+        c[sel] = xs[i][j].ravel()[sel]
+    mean = [sum(chosen[i][j] for i in range(n)) / n
+            for j in range(len(xs[0]))]
+    memory = [[(1 - beta) * m + beta * (x - c)
+               for m, x, c in zip(state[i], xs[i], chosen[i])]
+              for i in range(n)]
+    sent = [[x - m for x, m in zip(xs[i], memory[i])] for i in range(n)]
+    return mean, sent, memory
+  return init, step
+
+
+_SCALECOM_BAD = _RATIO_BAD + [({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),
+                              ({"beta": 0.5, "error_feedback": False}, "beta")]
+
+registry.register(registry.Entry(
+  name="scalecom_ef",
+  ref_init=_scalecom_ref(0.05, 1.0)[0],
+  ref_step=_scalecom_ref(0.05, 1.0)[1],
+  factory=jaxcomm.scalecom,
+  kwargs={"ratio": 0.05},
+  bad_args=_SCALECOM_BAD,
+))
+
+registry.register(registry.Entry(
+  name="scalecom_lowpass_ef",
+  ref_init=_scalecom_ref(0.05, 0.3)[0],
+  ref_step=_scalecom_ref(0.05, 0.3)[1],
+  factory=jaxcomm.scalecom,
+  kwargs={"ratio": 0.05, "beta": 0.3},
+  conserves=False,
+))

@@ -654,3 +654,88 @@ def test_sidco_density_tracks_its_target_on_lm_gradients(distribution,
                      / sum(l.size for l in leaves))
   achieved = float(np.mean(fractions))
   assert 0.8 * ratio <= achieved <= 1.2 * ratio, (achieved, fractions)
+
+
+# ------------------------------------------------------------ ScaleCom ----
+
+def test_scalecom_bytes_are_flat_in_devices_while_topk_grows():
+  """The compiled step's collectives: the leader's k int32 indices and the
+  k float32 values per leaf, psummed (plus the fused dense psum), the same
+  on 2, 4 and 8 devices; top-k's all-gather grows with n."""
+  params = harness.battery_params()
+  k = sum(sp.num_selected(0.05, params[name].size)
+          for name in harness.COMPRESSED)
+  dense = 4 * (params["b"].size + 1)
+  scalecom, topk = {}, {}
+  for n in (2, 4, 8):
+    mesh = _submesh(n)
+    scalecom[n] = jaxcomm.wire.report(
+      harness.lower_update(jaxcomm.scalecom(0.05), mesh), params=params
+    ).payload
+    topk[n] = jaxcomm.wire.report(
+      harness.lower_update(jaxcomm.topk(0.05), mesh), params=params).payload
+  for n in (2, 4, 8):
+    assert scalecom[n] == {"all-reduce": 8 * k + dense}, scalecom
+  assert sum(topk[2].values()) < sum(topk[4].values()) < sum(
+    topk[8].values()), topk
+
+
+def test_scalecom_leader_rotates(mesh):
+  """Device i's gradient peaks at its own coordinate c_i; without error
+  feedback and with k = 1, step t's update is the devices' mean at
+  c_{t mod n} and zero elsewhere."""
+  n = harness.N
+  shape = (32, 16)
+  rng = np.random.RandomState(5)
+  g = 0.01 * rng.randn(n, *shape)
+  peaks = rng.choice(g[0].size, size=n, replace=False)
+  for i, c in enumerate(peaks):
+    g.reshape(n, -1)[i, c] = 10.0 * (i + 1) * (-1) ** i
+  g = g.astype(np.float32)
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  steps = n + 3
+  tx = jaxcomm.scalecom(1 / g[0].size, error_feedback=False)
+  upd, _, _ = harness.device_run(tx, mesh, [{"w": g}] * steps, params=params)
+  for t in range(steps):
+    c = peaks[t % n]
+    want = np.zeros(g[0].size)
+    want[c] = g.reshape(n, -1)[:, c].astype(np.float64).mean()
+    np.testing.assert_allclose(np.asarray(upd[t]["w"]).ravel(), want,
+                               rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
+
+
+def test_scalecom_lowpass_memory_follows_the_filter(mesh):
+  """beta < 1: the residual after one step is beta (x - C(x)) from zero
+  memory, and after two (1 - beta) m_1 + beta (x_2 - C(x_2))."""
+  beta = 0.25
+  grads = harness.make_grads(seed=7, steps=2)
+  tx = jaxcomm.scalecom(0.05, beta=beta)
+  _, state, _ = harness.device_run(tx, mesh, grads)
+  res = harness.residuals_of(state)
+  m = [[np.zeros(grads[0][k].shape[1:]) for k in harness.COMPRESSED]
+       for _ in range(harness.N)]
+  for t, gr in enumerate(grads):
+    lead = t % harness.N
+    xs = [[m[i][j] + np.asarray(gr[k][i], np.float64)
+           for j, k in enumerate(harness.COMPRESSED)]
+          for i in range(harness.N)]
+    for j in range(len(harness.COMPRESSED)):
+      flat = np.abs(xs[lead][j]).ravel()
+      sel = np.argsort(-flat, kind="stable")[
+        :references.topk_count(0.05, flat.size)]
+      for i in range(harness.N):
+        left = xs[i][j].ravel().copy()
+        left[sel] = 0.0
+        m[i][j] = (1 - beta) * m[i][j] + beta * left.reshape(xs[i][j].shape)
+  for j in range(len(harness.COMPRESSED)):
+    np.testing.assert_allclose(np.asarray(res[j]), np.stack(
+      [m[i][j] for i in range(harness.N)]), rtol=1e-4, atol=1e-5)
+
+
+def test_scalecom_bad_arguments():
+  with pytest.raises(ValueError, match="beta"):
+    jaxcomm.scalecom(0.01, beta=0.0)
+  with pytest.raises(ValueError, match="beta"):
+    jaxcomm.scalecom(0.01, beta=0.5, momentum=0.9)
+  with pytest.raises(ValueError, match="ratio"):
+    jaxcomm.scalecom(1.5)

@@ -17,6 +17,7 @@ from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
 from jaxcomm.transforms import _quantization
+from jaxcomm.transforms import _scalecom
 from jaxcomm.transforms import _sidco
 from jaxcomm.transforms import _signs
 from jaxcomm.transforms import _sketch
@@ -34,6 +35,7 @@ from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
 from jaxcomm.transforms._powersgd import *
 from jaxcomm.transforms._quantization import *
+from jaxcomm.transforms._scalecom import *
 from jaxcomm.transforms._sidco import *
 from jaxcomm.transforms._signs import *
 from jaxcomm.transforms._sketch import *
@@ -53,6 +55,7 @@ __all__ += _natural.__all__
 __all__ += _optimizers.__all__
 __all__ += _powersgd.__all__
 __all__ += _quantization.__all__
+__all__ += _scalecom.__all__
 __all__ += _sidco.__all__
 __all__ += _signs.__all__
 __all__ += _sketch.__all__
