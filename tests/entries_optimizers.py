@@ -118,3 +118,121 @@ for _name, _factory, _lamb, _dense, _extra in (
     dense_baseline=(lambda dense=_dense: optax.chain(
       jaxcomm.mean_gradients(), dense(LR))),
   ))
+
+
+# ------------------------------------------------------------------ DeMo --
+# Peng, Quesnelle & Kingma 2024 (arXiv 2411.19870), Algorithm 1 and the
+# authors' reference optimizer: per device m = beta m + g; the top-k
+# coefficients of each tile's orthonormal 2-D DCT-II are taken out of m and
+# all-gathered; the step is -lr sign(IDCT(mean of the coefficients)). The
+# departures jaxcomm states: coefficients averaged over all n devices (the
+# reference averages each over its senders), a leaf of more dimensions is
+# the matrix (prod(shape[:-1]), shape[-1]), the policy's dense leaves are
+# DeMo with every coefficient taken (the exact mean gradient's sign).
+
+DEMO = {"learning_rate": LR, "compression_decay": 0.9,
+        "compression_topk": 6, "compression_chunk": 8}
+
+
+def demo_dct(n):
+  """The orthonormal DCT-II matrix from its formula (float64)."""
+  d = np.zeros((n, n))
+  for k in range(n):
+    scale = np.sqrt((1.0 if k == 0 else 2.0) / n)
+    for j in range(n):
+      d[k, j] = scale * np.cos(np.pi * (2 * j + 1) * k / (2 * n))
+  return d
+
+
+def demo_tiles(shape, chunk):
+  """(rows, cols, h, w): the leaf as a matrix, tile sides the largest
+  divisors of its dimensions not above ``chunk`` (the reference's
+  ``_get_smaller_split``)."""
+  rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+  cols = int(shape[-1]) if shape else 1
+  side = lambda s: max(d for d in range(1, chunk + 1) if s % d == 0)
+  return rows, cols, side(rows), side(cols)
+
+
+def demo_extract(m, topk, chunk):
+  """The coefficients DeMo takes out of momentum ``m``: per tile the
+  ``topk`` of largest magnitude (ties: lower index), as a dense array of
+  DCT coefficients [tiles_r, tiles_c, h, w] (zeros elsewhere)."""
+  rows, cols, h, w = demo_tiles(m.shape, chunk)
+  x = m.reshape(rows // h, h, cols // w, w)
+  coef = np.einsum("yhxw,ah,bw->yxab", x, demo_dct(h), demo_dct(w))
+  flat = coef.reshape(-1, h * w)
+  keep = np.zeros_like(flat)
+  for t in range(flat.shape[0]):
+    order = np.argsort(-np.abs(flat[t]), kind="stable")[:topk]
+    keep[t, order] = flat[t, order]
+  return keep.reshape(coef.shape)
+
+
+def demo_inverse(coef, shape):
+  h, w = coef.shape[2:]
+  x = np.einsum("yxab,ah,bw->yhxw", coef, demo_dct(h), demo_dct(w))
+  return x.reshape(shape)
+
+
+def demo_run(grads_seq, n, params=None, compressed=None, *, lr=LR,
+             decay=0.9, topk=6, chunk=8, sign=True, weight_decay=0.0):
+  """DeMo in float64 numpy over ``grads_seq`` on ``n`` devices.
+
+  ``compressed``: the leaves that go through the exchange (default the
+  battery's); other floating leaves are the exact mean (DeMo taking every
+  coefficient). The momentum is rounded to float32 after every step, as
+  the transform stores it. Returns (updates, momenta[i][j], None).
+  """
+  first = grads_seq[0]
+  names = sorted(k for k in first if np.asarray(first[k]).dtype.kind == "f")
+  comp = list(harness.COMPRESSED) if compressed is None else list(compressed)
+  params = harness.battery_params() if params is None else params
+  p = {k: np.asarray(params[k], np.float64) for k in names}
+  f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)
+  mom = [[np.zeros(first[k].shape[1:]) for k in comp] for _ in range(n)]
+  out = []
+  for grads in grads_seq:
+    upd = {}
+    for k in names:
+      g = np.asarray(grads[k], np.float64)
+      if k in comp:
+        j = comp.index(k)
+        total = 0.0
+        for i in range(n):
+          x = f32(decay * mom[i][j] + g[i])
+          c = demo_extract(x, topk, chunk)
+          mom[i][j] = f32(x - demo_inverse(c, x.shape))
+          total = total + c
+        q = demo_inverse(total / n, g.shape[1:])
+      else:
+        q = g.mean(axis=0)
+      d = np.sign(q) if sign else q
+      upd[k] = -lr * (d + weight_decay * p[k])
+    out.append(upd)
+  return out, mom, None
+
+
+registry.register(registry.Entry(
+  name="demo",
+  ref_init=lambda shapes: None,
+  ref_step=None,
+  numpy_run=lambda grads_seq, n: demo_run(grads_seq, n),
+  factory=jaxcomm.demo,
+  kwargs=dict(DEMO),
+  bad_args=[({"compression_decay": 1.0}, "compression_decay"),
+            ({"compression_decay": -0.1}, "compression_decay"),
+            ({"compression_topk": 0}, "compression_topk"),
+            ({"compression_topk": 64}, "compression_topk"),
+            ({"compression_topk": 2.5}, "compression_topk"),
+            ({"compression_chunk": 1}, "compression_chunk"),
+            ({"learning_rate": -1.0}, "learning_rate"),
+            ({"weight_decay": -0.1}, "weight_decay"),
+            ({"sign": 1}, "sign")],
+  # The exchange moves the momentum's fast components, and the step is
+  # their sign: no gradient balance (the momentum's is checked in
+  # tests/test_optimizers.py with sign=False).
+  conserves=False,
+  dense_baseline=lambda: optax.chain(jaxcomm.mean_gradients(),
+                                     optax.signum(LR, beta=0.9)),
+))

@@ -353,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--optimizer", default=d.optimizer,
                  choices=OPTIMIZERS,
                  help="applied to the compressed mean; onebit_adam, "
-                 "onebit_lamb and zero_one_adam are whole optimizers that "
-                 "exchange their own 1-bit momentum (use them with "
-                 "--compressor dense, the default for them)")
+                 "onebit_lamb, zero_one_adam and demo are whole optimizers "
+                 "that exchange their own compressed momentum (use them "
+                 "with --compressor dense, the default for them)")
   g.add_argument("--optimizer-args", default=d.optimizer_args,
                  help="arguments of a jaxcomm optimizer, e.g. "
                  "freeze_step=200")
@@ -510,8 +510,9 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw",
 
 
 def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
-  """A jaxcomm optimizer (``--optimizer onebit_adam|onebit_lamb``) with
-  ``--optimizer-args`` (``freeze_step`` defaults to 20% of the steps)."""
+  """A jaxcomm optimizer (``--optimizer onebit_adam|onebit_lamb|demo``)
+  with ``--optimizer-args`` (``freeze_step``, where the optimizer takes
+  one, defaults to 20% of the steps)."""
   factory = getattr(jaxcomm, cfg.optimizer)
   kwargs = parse_kwargs(cfg.optimizer_args)
   params = inspect.signature(factory).parameters
@@ -523,8 +524,9 @@ def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
                      f"{', '.join(unknown)}; valid: {', '.join(valid)}")
   freeze = ("var_freeze_step" if cfg.optimizer == "zero_one_adam"
             else "freeze_step")
-  kwargs.setdefault(freeze, max(cfg.steps // 5, 1))
-  if kwargs[freeze] == 0 and not cfg.resume:
+  if freeze in params:   # the Adam family's warm-up (not DeMo's)
+    kwargs.setdefault(freeze, max(cfg.steps // 5, 1))
+  if kwargs.get(freeze) == 0 and not cfg.resume:
     # A frozen variance comes from the warm-up: a fresh state's is zero,
     # and the first step would divide by eps.
     raise ValueError(
