@@ -3,7 +3,9 @@ optax's own Adam/AdamW/LAMB on the mean gradient, the balance of the
 momentum's mass through the 1-bit exchange, a ``freeze_step=0`` program
 continuing a warm-up run, and moving the state to another device count.
 (The battery, ``tests/entries_optimizers.py``, checks the compressed steps
-against numpy references of the papers' algorithms.)"""
+against numpy references of the papers' algorithms.) DeMo at the end: its
+DCT, its tiles of leaves of any shape, its momentum's balance, the paper's
+lr-weighted momentum under a schedule, and convergence."""
 
 import jax
 import jax.numpy as jnp
@@ -242,3 +244,167 @@ def test_params_sharded_over_a_model_axis_compress_over_data_only():
       for k in ("b", "w"):
         np.testing.assert_allclose(cut(got[t][k]), want[t][k], rtol=1e-6,
                                    atol=1e-8, err_msg=f"shard {m} {k} {t}")
+
+
+# ------------------------------------------------------------------ DeMo --
+
+from jaxcomm.transforms import _demo  # noqa: E402
+from tests import entries_optimizers  # noqa: E402
+from tests import linear_model  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 35, 64])
+def test_demo_dct_is_the_orthonormal_dct_ii(n):
+  """The DCT matrix is DCT-II's closed form, entry by entry, and
+  orthonormal: ``D D^T = D^T D = I``."""
+  d = _demo.dct_matrix(n)
+  np.testing.assert_allclose(d, entries_optimizers.demo_dct(n), atol=1e-14)
+  np.testing.assert_allclose(d @ d.T, np.eye(n), atol=1e-12)
+  np.testing.assert_allclose(d.T @ d, np.eye(n), atol=1e-12)
+  # Row k oscillates k/2 times: a constant is all in the first coefficient.
+  c = d @ np.ones(n)
+  np.testing.assert_allclose(c[1:], 0.0, atol=1e-12)
+  assert np.isclose(c[0], np.sqrt(n))
+
+
+def _demo_params(seed=5):
+  """Leaves whose tiles differ: 64 x 64 (uint16 indices), a vector cut
+  into 60s, a 50 x 35 tile, a 3-D leaf as the matrix (35, 9), a leaf
+  whose prime dimension leaves tiles of 3 coefficients (dense), and a
+  bias below the policy's minimum size (dense)."""
+  r = np.random.RandomState(seed)
+  shapes = {"a": (128, 64), "b": (48,), "m": (100, 70), "p": (3, 331),
+            "t": (5, 7, 9), "v": (300,)}
+  return {k: jnp.asarray(r.randn(*s) * 0.1, jnp.float32)
+          for k, s in shapes.items()}
+
+
+def test_demo_tiles_leaves_of_any_shape_as_the_reference(mesh):
+  """Default chunk 64 and top-32 on leaves whose dimensions do not divide
+  by 64 or are smaller: three steps with decoupled weight decay match the
+  float64 reference (updates and each device's momentum), a leaf whose
+  tiles hold at most 32 coefficients travels in the dense psum, and the
+  claimed bytes are what the compiled step moves."""
+  params = _demo_params()
+  tx = jaxcomm.demo(0.05, compression_decay=0.8, weight_decay=0.1)
+  grads = harness.make_grads(11, 3, params=params)
+  updates, state, _ = harness.device_run(tx, mesh, grads, params=params)
+  comp = ["a", "m", "t", "v"]
+  assert _demo._demo_codec(32, 64).accepts((3, 331)) is False
+  want, mom, _ = entries_optimizers.demo_run(
+    grads, harness.N, params, comp, lr=0.05, decay=0.8, topk=32, chunk=64,
+    weight_decay=0.1)
+  for t in range(3):
+    for k in params:
+      np.testing.assert_allclose(updates[t][k], want[t][k], rtol=1e-5,
+                                 atol=1e-7, err_msg=f"{k} step {t}")
+  got = harness.split_buckets(jaxcomm.compress_states(state)[0].residual,
+                              [tuple(params[k].shape) for k in comp])
+  for j, k in enumerate(comp):
+    np.testing.assert_allclose(
+      got[j], np.stack([mom[i][j] for i in range(harness.N)]), rtol=1e-4,
+      atol=1e-5, err_msg=f"momentum of {k}")
+  hlo = jaxcomm.wire.report(harness.lower_update(tx, mesh, params),
+                            params=params)
+  claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(tx, params, harness.N),
+                                 n=harness.N, params=params)
+  assert hlo.payload == claim.payload, (hlo.payload, claim.payload)
+  # 2 + 5 + 4 + 1 tiles of 32 pairs: float32 values, uint16 indices (the
+  # 64 x 64 tile's 4096 positions) two to a word; p and b (and the
+  # non-finite flag) in the fused psum.
+  pairs = 32 * (2 + 5 + 4 + 1)
+  assert claim.payload["all-gather"] == 4 * harness.N * (pairs + pairs // 2)
+  assert claim.payload["all-reduce"] == 4 * (3 * 331 + 48 + 1)
+
+
+def test_demo_momentum_is_what_was_not_sent(mesh):
+  """With ``sign=False`` and rate 1 the step is ``-Q``: on every step and
+  compressed leaf, summed over devices, the decayed momenta plus the
+  gradients equal ``n Q`` plus the new momenta (the fast components left
+  the momentum and nothing else did), and the momenta differ between
+  devices (they are never synchronized)."""
+  beta = 0.7
+  tx = jaxcomm.demo(1.0, compression_decay=beta, sign=False,
+                    compression_topk=6, compression_chunk=8)
+  state, prev = None, None
+  for g in harness.make_grads(12, 3):
+    upd, state, _ = harness.device_run(tx, mesh, [g], state=state)
+    mom = harness.residuals_of(state)
+    for j, k in enumerate(harness.COMPRESSED):
+      old = 0.0 if prev is None else prev[j].astype(np.float64)
+      before = (beta * old + np.asarray(g[k], np.float64)).sum(axis=0)
+      after = (-harness.N * np.asarray(upd[0][k], np.float64)
+               + mom[j].astype(np.float64).sum(axis=0))
+      scale = np.abs(before).max()
+      np.testing.assert_allclose(after, before, atol=1e-5 * scale,
+                                 err_msg=k)
+      assert np.abs(mom[j][0] - mom[j][1]).max() > 0.1 * scale
+    prev = mom
+
+
+def test_demo_with_a_schedule_is_the_papers_lr_weighted_momentum(mesh):
+  """The reference optimizer accumulates ``delta = beta delta + lr_t g``;
+  jaxcomm keeps the momentum in gradient units and rescales it by
+  ``lr_{t-1} / lr_t``: with a changing rate the steps are the paper's."""
+  rates = [0.1, 0.05, 0.2, 0.01]
+  sched = lambda t: jnp.asarray(rates)[jnp.minimum(t, 3)]
+  beta, n = 0.9, harness.N
+  tx = jaxcomm.demo(sched, compression_decay=beta, compression_topk=6,
+                    compression_chunk=8)
+  grads = harness.make_grads(13, 4)
+  updates, _, _ = harness.device_run(tx, mesh, grads)
+  ex = entries_optimizers
+  delta = {k: [np.zeros(harness.battery_params()[k].shape)] * n
+           for k in harness.COMPRESSED}
+  for t, g in enumerate(grads):
+    for k in harness.COMPRESSED:
+      total = 0.0
+      for i in range(n):
+        x = beta * delta[k][i] + rates[t] * np.asarray(g[k][i], np.float64)
+        c = ex.demo_extract(x, 6, 8)
+        delta[k][i] = x - ex.demo_inverse(c, x.shape)
+        total = total + c
+      want = -rates[t] * np.sign(ex.demo_inverse(total / n, x.shape))
+      np.testing.assert_allclose(updates[t][k], want, rtol=1e-6,
+                                 err_msg=f"{k} step {t}")
+
+
+def test_demo_converges_as_dense_sign_and_adam_methods():
+  """Least squares on 8 devices, 300 steps, cosine rate from 0.01: DeMo
+  (top-32 of each 24 x 16 tile, momentum 0.9) reaches the noise floor as
+  dense signum and Adam do, on a held-out batch."""
+  steps = 300
+  data = linear_model.make_batches(steps + 1, seed=1)
+
+  def held_out(tx):
+    _, p, _, _ = linear_model.run(tx, steps, batches=data)
+    return float(linear_model.loss_fn(jax.device_get(p), data[-1]))
+
+  sched = optax.cosine_decay_schedule(0.01, steps)
+  start = float(linear_model.loss_fn(linear_model.params(), data[-1]))
+  demo = held_out(jaxcomm.demo(sched, compression_decay=0.9))
+  signum = held_out(optax.chain(jaxcomm.mean_gradients(),
+                                optax.signum(sched, beta=0.9)))
+  adam = held_out(optax.chain(jaxcomm.mean_gradients(), optax.adam(
+    optax.cosine_decay_schedule(0.03, steps))))
+  assert demo < 0.01 * start, (demo, start)
+  assert demo < 1.2 * signum and demo < 1.2 * adam, (demo, signum, adam)
+
+
+def test_demo_errors_name_the_argument():
+  with pytest.raises(ValueError, match="compression_topk"):
+    jaxcomm.demo(0.1, compression_topk=64 * 64)   # every tile whole
+  with pytest.raises(ValueError, match="compression_chunk"):
+    jaxcomm.demo(0.1, compression_chunk=8.0)
+  with pytest.raises(ValueError, match="compression_decay"):
+    jaxcomm.demo(0.1, compression_decay=1.0)
+  jaxcomm.demo(0.1, compression_topk=63, compression_chunk=8)   # 63 < 64
+  tx = jaxcomm.demo(0.1, weight_decay=0.1, axis_name=None)
+  p = _floats(_params())
+  with pytest.raises(ValueError, match="weight_decay needs params"):
+    tx.update(p, tx.init(p))
+  with pytest.raises(ValueError, match="DeMoState"):
+    tx.update(p, jaxcomm.onebit_adam(0.1, freeze_step=0).init(p), p)
+  c = {"z": jnp.zeros((4,), jnp.complex64)}
+  with pytest.raises(ValueError, match=r"\['z'\] is complex"):
+    tx.update(c, tx.init(c), c)
