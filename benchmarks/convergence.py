@@ -97,6 +97,17 @@ METHODS = [
   _m("PowerSGD r4 -> Adam", "powersgd", "rank=4", ADAM, "Adam"),
   _m("QSGD -> Adam", "qsgd", "", ADAM, "Adam"),
   _m("TernGrad -> Adam", "terngrad", "", ADAM, "Adam"),
+  # Low-bit formats against bf16, the baseline that counts (issue: the
+  # frontier): the OCP MX formats and a plain FP8 cast.
+  _m("bf16 -> Adam", "cast", "dtype=bfloat16", ADAM, "Adam"),
+  _m("MXFP8 -> Adam", "mx", "fmt=mxfp8", ADAM, "Adam"),
+  _m("MXFP4 + EF -> Adam", "mx", "fmt=mxfp4,error_feedback=True", ADAM,
+     "Adam"),
+  _m("FP8 E4M3 cast + EF -> Adam", "cast",
+     "dtype=float8_e4m3fn,error_feedback=True", ADAM, "Adam"),
+  # DIANA (Mishchenko et al. 2019): QSGD of the difference to a learned
+  # shift, shift rate 0.5.
+  _m("QSGD + DIANA -> Adam", "qsgd", "error_feedback=diana", ADAM, "Adam"),
   # LAMB.
   _m("LAMB (dense)", "dense", "", LAMB, "LAMB"),
   _m("1-bit LAMB", "dense", "", ("onebit_lamb", FREEZE, 3e-2), "LAMB"),
@@ -236,7 +247,8 @@ def main(argv=None, *, set_devices: bool = True) -> list[dict]:
   p.add_argument("--steps", type=int, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--methods", default=None,
-                 help="comma-separated labels or compressor names")
+                 help="labels or compressor names, separated by ';' (labels "
+                 "hold commas)")
   p.add_argument("--out-dir", default=os.path.join("runs", "convergence"))
   args = p.parse_args(argv)
   workers = [int(w) for w in args.workers.split(",") if w]

@@ -54,3 +54,34 @@ for _dtype, _np in ((jnp.bfloat16, ml_dtypes.bfloat16),
       # residual is taken: that second rounding is not fed back.
       conserves=False,
     ))
+
+
+def _fp8_cast_ref(np_dtype):
+  """As :func:`_cast_ref`, each cast saturating at the type's largest
+  finite value."""
+  top = float(ml_dtypes.finfo(np_dtype).max)
+
+  def low_of(v):
+    return np.asarray(np.clip(np.asarray(v, np.float32), -top, top).astype(
+      np_dtype), np.float64)
+
+  def ref_step(xs, state, step, key, n):
+    low = [[low_of(x / n) for x in dev] for dev in xs]
+    mean = [low_of(np.sum([low[i][j] for i in range(n)], axis=0))
+            for j in range(len(xs[0]))]
+    return mean, [[l * n for l in dev] for dev in low], state
+  return ref_step
+
+
+for _name, _np in (("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
+                   ("float8_e5m2", ml_dtypes.float8_e5m2)):
+  registry.register(registry.Entry(
+    name=f"cast_{_name}_ef",
+    ref_init=lambda shapes: None,
+    ref_step=_fp8_cast_ref(_np),
+    error_feedback=True,
+    factory=jaxcomm.cast,
+    kwargs={"dtype": _name, "error_feedback": True},
+    rtol=1e-2, atol=1e-2,
+    conserves=False,
+  ))

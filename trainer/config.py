@@ -79,6 +79,8 @@ FALLBACK = ("cast", "dtype=bfloat16,error_feedback=True")
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
            "float16": jnp.float16, "fp16": jnp.float16,
+           "float8_e4m3fn": jnp.float8_e4m3fn,
+           "float8_e5m2": jnp.float8_e5m2,
            "float32": jnp.float32}
 
 

@@ -300,17 +300,27 @@ def scatter_gather_sum(flat: jax.Array, axis_name: AxisName,
     float32 vector of ``flat``'s length: the sum, identical on all devices.
   """
   if axis_name is None:
-    return flat.astype(wire_dtype).astype(jnp.float32)
+    return wire_cast(flat, wire_dtype).astype(jnp.float32)
   n = axis_size(axis_name)
   size = flat.shape[0]
   per_word = 4 // jnp.dtype(wire_dtype).itemsize
   chunk = padded_length(-(-size // n), per_word)
-  x = jnp.pad(flat, (0, chunk * n - size)).astype(wire_dtype)
+  x = wire_cast(jnp.pad(flat, (0, chunk * n - size)), wire_dtype)
   words = to_words(x.reshape(n, chunk))               # [n, chunk / per_word]
   got = from_words(all_to_all(words, axis_name, 0, 0), wire_dtype)
   mine = jnp.sum(got.astype(jnp.float32), axis=0)     # my chunk of the sum
-  out = all_gather(to_words(mine.astype(wire_dtype)), axis_name, tiled=True)
+  out = all_gather(to_words(wire_cast(mine, wire_dtype)), axis_name,
+                   tiled=True)
   return from_words(out, wire_dtype).astype(jnp.float32)[:size]
+
+
+def wire_cast(x: jax.Array, dtype) -> jax.Array:
+  """``x.astype(dtype)``, saturating at the largest finite value for the
+  8-bit floats (E4M3FN has no infinity: an overflow would be NaN)."""
+  if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+    top = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x, -top, top)
+  return x.astype(dtype)
 
 
 def to_words(x: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
+from jaxcomm.transforms import _mx
 from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
@@ -33,6 +34,7 @@ from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gossip import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
+from jaxcomm.transforms._mx import *
 from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
 from jaxcomm.transforms._powersgd import *
@@ -54,6 +56,7 @@ __all__ += _global_topk.__all__
 __all__ += _gossip.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
+__all__ += _mx.__all__
 __all__ += _natural.__all__
 __all__ += _optimizers.__all__
 __all__ += _powersgd.__all__

@@ -54,6 +54,7 @@ def mean_gradients(axis_name="data"):
 
 _CAST_DTYPES = {
   "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+  "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2,
 }
 
 
@@ -71,8 +72,8 @@ def _cast_codec(dtype) -> _compressor.Codec:
   def apply(x, state, ctx):
     n = ctx.num_devices
     # Divide by n before the cast, so the sum cannot overflow where the
-    # mean would not (fp16's max is 65504).
-    low = (x / n).astype(dtype)
+    # mean would not (fp16's max is 65504); FP8 saturates.
+    low = _core.wire_cast(x / n, dtype)
     mean = _core.scatter_gather_sum(low.astype(jnp.float32), ctx.axis_name,
                                     dtype)
     sent = low.astype(jnp.float32) * n
@@ -116,10 +117,14 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
   ``min_size`` travel in the fused float32 psum.
 
   Args:
-    dtype: ``"bfloat16"`` (default) or ``"float16"``, or the JAX dtypes
-      themselves (a string is what ``optax.inject_hyperparams`` leaves
-      static; a dtype object is callable, and it would take it for a
-      schedule).
+    dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float8_e4m3fn"``
+      or ``"float8_e5m2"``, or the JAX dtypes themselves (a string is what
+      ``optax.inject_hyperparams`` leaves static; a dtype object is
+      callable, and it would take it for a schedule). The FP8 casts
+      saturate at the type's largest finite value and have no scale: small
+      gradients flush to zero (E4M3's smallest subnormal is ``2^-9``); keep
+      ``error_feedback=True`` with them, or use :func:`jaxcomm.mx`, whose
+      block scales follow the values.
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
