@@ -287,9 +287,121 @@ registry.register(registry.Entry(
   ref_step=_integer_ref(128, lambda b: np.max(np.abs(b), axis=1),
                         _int8_quantize, lambda s: s / 127, False),
   factory=jaxcomm.int8,
-  kwargs={"bucket_size": 128},
+  kwargs={"bucket_size": 128, "exchange": "exact"},
   bad_args=[({"bucket_size": 0}, "bucket_size"),
             ({"bucket_size": 2.5}, "bucket_size")],
+))
+
+
+def bf16_up(u):
+  """The smallest bfloat16 value >= ``u`` (a float32 >= 0), from the
+  bfloat16 format: the float32's top 16 bits, plus one unit of the last
+  kept bit when any of the dropped 16 bits is set."""
+  b = int(np.asarray(u, np.float32).view(np.uint32))
+  top = b & 0xFFFF0000
+  if b & 0xFFFF:
+    top += 0x10000
+  return np.uint32(top).view(np.float32)
+
+
+def _requantized_ref(bits, block):
+  """The requantized two-phase all-reduce (EQuARX, Google 2025; ZeRO++'s
+  qgZ), from its definition, with the owner's rounding kept as server
+  error (in gradient-sum units, as onebit's).
+
+  ``q = 2^(bits-1) - 1``. The flat vector (leaves in tree order) is cut
+  into ``n`` chunks of ``C = ceil(L / n)`` rounded up to 32 elements,
+  each chunk into blocks of ``block`` elements (the last block of a chunk
+  short; elements past ``L`` are not there). A block ``v`` has the step
+  ``s``, the smallest bfloat16 value >= ``max|v| (1 / q)``, and is sent
+  as ``round(v (1 / s))`` (half to even), decoding to ``code * s``; each
+  product and quotient is rounded to float32 as the compressor rounds it
+  (the owner's sums decide later roundings). The owner of chunk ``k`` sums the ``n`` decoded chunks in
+  device order in float32 (the sum decides later roundings, so it is the
+  transform's float32 sum, not a float64 one), adds its server error,
+  rounds that sum the same way block by block (``z``), keeps ``y - z``;
+  the mean is ``z / n``.
+  """
+  q = 2 ** (bits - 1) - 1
+
+  def rounded(v):
+    v = np.asarray(v, np.float32)
+    step = bf16_up(np.max(np.abs(v)) * np.float32(1.0 / q))
+    inv = np.float32(1) / step if step > 0 else np.float32(0)
+    return np.round(v * inv) * step
+
+  def blocks(lo, hi):
+    return [(a, min(a + block, hi)) for a in range(lo, hi, block)]
+
+  def step(xs, state, t, key, n):
+    like = xs[0]
+    length = sum(x.size for x in like)
+    if state["server"] is None:
+      state["server"] = [np.zeros(length, np.float32) for _ in range(n)]
+    chunk = -((-(-length // n)) // -WORD) * WORD
+    flats = [_flat(dev) for dev in xs]
+    dec = [np.zeros(length, np.float32) for _ in range(n)]
+    mean = np.zeros(length)
+    for k in range(n):
+      lo, hi = k * chunk, min((k + 1) * chunk, length)
+      if lo >= hi:
+        continue
+      for i in range(n):
+        for a, b in blocks(lo, (k + 1) * chunk):
+          b = min(b, length)
+          if a < b:
+            dec[i][a:b] = rounded(flats[i][a:b])
+      y = dec[0][lo:hi].copy()
+      for i in range(1, n):
+        y = y + dec[i][lo:hi]
+      y = y + state["server"][k][lo:hi]
+      z = np.zeros(hi - lo, np.float32)
+      for a, b in blocks(lo, (k + 1) * chunk):
+        b = min(b, hi)
+        if a < b:
+          z[a - lo:b - lo] = rounded(y[a - lo:b - lo])
+      state["server"][k][lo:hi] = y - z
+      mean[lo:hi] = z.astype(np.float64) / n
+    sent = [_split(d.astype(np.float64), like) for d in dec]
+    return _split(mean, like), sent, state
+  return step
+
+
+def _server_error_mass(host_state):
+  """The requantized exchange's server error, summed over its owners."""
+  err = np.asarray(codec_state(host_state).server_error, np.float64)
+  shapes = [(3, 3, 8, 16), (64, 48)]   # harness.COMPRESSED order
+  return _split(err.sum(axis=0), [np.zeros(s) for s in shapes])
+
+
+registry.register(registry.Entry(
+  name="int8_requantized",
+  ref_init=lambda shapes: {"server": None},
+  ref_step=_requantized_ref(8, 128),
+  factory=jaxcomm.int8,
+  kwargs={"bucket_size": 128, "exchange": "requantized"},
+  extra_mass=_server_error_mass,
+  bad_args=[({"exchange": "fast"}, "exchange"),
+            ({"exchange": 8}, "exchange"),
+            ({"bucket_size": 0}, "bucket_size"),
+            ({"error_feedback": "ef21"}, "error_feedback")],
+))
+
+# int4 as the factory makes it (exchange=None): requantized on 8 devices,
+# 64-element blocks (a chunk of 544 elements: 8 whole blocks and a short
+# one).
+registry.register(registry.Entry(
+  name="int4",
+  ref_init=lambda shapes: {"server": None},
+  ref_step=_requantized_ref(4, 64),
+  factory=jaxcomm.int4,
+  kwargs={"bucket_size": 64},
+  extra_mass=_server_error_mass,
+  bad_args=[({"bucket_size": 0}, "bucket_size"),
+            ({"bucket_size": 2.5}, "bucket_size"),
+            ({"exchange": "int4"}, "exchange"),
+            ({"exchange": "requantized", "error_feedback": "ef21"},
+             "error_feedback")],
 ))
 
 

@@ -28,6 +28,7 @@ from jaxcomm.collectives._gossip import push_sum_mix
 from jaxcomm.collectives._lowrank import lowrank_allreduce
 from jaxcomm.collectives._quantized import integer_allreduce
 from jaxcomm.collectives._quantized import natural_allreduce
+from jaxcomm.collectives._quantized import requantized_allreduce
 from jaxcomm.collectives._signs import compressed_allreduce
 from jaxcomm.collectives._signs import gather_signs
 from jaxcomm.collectives._signs import majority_vote

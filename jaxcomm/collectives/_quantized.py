@@ -196,6 +196,221 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
   return vals[:length]
 
 
+# ------------------------------------------------ requantized allreduce --
+
+# Code widths the requantized exchange offers: b-bit signed codes in
+# [-(2^(b-1) - 1), 2^(b-1) - 1], stored offset and packed 32 / b to a word.
+REQUANTIZED_BITS = (4, 8)
+
+
+def _check_requantized(bits, block) -> None:
+  if isinstance(bits, bool) or bits not in REQUANTIZED_BITS:
+    raise ValueError(f"bits must be one of {REQUANTIZED_BITS}, got {bits!r}")
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    raise ValueError(f"block must be an int >= 1, got {block!r}")
+
+
+class RequantizedPlan(NamedTuple):
+  """The layout of :func:`requantized_allreduce` on ``n`` devices.
+
+  Attributes:
+    bits: bits per code (4 or 8).
+    bound: codes lie in ``[-bound, bound]`` (``2^(bits-1) - 1``).
+    chunk: elements each device owns, ``ceil(length / n)`` rounded up to
+      a multiple of 32 (:func:`jaxcomm.collectives.chunk_length`: what
+      ``parallel.resize_state`` re-cuts a server error by).
+    blocks: blocks per chunk, ``ceil(chunk / block)`` (the last one of
+      each chunk may be short).
+    words: ``uint32`` words of codes per chunk, ``chunk * bits / 32``.
+    scale_words: ``uint32`` words of bf16 steps per chunk, two to a word.
+    wire: ``[(hlo_kind, payload_bytes), ...]``.
+  """
+
+  bits: int
+  bound: int
+  chunk: int
+  blocks: int
+  words: int
+  scale_words: int
+  wire: list
+
+
+def requantized_plan(length: int, n: int, bits: int, block: int
+                     ) -> RequantizedPlan:
+  """The chunks, blocks and collectives of :func:`requantized_allreduce`.
+
+  Each phase moves, per chunk, the chunk's codes and one bf16 step per
+  block: payload ``4 n (C b / 32 + ceil(ceil(C / B) / 2))`` bytes, of which
+  each device sends ``(n - 1) / n`` (ring all-to-all and all-gather). With
+  ``C ~ L / n`` that is ``2 (n - 1) / n (b + 16 / B)`` bits per element in
+  all: 14.2 for ``b = 8``, 7.2 for ``b = 4`` at ``B = 128`` and ``n = 8``,
+  against 28 for a bf16 ring all-reduce.
+  """
+  _check_requantized(bits, block)
+  chunk = _core.padded_length(-(-length // n), WORD_BITS)
+  blocks = -(-chunk // block)
+  words = chunk * bits // WORD_BITS
+  scale_words = -(-blocks // 2)
+  payload = 4 * n * (words + scale_words)
+  return RequantizedPlan(bits, 2 ** (bits - 1) - 1, chunk, blocks, words,
+                         scale_words,
+                         [("all-to-all", payload), ("all-gather", payload)])
+
+
+def _bf16_up(u: jax.Array) -> jax.Array:
+  """The smallest bfloat16 value ``>= u`` (``u >= 0`` float32), as float32:
+  the low 16 bits of the float32 rounded up into the high ones."""
+  bits = jax.lax.bitcast_convert_type(u, jnp.uint32)
+  up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(up, jnp.float32)
+
+
+def block_quantize(v: jax.Array, bound: int):
+  """Signed codes of ``v`` (``[..., B]`` rows, one block each) on a step
+  of the block's own maximum.
+
+  .. math::
+    m = \\max_k |v_k|, \\quad
+    s = \\lceil m (1 / q) \\rceil_{\\mathrm{bf16}}, \\quad
+    c_k = \\operatorname{round}(v_k (1 / s))
+
+  with ``q = bound``, every product and quotient rounded to float32,
+  ``round`` half to even and a zero block giving ``s = 0`` and zero codes.
+  ``|c_k| <= q``: ``|v_k| <= m <= q s``. The step is a bfloat16 value
+  (8 significant bits), so a decoded value ``c_k s`` (7 + 8 bits) is exact
+  in float32: sums of decoded values round the same whether or not the
+  compiler fuses a product into an add (XLA's CPU backend does: a float32
+  step made the chunk owner's sums, and so its rounding, depend on
+  fusion), and the step travels in 16 bits.
+
+  Returns:
+    ``(c, s)``: ``int32[..., B]`` codes and ``float32[...]`` steps (bf16
+    values); a code decodes to ``c * s``.
+  """
+  m = jnp.max(jnp.abs(v), axis=-1)
+  s = _bf16_up(m * jnp.float32(1.0 / bound))
+  inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+  q = jnp.round(v * inv[..., None]).astype(jnp.int32)
+  return q, s
+
+
+def _blocked(v, c: int, nb: int, block: int):
+  """``[..., c]`` -> ``[..., nb, block]`` (zero-padded: padding never moves
+  a block maximum)."""
+  pad = [(0, 0)] * (v.ndim - 1) + [(0, nb * block - c)]
+  return jnp.pad(v, pad).reshape(v.shape[:-1] + (nb, block))
+
+
+def _decode_blocks(q, s, c: int):
+  """Codes ``int32[..., nb, B]`` times their block's step (exact) ->
+  ``float32[..., c]``."""
+  vals = q.astype(jnp.float32) * s[..., None]
+  return vals.reshape(vals.shape[:-2] + (-1,))[..., :c]
+
+
+def _encode(q, s, p: "RequantizedPlan"):
+  """Codes ``[..., nb, B]`` and steps ``[..., nb]`` -> ``uint32[..., words
+  + scale_words]``: the chunk's packed codes (offset by ``bound``), then
+  the steps' bfloat16 bits, two to a word."""
+  flat = q.reshape(q.shape[:-2] + (-1,))[..., :p.chunk]
+  words = pack_codes((flat + p.bound).astype(jnp.uint32), p.bits)
+  half = jax.lax.bitcast_convert_type(s, jnp.uint32) >> 16
+  pad = [(0, 0)] * (half.ndim - 1) + [(0, 2 * p.scale_words - p.blocks)]
+  return jnp.concatenate([words, pack_codes(jnp.pad(half, pad), 16)],
+                         axis=-1)
+
+
+def _decode(msg, p: "RequantizedPlan", block: int):
+  """Inverse of :func:`_encode`: ``float32[..., chunk]``."""
+  q = unpack_codes(msg[..., :p.words], p.bits, p.chunk).astype(
+    jnp.int32) - p.bound
+  half = unpack_codes(msg[..., p.words:], 16, p.blocks)
+  s = jax.lax.bitcast_convert_type(half << 16, jnp.float32)
+  return _decode_blocks(_blocked(q, p.chunk, p.blocks, block), s, p.chunk)
+
+
+def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
+                          *, bits: int, block: int):
+  """Two-phase all-reduce of ``bits``-bit block codes, the chunk sums
+  requantized to ``bits`` bits by their owners (server error kept).
+
+  The vector is cut into ``n`` chunks of ``C`` elements
+  (:func:`requantized_plan`), each chunk into blocks of ``B = block``
+  elements (the last one of a chunk may be short). Every block is coded
+  on a step of its own maximum (:func:`block_quantize`): ``w = Q(x)``,
+  codes in ``[-q, q]``, ``q = 2^(bits-1) - 1``, one bf16 step per block.
+
+  Phase 1 (all-to-all): device ``j`` receives chunk ``j`` of every
+  device's codes and steps, decodes them and sums them in device order in
+  float32 (each decoded value is exact), and adds its server error ``e_j``
+  (gradient-sum units): ``y = sum_i w_i + e_j``. Phase 2 (all-gather): it
+  requantizes ``y`` the same way on ``y``'s own block maxima, ``z =
+  Q(y)``, keeps ``e_j' = y - z`` and sends ``z``'s codes and steps to
+  every device; the result is ``z / n``.
+
+  Overflow of a requantized partial sum is impossible by construction:
+  ``y`` is rescaled by its own block maximum before rounding (``|y_k| <=
+  max|y| <= q s``), so every code lies in ``[-q, q]`` whatever ``n`` (no
+  ``log2 n`` extra bits, unlike :func:`integer_allreduce`'s exact sums)
+  and is the same ``bits`` wide as the first phase's.
+
+  Mass: ``n * result + sum_j e_j' = sum_i w_i + sum_j e_j`` (up to float32
+  rounding of the sums), so with the workers' error feedback ``n sum_t
+  result_t + sum_i e_i + sum_j e_j = sum_t sum_i g_{t,i}``.
+
+  Args:
+    x: ``float[L]``, this device's vector.
+    server_error: ``float32[L]``; this device reads and writes only its
+      own chunk ``[j C, (j + 1) C)`` (zero elsewhere).
+    axis_name: the axis, or None.
+    bits: 4 or 8 (static).
+    block: elements per step, ``>= 1`` (static).
+
+  Returns:
+    ``(mean, sent, server_error)``: ``float32[L]`` identical (typed
+    invariant) on every device; this device's decoded message ``w``; the
+    new server error.
+
+  References:
+    Google, `EQuARX: Efficient Quantized AllReduce in XLA for Distributed
+    Machine Learning Acceleration <https://arxiv.org/abs/2506.17615>`_,
+    2025 (block-wise int8 in both phases).
+  """
+  _check_requantized(bits, block)
+  x = _core.vector(x, "x", jnp.floating, jnp.float32)
+  length = x.shape[0]
+  server_error = _core.vector(server_error, "server_error", jnp.floating,
+                              jnp.float32)
+  if server_error.shape != (length,):
+    raise ValueError(f"server_error must have shape ({length},), got "
+                     f"{server_error.shape}")
+  n = _core.axis_size(axis_name)
+  p = requantized_plan(length, n, bits, block)
+  c, nb = p.chunk, p.blocks
+  idx = _core.axis_index(axis_name)
+
+  # Worker: every destination chunk in its own blocks.
+  xs = _blocked(jnp.pad(x, (0, n * c - length)).reshape(n, c), c, nb, block)
+  q, s = block_quantize(xs, p.bound)                        # [n, nb, B]
+  sent = _decode_blocks(q, s, c).reshape(-1)[:length]
+  got = _core.all_to_all(_encode(q, s, p), axis_name, 0, 0)
+
+  # Owner of chunk idx: sum in device order, add the server error,
+  # requantize on the sum's own block maxima.
+  rows = _decode(got, p, block)                             # [n, C]
+  y = rows[0]
+  for i in range(1, n):
+    y = y + rows[i]
+  err_pad = jnp.pad(server_error, (0, n * c - length))
+  y = y + jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
+  r, big = block_quantize(_blocked(y, c, nb, block), p.bound)
+  z = _decode_blocks(r, big, c)
+  new_err = jax.lax.dynamic_update_slice(err_pad, y - z, (idx * c,))
+  rows = _core.all_gather(_encode(r, big, p), axis_name)
+  mean = _decode(rows, p, block).reshape(-1)[:length] / n
+  return mean, sent, new_err[:length]
+
+
 # ------------------------------------------------------ natural compression --
 
 
@@ -277,4 +492,6 @@ def natural_allreduce(values: jax.Array, axis_name,
 
 
 __all__ = ["code_bits", "pack_codes", "unpack_codes", "plan", "Plan",
-           "integer_allreduce", "natural_allreduce", "natural_plan"]
+           "integer_allreduce", "natural_allreduce", "natural_plan",
+           "REQUANTIZED_BITS", "requantized_plan", "RequantizedPlan",
+           "requantized_allreduce", "block_quantize"]

@@ -18,7 +18,9 @@ factory         message per element            exchange (per device sends)
 ``ef_signsgd``  sign + ``||x||_1 / d``         all-gather, ``n - 1`` bits
 ``qsgd``        level in ``[-s, s]``           integer allreduce
 ``terngrad``    ternary ``{-1, 0, 1}``         integer allreduce
-``int8``        ``round(127 x / max|x|)``      integer allreduce
+``int8``        ``round(127 x / max|x|)``      two-phase, requantized, ~14 bits
+                                               (exact integer allreduce, ~21)
+``int4``        ``round(7 x / max|x|)``        two-phase, requantized, ~7 bits
 ``uint8``       ``round((x - min) / s)``       integer allreduce
 ``natural``     sign + exponent byte (9 bits)  two-phase, re-rounded, ~18 bits
 =============== ============================== ================================
@@ -40,6 +42,7 @@ import numpy as np
 from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _compressor
+from jaxcomm import _per_device
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
@@ -410,30 +413,163 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
                                 seed=seed, **options)
 
 
+class RequantizedState(NamedTuple):
+  """Codec state of :func:`int8` and :func:`int4` (unless
+  ``exchange="exact"``).
+
+  Attributes:
+    server_error: ``float32[L]`` per device (``L`` the bucket's size):
+      what the chunk owner's requantization of the chunk sums left out,
+      in gradient-sum units; device ``k`` uses only its chunk ``[k C, (k
+      + 1) C)`` (:func:`jaxcomm.collectives.requantized_allreduce`).
+  """
+
+  server_error: jax.Array
+
+
+# As onebit's server error: device k holds its chunk's mass in full.
+_per_device.register(RequantizedState, server_error=_per_device.OWNED)
+
+EXCHANGES = ("exact", "requantized")
+
+
+def _sent_cost(collectives) -> int:
+  """Bytes one device sends, up to the common ``(n - 1) / n``: ring
+  all-reduces send their payload twice, all-gathers and all-to-alls once."""
+  return sum(b * (2 if k == "all-reduce" else 1) for k, b in collectives)
+
+
+def _block_int_codec(name: str, bits: int, bucket_size: int,
+                     exchange: str | None) -> _compressor.Codec:
+  """Signed ``bits``-bit codes on a per-bucket (per-block) maximum, by the
+  exact integer exchange or the requantized one (:func:`int8`)."""
+  bound = 2 ** (bits - 1) - 1
+
+  def quantize(xb, s, u):
+    del u
+    return jnp.round(_safe_ratio(xb, s) * float(bound) * jnp.sign(xb)
+                     ).astype(jnp.int32)
+
+  exact = _integer_codec(
+    name, bound, bucket_size, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
+    quantize=quantize, unit=lambda s: s / float(bound), stochastic=False)
+  if exchange == "exact":
+    return exact
+
+  def choose(layout, n):
+    if exchange is not None:
+      return exchange
+    if n <= 1:
+      return "exact"
+    requant = _quantized.requantized_plan(layout.size, n, bits,
+                                          bucket_size).wire
+    if _sent_cost(requant) < _sent_cost(exact.wire(layout, n)):
+      return "requantized"
+    return "exact"
+
+  def init(layout):
+    return RequantizedState(jnp.zeros([layout.size], jnp.float32))
+
+  def apply(x, state, ctx):
+    if choose(ctx.layout, ctx.num_devices) == "exact":
+      # A server error left by the requantized exchange (a state resized
+      # to a device count where the exact one moves fewer bytes) is sent
+      # now, not lost: it joins this device's message but not its
+      # residual (zero otherwise, and then nothing changes).
+      err = state.server_error
+      res = exact.apply(x + err, (), ctx)
+      return _compressor.CodecResult(mean=res.mean, sent=res.sent - err,
+                                     state=RequantizedState(
+                                       jnp.zeros_like(err)))
+    mean, sent, err = _quantized.requantized_allreduce(
+      x, state.server_error, ctx.axis_name, bits=bits, block=bucket_size)
+    return _compressor.CodecResult(mean=mean, sent=sent,
+                                   state=RequantizedState(err))
+
+  def wire(layout, n):
+    if choose(layout, n) == "exact":
+      return exact.wire(layout, n)
+    return _quantized.requantized_plan(layout.size, n, bits,
+                                       bucket_size).wire
+
+  # The requantized mean is not the mean of what devices sent (the owner
+  # rounds it again): EF21 is refused for it by name.
+  return _compressor.Codec(name=name, init=init, apply=apply, wire=wire,
+                           mean_of_sent=False)
+
+
+def _block_int(name, bits, bucket_size, exchange, error_feedback):
+  bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
+  _checks.integer("bucket_size", bucket_size, 1)
+  _checks.error_feedback(error_feedback)
+  if exchange is not None and (not isinstance(exchange, str)
+                               or exchange not in EXCHANGES):
+    raise ValueError(f"exchange must be one of {EXCHANGES} or None (the "
+                     f"one that moves fewer bytes), got {exchange!r}")
+  if exchange is None and error_feedback in ("ef21", "diana"):
+    # EF21 keeps h = mean_i h_i only where the result is the mean of what
+    # devices sent: the exact exchange.
+    exchange = "exact"
+  return _block_int_codec(name, bits, bucket_size, exchange)
+
+
+_EXCHANGE_DOC = """
+  Two exchanges (``exchange``; None takes the one that moves fewer bytes
+  on the step's device count, from ``n = 3`` on the requantized one):
+
+  * ``"exact"``: the scale of each bucket (``bucket_size`` elements of one
+    leaf, the last one padded) is the maximum over devices (one small
+    ``pmax``), so the codes add up exactly: the chunk owners sum them as
+    integers and send back ``ceil(log2(2 q n + 1))``-bit sums
+    (:func:`jaxcomm.collectives.integer_allreduce`). The mean is the mean
+    of what devices sent; EF21 works.
+  * ``"requantized"`` (EQuARX's and ZeRO++'s pattern): every device scales
+    each block of ``B = bucket_size`` elements by its own maximum; an
+    all-to-all gives each chunk's owner every device's codes and block
+    maxima; it sums them in float32, adds its server error and requantizes
+    the sum to the same width on the sum's own block maxima; an all-gather
+    returns the requantized chunks
+    (:func:`jaxcomm.collectives.requantized_allreduce`). Each device sends
+    ``2 (n - 1) / n (b + 32 / B)`` bits per element. A requantized sum
+    cannot overflow its codes: it is divided by its own block maximum
+    before rounding, so every code lies in ``[-q, q]`` whatever ``n``.
+    Blocks are cut from the flat bucket (within each device's chunk), so a
+    block may span the end of one leaf and the start of the next. The
+    owner's rounding error is kept as server-side error feedback (per
+    device, on its own chunk, in gradient-sum units, as :func:`onebit`'s):
+    ``n sum_t mean_t + sum_i e_i + sum server_error = sum_t sum_i g_t,i``.
+    The mean is not the mean of what devices sent, so EF21 and DIANA
+    need ``exchange="exact"`` (None picks it for them).
+"""
+
+
 @_registry.method(
     family="compressor",
-    paper="Dettmers 2016",
-    summary="int8 codes + per-bucket scale, EF")
+    paper="Dettmers 2016; EQuARX (Google 2025)",
+    summary="int8 codes + per-block scale, requantized 2-phase, EF")
 @_compressor.shared_options
 def int8(bucket_size: int | None = None, *, axis_name="data",
+         exchange: str | None = None,
          error_feedback: bool = True, policy=None,
          **options):
   """int8 quantization with a per-bucket scale and error feedback.
 
   .. math::
-    S = \\max_{i} \\max_{k \\in b} |x_{i,k}|, \\quad
     q_k = \\operatorname{round}(127 x_k / S), \\quad
-    \\hat x_k = \\frac{S}{127} q_k
+    \\hat x_k = \\frac{S}{127} q_k, \\quad
+    S = \\max_{k \\in b} |x_k|
 
-  Deterministic rounding (half to even); the scale is shared by all devices
-  (one ``pmax`` per bucket) so the int8 codes add up exactly: the chunk
-  owners sum them as integers and send back ``ceil(log2(254 n + 1))``-bit
-  sums (16 bits for up to 258 devices). With error feedback (default) the
-  rounding error is resent later and mass is conserved.
+  Deterministic rounding (half to even). With error feedback (default)
+  the rounding error is resent later and mass is conserved.
+  {exchange}
+  At ``n = 8`` with ``B = 128``: about 14.4 bits per element sent per
+  device (requantized), against 21.3 (exact) and 28 for a bf16 ring
+  all-reduce (:func:`cast`).
 
   Args:
     bucket_size: elements per scale, ``>= 1`` (static; default 128).
     axis_name: the data axis.
+    exchange: ``"exact"``, ``"requantized"`` or None (fewer bytes).
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
 
@@ -444,22 +580,68 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
   References:
     Dettmers, `8-Bit Approximations for Parallelism in Deep Learning
     <https://arxiv.org/abs/1511.04561>`_, 2016.
+    Google, `EQuARX: Efficient Quantized AllReduce in XLA for Distributed
+    Machine Learning Acceleration <https://arxiv.org/abs/2506.17615>`_,
+    2025.
   """
-  bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
-  _checks.integer("bucket_size", bucket_size, 1)
-  _checks.error_feedback(error_feedback)
-
-  def quantize(xb, s, u):
-    del u
-    return jnp.round(_safe_ratio(xb, s) * 127.0 * jnp.sign(xb)).astype(
-      jnp.int32)
-
-  codec = _integer_codec(
-    "int8", 127, bucket_size, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
-    quantize=quantize, unit=lambda s: s / 127.0, stochastic=False)
+  codec = _block_int("int8", 8, bucket_size, exchange, error_feedback)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
+
+
+@_registry.method(
+    family="compressor",
+    paper="ZeRO++ qgZ (Wang et al. 2023); EQuARX (Google 2025)",
+    summary="int4 codes + per-block scale, requantized 2-phase, EF")
+@_compressor.shared_options
+def int4(bucket_size: int | None = None, *, axis_name="data",
+         exchange: str | None = None,
+         error_feedback: bool = True, policy=None,
+         **options):
+  """int4 quantization with a per-block scale and error feedback.
+
+  .. math::
+    q_k = \\operatorname{round}(7 x_k / S), \\quad
+    \\hat x_k = \\frac{S}{7} q_k, \\quad
+    S = \\max_{k \\in b} |x_k|
+
+  :func:`int8` at 4 bits: codes in ``[-7, 7]`` travel 8 to a ``uint32``
+  word (XLA's CPU backend widens sub-32-bit collectives). Deterministic
+  rounding (half to even); error feedback (default) resends the rounding
+  error, which at 15 levels is most of what makes it train.
+  {exchange}
+  At ``n = 8`` with ``B = 128``: about 7.4 bits per element sent per device
+  (requantized), against 10.7 (exact, 8-bit sums) and 28 for a bf16 ring
+  all-reduce.
+
+  Args:
+    bucket_size: elements per scale, ``>= 1`` (static; default 128).
+    axis_name: the data axis.
+    exchange: ``"exact"``, ``"requantized"`` or None (fewer bytes).
+    error_feedback: keep the rounding error per device.
+    policy: a :class:`jaxcomm.LeafPolicy`.
+
+  Example::
+
+    tx = optax.chain(jaxcomm.int4(), optax.sgd(0.1, momentum=0.9))
+
+  References:
+    Wang et al, `ZeRO++: Extremely Efficient Collective Communication for
+    Giant Model Training <https://arxiv.org/abs/2306.10209>`_, 2023 (qgZ:
+    int4 gradients by all-to-all).
+    Google, `EQuARX: Efficient Quantized AllReduce in XLA for Distributed
+    Machine Learning Acceleration <https://arxiv.org/abs/2506.17615>`_,
+    2025.
+  """
+  codec = _block_int("int4", 4, bucket_size, exchange, error_feedback)
+  return _compressor.compressed(codec, axis_name=axis_name,
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
+
+
+int8.__doc__ = int8.__doc__.replace("{exchange}", _EXCHANGE_DOC)
+int4.__doc__ = int4.__doc__.replace("{exchange}", _EXCHANGE_DOC)
 
 
 def _uint8_span(S):
@@ -539,8 +721,10 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
 
 
 __all__ = [
+  "int4",
   "int8",
   "qsgd",
   "terngrad",
   "uint8",
+  "RequantizedState",
 ]
