@@ -94,6 +94,10 @@ METHODS = [
   _m("0/1 Adam", "dense", "",
      ("zero_one_adam", "var_freeze_step=320,local_step_scaler=100,"
       "local_step_clipper=16", 3e-3), "Adam"),
+  # DeMo (Peng et al. 2024): local momenta (decay 0.999), top-32 DCT
+  # coefficients of each 64 x 64 tile all-gathered, sign steps at Adam's
+  # rate (sign and Adam steps have the same per-element scale).
+  _m("DeMo", "dense", "", ("demo", "", 3e-3), "Adam"),
   _m("PowerSGD r4 -> Adam", "powersgd", "rank=4", ADAM, "Adam"),
   _m("QSGD -> Adam", "qsgd", "", ADAM, "Adam"),
   _m("TernGrad -> Adam", "terngrad", "", ADAM, "Adam"),

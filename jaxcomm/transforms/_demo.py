@@ -222,7 +222,11 @@ def demo(
   What travels is one all-gather of every device's ``(index, value)``
   pairs: ``compression_topk`` per tile, values in float32, indices within
   the tile in the smallest unsigned type (uint16 for 64 x 64 tiles),
-  packed into uint32 words; ``n`` times the message per device.
+  packed into uint32 words; ``n`` times the message per device. A
+  dimension without a divisor near ``compression_chunk`` gets thin tiles:
+  the char-LSTM's ``(96, 103)`` head (a prime vocabulary) is cut into 48 x
+  1 tiles of which 32 coefficients travel, more bytes than its dense psum;
+  keep such a leaf dense with a :class:`jaxcomm.LeafPolicy` mask.
 
   Departures from the paper's reference implementation, stated:
 
