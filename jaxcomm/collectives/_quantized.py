@@ -20,6 +20,14 @@ moves fewer bytes for the number of devices (:func:`plan`):
   Each device sends ``(n - 1) / n * L * (b + b2)`` bits: about ``b + b2``
   bits per element whatever ``n``.
 
+:func:`requantized_allreduce` gives up exactness for width (EQuARX,
+ZeRO++'s qgZ): every device codes each block of its vector on its own
+block maximum, the chunk owner sums the decoded chunks in float32 and
+requantizes the sum to the same width on the sum's own block maxima, and
+keeps what that rounding left out as a server error. Each device sends
+``2 (n - 1) / n (b + 16 / B)`` bits per element (bf16 steps per block of
+``B``): 14.2 for int8 at ``n = 8``, against 21.4 exact and 28 for bf16.
+
 :func:`natural_allreduce` exchanges the 9-bit codes of natural compression
 (sign bit + float32 exponent byte), which do not add as integers: from
 ``n = 3`` on the chunk owners round their averaged chunk to powers of two a
@@ -200,7 +208,7 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
 
 # Code widths the requantized exchange offers: b-bit signed codes in
 # [-(2^(b-1) - 1), 2^(b-1) - 1], stored offset and packed 32 / b to a word.
-REQUANTIZED_BITS = (4, 8)
+REQUANTIZED_BITS = (2, 4, 8)
 
 
 def _check_requantized(bits, block) -> None:
@@ -214,7 +222,7 @@ class RequantizedPlan(NamedTuple):
   """The layout of :func:`requantized_allreduce` on ``n`` devices.
 
   Attributes:
-    bits: bits per code (4 or 8).
+    bits: bits per code (2, 4 or 8).
     bound: codes lie in ``[-bound, bound]`` (``2^(bits-1) - 1``).
     chunk: elements each device owns, ``ceil(length / n)`` rounded up to
       a multiple of 32 (:func:`jaxcomm.collectives.chunk_length`: what

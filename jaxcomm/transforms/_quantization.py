@@ -515,7 +515,7 @@ def _block_int(name, bits, bucket_size, exchange, error_feedback):
 
 _EXCHANGE_DOC = """
   Two exchanges (``exchange``; None takes the one that moves fewer bytes
-  on the step's device count, from ``n = 3`` on the requantized one):
+  on the step's device count: the requantized one from ``n = 2`` on):
 
   * ``"exact"``: the scale of each bucket (``bucket_size`` elements of one
     leaf, the last one padded) is the maximum over devices (one small
@@ -529,8 +529,10 @@ _EXCHANGE_DOC = """
     maxima; it sums them in float32, adds its server error and requantizes
     the sum to the same width on the sum's own block maxima; an all-gather
     returns the requantized chunks
-    (:func:`jaxcomm.collectives.requantized_allreduce`). Each device sends
-    ``2 (n - 1) / n (b + 32 / B)`` bits per element. A requantized sum
+    (:func:`jaxcomm.collectives.requantized_allreduce`); each block's step
+    is its maximum over ``q`` rounded up to a bfloat16 value (16 bits on
+    the wire, and decoded values exact in float32). Each device sends
+    ``2 (n - 1) / n (b + 16 / B)`` bits per element. A requantized sum
     cannot overflow its codes: it is divided by its own block maximum
     before rounding, so every code lies in ``[-q, q]`` whatever ``n``.
     Blocks are cut from the flat bucket (within each device's chunk), so a
@@ -562,9 +564,9 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
   Deterministic rounding (half to even). With error feedback (default)
   the rounding error is resent later and mass is conserved.
   {exchange}
-  At ``n = 8`` with ``B = 128``: about 14.4 bits per element sent per
-  device (requantized), against 21.3 (exact) and 28 for a bf16 ring
-  all-reduce (:func:`cast`).
+  At ``n = 8`` with ``B = 128`` (compiled HLO, one 1M-element leaf):
+  14.2 bits per element sent per device (requantized), against 21.4
+  (exact) and 28 for a bf16 ring all-reduce (:func:`cast`).
 
   Args:
     bucket_size: elements per scale, ``>= 1`` (static; default 128).
@@ -611,9 +613,9 @@ def int4(bucket_size: int | None = None, *, axis_name="data",
   rounding (half to even); error feedback (default) resends the rounding
   error, which at 15 levels is most of what makes it train.
   {exchange}
-  At ``n = 8`` with ``B = 128``: about 7.4 bits per element sent per device
-  (requantized), against 10.7 (exact, 8-bit sums) and 28 for a bf16 ring
-  all-reduce.
+  At ``n = 8`` with ``B = 128`` (compiled HLO, one 1M-element leaf): 7.2
+  bits per element sent per device (requantized), against 10.9 (exact,
+  8-bit sums) and 28 for a bf16 ring all-reduce.
 
   Args:
     bucket_size: elements per scale, ``>= 1`` (static; default 128).
