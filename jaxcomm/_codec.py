@@ -30,6 +30,9 @@ class Context(NamedTuple):
     key: a PRNG key for this step, identical on every device (a shared key
       for random-k; fold in ``device_index`` for independent noise).
     layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+    grad: for a codec with ``wants_gradient`` only (else None): this
+      step's fresh contribution to ``x`` as the bucket's flat buffer: the
+      (clipped) gradient ``g``, or DGC's momentum ``u`` with ``momentum``.
   """
 
   axis_name: Any
@@ -38,6 +41,7 @@ class Context(NamedTuple):
   step: jax.Array
   key: jax.Array
   layout: Any = None
+  grad: Any = None
 
 
 class CodecResult(NamedTuple):
@@ -101,6 +105,10 @@ class Codec:
       Deterministic codecs (top-k, signs, int8 rounding, low rank) and
       random-k without its ``L / k`` rescaling are biased. The tests check
       every codec that says True statistically.
+    wants_gradient: whether ``apply`` reads ``ctx.grad``, this step's
+      gradient beside ``x = g + e`` (AdaComp's ``H = x + g`` counts the
+      latest gradient twice). False (every other codec): ``ctx.grad`` is
+      None.
   """
 
   name: str
@@ -113,6 +121,7 @@ class Codec:
   wire_at: Callable[[Any, int, int], list[Collective]] | None = None
   mean_of_sent: bool = True
   unbiased: bool = False
+  wants_gradient: bool = False
 
 
 class _Init:

@@ -322,8 +322,11 @@ def compressed(
                   device_index=_core.axis_index(axis_name), step=state.count,
                   key=step_key)
     g, xs, u, residual = accumulate(opts, g, state, n)
+    # A codec that wants_gradient sees the step's fresh term too (DGC's
+    # momentum u where there is one, else g) as ctx.grad.
     mean, sent, codec_state, in_dense = exchange(opts, layouts, xs, g,
-                                                 state.codec, ctx)
+                                                 state.codec, ctx,
+                                                 fresh=u or g)
     new_res, new_u = update_memory(opts, xs, sent, u, residual, in_dense)
     new_h, new_hmean, mean = update_estimates(opts, state, g, sent, mean,
                                               in_dense)

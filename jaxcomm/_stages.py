@@ -120,18 +120,23 @@ def accumulate(opts: _Options, g: list, state: CompressState, n: int):
 
 
 def exchange(opts: _Options, layouts, xs: list, g: list, codec_state,
-             ctx: Context):
+             ctx: Context, fresh: list | None = None):
   """The codec on every bucket, or the exact dense mean while
   ``count < start_step`` (nothing left behind, codec state untouched).
+  ``fresh``: per bucket, the step's new contribution to ``x`` (default
+  ``g``), handed to a codec that ``wants_gradient`` as ``ctx.grad``.
 
   Returns:
     ``(mean, sent, codec_state, in_dense)`` per bucket.
   """
   n = ctx.num_devices
 
+  grads = (g if fresh is None else fresh) if opts.codec.wants_gradient \
+    else [None] * len(xs)
+
   def compress_branch(_):
-    outs = [_apply_codec(opts.codec, lay, x, cs, ctx)
-            for lay, x, cs in zip(layouts, xs, codec_state)]
+    outs = [_apply_codec(opts.codec, lay, x, cs, ctx._replace(grad=gr))
+            for lay, x, cs, gr in zip(layouts, xs, codec_state, grads)]
     return ([o[0] for o in outs], [o[1] for o in outs],
             tuple(o[2] for o in outs))
 

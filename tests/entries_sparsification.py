@@ -604,3 +604,74 @@ registry.register(registry.Entry(
   kwargs={"ratio": 0.05, "beta": 0.3},
   conserves=False,
 ))
+
+
+# ------------------------------------------------------------- AdaComp ----
+
+def _adacomp_select(x, g, bin_size, capacity_factor):
+  """Chen et al. 2018: one leaf's message. ``G = x`` (residue + latest
+  gradient), ``H = G + g``; bins of ``bin_size`` consecutive elements (the
+  last one shorter where it does not divide); ``j`` is sent iff ``|H_j| >=
+  max |G|`` over its bin (and ``G_j != 0``), first by index up to
+  ``ceil(capacity_factor * L / bin_size)``."""
+  big, h = x.ravel(), harness_f32(x + g).ravel()
+  chosen = []
+  for start in range(0, big.size, bin_size):
+    gmax = np.abs(big[start:start + bin_size]).max()
+    for j in range(start, min(start + bin_size, big.size)):
+      if abs(h[j]) >= gmax and big[j] != 0:
+        chosen.append(j)
+  cap = min(big.size, max(1, math.ceil(capacity_factor * big.size
+                                       / bin_size)))
+  s = np.zeros_like(big)
+  s[chosen[:cap]] = big[chosen[:cap]]
+  return s.reshape(x.shape), len(chosen)
+
+
+def harness_f32(x):
+  """Rounded to float32, kept as float64 (the transform's arithmetic)."""
+  return np.asarray(x, np.float32).astype(np.float64)
+
+
+def _adacomp_run(bin_size, capacity_factor):
+  """The whole error-feedback loop (the rule needs the raw gradient beside
+  ``x = g + e``, which ``ref_step`` does not see)."""
+  def run(grads_seq, n):
+    comp = ["conv", "w"]
+    res = [[np.zeros(grads_seq[0][k].shape[1:]) for k in comp]
+           for _ in range(n)]
+    out, sent_all = [], []
+    for grads in grads_seq:
+      sent = []
+      for i in range(n):
+        dev = []
+        for j, k in enumerate(comp):
+          g = np.asarray(grads[k][i], np.float64)
+          x = harness_f32(res[i][j] + g)
+          s, _ = _adacomp_select(x, g, bin_size, capacity_factor)
+          res[i][j] = harness_f32(x - s)
+          dev.append(s)
+        sent.append(dev)
+      upd = {k: sum(sent[i][j] for i in range(n)) / n
+             for j, k in enumerate(comp)}
+      upd["b"] = np.asarray(grads["b"], np.float64).mean(axis=0)
+      out.append(upd)
+      sent_all.append(sent)
+    return out, res, sent_all
+  return run
+
+
+def _adacomp_no_ref_step(xs, state, t, key, n):
+  raise AssertionError("adacomp's reference is its numpy_run (it needs g)")
+
+
+registry.register(registry.Entry(
+  name="adacomp_ef",
+  ref_init=lambda shapes: None,
+  ref_step=_adacomp_no_ref_step,
+  numpy_run=_adacomp_run(16, 3.0),
+  factory=jaxcomm.adacomp,
+  kwargs={"bin_size": 16, "capacity_factor": 3.0},
+  bad_args=[({"bin_size": 0}, "bin_size"), ({"bin_size": 2.5}, "bin_size"),
+            ({"capacity_factor": 0.5}, "capacity_factor")],
+))

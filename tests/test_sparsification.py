@@ -739,3 +739,68 @@ def test_scalecom_bad_arguments():
     jaxcomm.scalecom(0.01, beta=0.5, momentum=0.9)
   with pytest.raises(ValueError, match="ratio"):
     jaxcomm.scalecom(1.5)
+
+
+# ------------------------------------------------------------- AdaComp ----
+
+def test_adacomp_counts_are_the_nonzeros_sent(mesh):
+  """The codec state's per-device counts: ``sent`` is the number of
+  coordinates that left the residual (``x - e'`` nonzero), ``selected`` the
+  rule's count before the capacity cut (the paper's rule, in numpy), and
+  ``total_sent`` their sum over steps. Step 0 (no residue yet, ``H = 2G``)
+  overflows the default capacity of 2 per bin."""
+  tx = jaxcomm.adacomp(16)
+  grads = harness.make_grads(seed=21, steps=3)
+  state, old, total = None, None, np.zeros(harness.N)
+  for t, g in enumerate(grads):
+    _, state, _ = harness.device_run(tx, mesh, [g], state=state)
+    new = harness.residuals_of(state)
+    stats = jaxcomm.compress_states(state)[0].codec[0]
+    for i in range(harness.N):
+      nnz = selected = 0
+      for j, k in enumerate(harness.COMPRESSED):
+        gi = np.asarray(g[k][i], np.float32)
+        x = gi + (old[j][i] if old is not None else 0.0)
+        nnz += int(np.count_nonzero(x - new[j][i]))
+        _, c = ref._adacomp_select(x.astype(np.float64),
+                                   gi.astype(np.float64), 16, 2.0)
+        selected += c
+      assert int(stats.sent[i]) == nnz, (t, i)
+      assert int(stats.selected[i]) == selected, (t, i)
+      assert nnz <= 2 * (1152 + 3072) // 16
+      if t == 0:
+        assert selected > nnz, "step 0 should overflow the capacity"
+      total[i] += nnz
+    np.testing.assert_array_equal(np.asarray(stats.total_sent), total)
+    old = new
+
+
+def test_adacomp_partial_last_bin_on_one_device():
+  """A leaf that ``bin_size`` does not divide ends in a shorter bin."""
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.zeros((30, 11), jnp.float32)}
+  # Capacity for every coordinate: nothing is cut by index.
+  tx = jaxcomm.adacomp(50, capacity_factor=50.0, axis_name=None)
+  state = tx.init(params)
+  res = np.zeros((30, 11))
+  for _ in range(3):
+    g = rng.normal(size=(30, 11)).astype(np.float32)
+    upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
+    x = ref.harness_f32(res + g)
+    s, _ = ref._adacomp_select(x, g.astype(np.float64), 50, 50.0)
+    res = ref.harness_f32(x - s)
+    np.testing.assert_allclose(np.asarray(upd["w"]), s, rtol=1e-6,
+                               atol=1e-7)
+  # The last bin (30 elements) selects on its own maximum.
+  assert np.count_nonzero(s.ravel()[300:]) > 0
+
+
+def test_adacomp_bad_bin_sizes_are_named():
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match="bin_size"):
+      jaxcomm.adacomp(bad)
+  tx = jaxcomm.adacomp(4096, axis_name=None)
+  with pytest.raises(ValueError, match=r"bin_size.*\(64, 48\).*LeafPolicy"):
+    tx.init({"w": jnp.zeros((64, 48))})
+  with pytest.raises(ValueError, match="capacity_factor"):
+    jaxcomm.adacomp(16, capacity_factor=0.5)
