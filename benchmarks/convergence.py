@@ -156,6 +156,8 @@ METHODS = [
   # SIDCo: a fitted threshold at the top-k 0.01 rows' density.
   _m("SIDCo 0.01 (exponential, 3 stages) + EF", "sidco", "ratio=0.01", MSGD,
      "momentum SGD"),
+  # ScaleCom: the leader's top-k indices, every device's values there.
+  _m("ScaleCom 0.01 + EF", "scalecom", "ratio=0.01", MSGD, "momentum SGD"),
   # FetchSGD: momentum and error live in the sketch; plain SGD after it,
   # as after DGC.
   _m("FetchSGD k 0.01, 5 x 20000 sketch -> SGD", "fetchsgd",
@@ -210,6 +212,18 @@ METHODS = [
     for lr in (2, 3, 4)],
   _m("Streaming DiLoCo H=50, 4 fragments, tau=5", "dense", "", ADAM, "Adam",
      "diloco", "period=50,fragments=4,overlap_steps=5"),
+  # MuLoCo (Thérien et al. 2025): Muon inside DiLoCo, 2-bit pseudo-gradients
+  # with error feedback; against DiLoCo-Adam at the same bytes (the same
+  # recipe with Adam inside) and dense Muon. Muon's rate is not tuned.
+  _m("Muon (dense)", "dense", "", ("muon", "", 0.02), "Muon"),
+  _m("MuLoCo H=50: Muon inside, 2-bit EF", "dense", "", ("muon", "", 0.02),
+     "Muon", "muloco", "period=50"),
+  _m("DiLoCo-Adam H=50, 2-bit EF (MuLoCo's bytes)", "dense", "", ADAM,
+     "Adam", "muloco", "period=50"),
+  # Streaming DiLoCo's 4-bit outer gradients (Douillard et al. 2025, E2M1
+  # with no error feedback): here MXFP4 blocks (E2M1, a shared scale per 32).
+  _m("Streaming DiLoCo H=50, 4 fragments, tau=5, MXFP4", "mx", "fmt=mxfp4",
+     ADAM, "Adam", "diloco", "period=50,fragments=4,overlap_steps=5"),
 ]
 QUICK_METHODS = ("Adam (dense)", "1-bit Adam", "momentum SGD (dense)",
                  "top-k 0.01 + EF", "top-k 0.01 + EF21")

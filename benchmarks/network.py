@@ -124,6 +124,13 @@ METHODS = {
   "dense-flat": ("mean_gradients",
                  lambda jc, jnp, ax: jc.mean_gradients(axis_name=ax)),
   "bf16": ("cast", lambda jc, jnp, ax: jc.cast(jnp.bfloat16, axis_name=ax)),
+  # The frontier against bf16: requantized low-bit all-reduces and the OCP
+  # microscaling formats (two phases, as bf16's).
+  "int8": ("int8", lambda jc, jnp, ax: jc.int8(axis_name=ax)),
+  "int4": ("int4", lambda jc, jnp, ax: jc.int4(axis_name=ax)),
+  "mxfp8": ("mx", lambda jc, jnp, ax: jc.mx("mxfp8", axis_name=ax)),
+  "mxfp4+ef": ("mx", lambda jc, jnp, ax: jc.mx(
+    "mxfp4", error_feedback=True, axis_name=ax)),
   "powersgd4": ("powersgd", lambda jc, jnp, ax: jc.powersgd(4, axis_name=ax)),
   "topk1%+ef": ("topk", lambda jc, jnp, ax: jc.topk(
     0.01, error_feedback=True, axis_name=ax)),

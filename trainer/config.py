@@ -508,7 +508,7 @@ def make_schedule(cfg: Config):
 # Whole optimizers that exchange their own (1-bit) momentum.
 COMM_OPTIMIZERS = tuple(jaxcomm.registry.names("optimizer"))
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw",
-              "lamb") + COMM_OPTIMIZERS
+              "lamb", "muon") + COMM_OPTIMIZERS
 
 
 def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
@@ -561,13 +561,17 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
       "--local choco gossips compressed model differences: give "
       "--compressor topk, randomk or ef_signsgd (e.g. --compressor topk "
       "--compressor-args ratio=0.1)")
+  if cfg.local == "muloco" and compressor is not None:
+    raise ValueError(
+      "--local muloco quantizes its pseudo-gradients itself (--local-args "
+      "bits=2|4|8): use --compressor dense")
   if compressor is not None and cfg.local not in ("diloco", "choco"):
     raise ValueError(
       f"--local {cfg.local} averages params with a dense all-reduce; "
       "--compressor applies to diloco's pseudo-gradients only (use "
       "--compressor dense)")
   extra = {}
-  if cfg.local == "diloco":
+  if cfg.local in ("diloco", "muloco"):
     lr = kwargs.pop("outer_lr", 0.7)
     mom = kwargs.pop("outer_momentum", 0.9)
     for name, v in (("outer_lr", lr), ("outer_momentum", mom)):
@@ -578,7 +582,8 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
     nesterov = kwargs.pop("outer_nesterov", True)
     extra["outer"] = optax.sgd(lr, momentum=mom or None,
                                nesterov=bool(nesterov and mom))
-    extra["compressor"] = compressor
+    if cfg.local == "diloco":
+      extra["compressor"] = compressor
   if cfg.local == "choco":
     extra["compressor"] = compressor
     kwargs.setdefault("gamma", 0.5)
@@ -590,7 +595,7 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
   if unknown:
     valid = [k for k in params if k not in ("inner", "outer", "compressor",
                                             "axis_name")]
-    if cfg.local == "diloco":
+    if cfg.local in ("diloco", "muloco"):
       valid += ["outer_lr", "outer_momentum", "outer_nesterov"]
     raise ValueError(f"--local {cfg.local} takes no argument(s) "
                      f"{', '.join(unknown)}; valid: {', '.join(valid)}")
@@ -611,6 +616,9 @@ def make_optimizer(cfg: Config, schedule):
     return optax.adamw(schedule, weight_decay=cfg.weight_decay)
   if cfg.optimizer == "lamb":
     return optax.lamb(schedule, weight_decay=cfg.weight_decay)
+  if cfg.optimizer == "muon":
+    # Muon on the matrices, AdamW (at the same rate) on the other leaves.
+    return optax.contrib.muon(schedule, weight_decay=cfg.weight_decay)
   raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: "
                    f"{', '.join(OPTIMIZERS)}")
 

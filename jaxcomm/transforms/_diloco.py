@@ -1,6 +1,6 @@
-"""DiLoCo (Douillard et al. 2023), Streaming DiLoCo (2025) and
-SparseLoCo's settings: local inner steps, an outer optimizer on the
-averaged (optionally compressed) pseudo-gradient."""
+"""DiLoCo (Douillard et al. 2023), Streaming DiLoCo (2025), SparseLoCo's
+settings and MuLoCo's recipe (2025): local inner steps, an outer optimizer
+on the averaged (optionally compressed) pseudo-gradient."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jaxcomm.transforms._local_engine import _check_inner
 from jaxcomm.transforms._local_engine import _local_engine
 from jaxcomm.transforms._local_engine import fragment_leaves
 from jaxcomm.transforms._local_engine import mean_leaves
+from jaxcomm.transforms._quantization import _block_int
 
 
 @_registry.method(
@@ -162,6 +163,66 @@ def diloco(inner: optax.GradientTransformation,
                        init_extra=init_extra, merge=merge, spec=spec)
 
 
+MULOCO_BITS = (2, 4, 8)
+
+
+@_registry.method(
+    family="local",
+    paper="Thérien et al. 2025 (MuLoCo)",
+    summary=(
+      "DiLoCo with Muon as the inner optimizer and the pseudo-gradients "
+      "quantized to 2 bits with error feedback (requantized two-phase "
+      "all-reduce)"))
+def muloco(inner: optax.GradientTransformation, period: int, *,
+           outer: optax.GradientTransformation | None = None,
+           bits: int = 2, bucket_size: int | None = None,
+           fragments: int = 1, overlap_steps: int = 0,
+           axis_name="data") -> optax.GradientTransformationExtraArgs:
+  """MuLoCo: DiLoCo with Muon inside and 2-bit pseudo-gradients.
+
+  :func:`diloco` with ``compressor`` the signed ``bits``-bit block
+  quantizer of :func:`jaxcomm.int8` / :func:`jaxcomm.int4` (codes in
+  ``[-q, q]``, ``q = 2^(bits-1) - 1``, one scale per ``bucket_size``
+  elements, the requantized two-phase all-reduce) with error feedback
+  carried from sync to sync, as Thérien et al. quantize the
+  pseudo-gradients of DiLoCo-Muon. At 2 bits the codes are ternary
+  (``{-1, 0, 1}`` times the block maximum): the symmetric signed code has
+  no fourth level. ``inner`` is the local optimizer: Muon in the paper
+  (``optax.contrib.muon(lr)``; it runs AdamW on the leaves that are not
+  matrices).
+
+  Args:
+    inner: the local optimizer (``optax.contrib.muon(lr)``).
+    period: inner steps between syncs (``H``).
+    outer: the outer optimizer; default Nesterov SGD, rate 0.7, momentum
+      0.9 (DiLoCo's).
+    bits: 2 (default), 4 or 8: the pseudo-gradient's code width.
+    bucket_size: elements per scale (default 128).
+    fragments: blocks synced in turn (Streaming DiLoCo).
+    overlap_steps: steps between a block's sync and its merge.
+    axis_name: the data axis.
+
+  Example::
+
+    tx = jaxcomm.muloco(optax.contrib.muon(0.02), period=50)
+
+  References:
+    Thérien et al, `MuLoCo: Muon is a practical inner optimizer for
+    DiLoCo <https://arxiv.org/abs/2505.23725>`_, 2025.
+  """
+  if isinstance(bits, bool) or bits not in MULOCO_BITS:
+    raise ValueError(f"bits must be one of {MULOCO_BITS}, got {bits!r}")
+  if outer is None:
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  codec = _block_int(f"int{bits}", bits, bucket_size, None, True)
+  compressor = _compressor.compressed(codec, axis_name=axis_name,
+                                      error_feedback=True)
+  return diloco(inner, outer, period, compressor=compressor,
+                fragments=fragments, overlap_steps=overlap_steps,
+                axis_name=axis_name)
+
+
 __all__ = [
   "diloco",
+  "muloco",
 ]
