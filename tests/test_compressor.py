@@ -308,7 +308,8 @@ def test_sign_compressors_move_zero_gradients_unless_masked_out():
 
 
 # Whole optimizers: their exchange's options are theirs, not compressed()'s.
-_OPTIMIZERS = {"onebit_adam", "onebit_lamb"}
+# Whole optimizers take no shared compressor options (from the registry).
+_OPTIMIZERS = {m.attr for m in jaxcomm.registry.methods("optimizer")}
 
 
 @pytest.mark.parametrize("name", sorted(set(_REQUIRED) - {"mean_gradients"}

@@ -192,8 +192,8 @@ def demo(
   learning_rate: float | Callable[[jax.Array], jax.Array],
   *,
   compression_decay: float = 0.999,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
+  compression_topk: int | None = None,
+  compression_chunk: int | None = None,
   sign: bool = True,
   weight_decay: float = 0.0,
   axis_name="data",
@@ -249,9 +249,10 @@ def demo(
   Args:
     learning_rate: a number or an optax schedule of the step.
     compression_decay: the momentum's decay ``beta``, in ``[0, 1)``.
-    compression_topk: coefficients sent per tile (static); fewer than the
-      largest tile, ``compression_chunk ** 2``.
-    compression_chunk: the largest tile side (static), at least 2.
+    compression_topk: coefficients sent per tile (static; default 32);
+      fewer than the largest tile, ``compression_chunk ** 2``.
+    compression_chunk: the largest tile side (static; default 64), at
+      least 2.
     sign: step by the sign of the exchanged components (the paper's
       signSGD step); False: by the components themselves.
     weight_decay: decoupled weight decay ``lambda`` (needs ``params``).
@@ -279,8 +280,12 @@ def demo(
       float(compression_decay) >= 1.0:
     raise ValueError(f"{name}: compression_decay must be in [0, 1), got "
                      f"{compression_decay!r}")
-  chunk = _checks.integer("compression_chunk", compression_chunk, 2)
-  topk = _checks.integer("compression_topk", compression_topk, 1)
+  # Static arguments default to None: optax.inject_hyperparams then keeps
+  # them out of the traced hyperparameters unless the caller passes them.
+  chunk = _checks.integer("compression_chunk", 64 if compression_chunk is None
+                          else compression_chunk, 2)
+  topk = _checks.integer("compression_topk", 32 if compression_topk is None
+                         else compression_topk, 1)
   if topk >= chunk * chunk:
     raise ValueError(
       f"{name}: compression_topk ({topk}) must be below the largest tile's "
