@@ -117,3 +117,72 @@ _entry("powersgd_r4_iters2_cholesky_batched",
         "orthogonalization_epsilon": 1e-7, "batch_same_shape": True,
         "seed": 3},
        num_iters=2)
+
+
+# --------------------------------------------------------------- ATOMO ----
+
+def atomo_probabilities(sigma, budget):
+  """Wang et al. 2018, the water-filling loop of their probability
+  algorithm: ``p_i = min(1, s' sigma_i / sum_{unsaturated} sigma)`` with
+  ``s'`` the budget left after the saturated atoms (``p = 1``), repeated
+  until no new atom saturates. Atoms with ``sigma = 0`` get ``p = 0``."""
+  sigma = np.asarray(sigma, np.float64)
+  s = min(budget, sigma.size)
+  sat = np.zeros(sigma.size, bool)
+  while True:
+    free = ~sat & (sigma > 0)
+    left = s - sat.sum()
+    if not free.any() or left <= 0:
+      p = sat.astype(np.float64)
+      break
+    p = np.where(sat, 1.0, left * sigma / sigma[free].sum())
+    new = free & (p >= 1.0)
+    if not new.any():
+      break
+    sat |= new
+  return np.minimum(p, 1.0)
+
+
+def atomo_uniform(key, device, leaf):
+  """The transform's documented draw: one uniform per device and leaf."""
+  return float(jax.random.uniform(
+    jax.random.fold_in(jax.random.fold_in(key, device), leaf), (),
+    jnp.float32))
+
+
+def atomo_kept(p, u):
+  """Systematic sampling: atom ``i`` is kept iff ``floor(C_i - u) >
+  floor(C_{i-1} - u)``, ``C`` the cumulative ``p`` (``C_0 = 0``)."""
+  c = np.concatenate([[0.0], np.cumsum(p)])
+  return np.floor(c[1:] - u) > np.floor(c[:-1] - u)
+
+
+def numpy_atomo(m, budget, u):
+  """One matrix's unbiased ATOMO estimate (float64). The SVD's signs do
+  not matter: each term ``sigma / p * u_i v_i^T`` is sign-invariant."""
+  left, sigma, right = np.linalg.svd(m, full_matrices=False)
+  p = atomo_probabilities(sigma, budget)
+  keep = atomo_kept(p, u)
+  w = np.where(keep, sigma / np.where(keep, p, 1.0), 0.0)
+  return (left * w) @ right
+
+
+def _atomo_ref(budget):
+  def step(xs, state, t, key, n):
+    del t
+    sent = []
+    for i in range(n):
+      sent.append([numpy_atomo(x.reshape(_mat(x.shape)), budget,
+                               atomo_uniform(key, i, j)).reshape(x.shape)
+                   for j, x in enumerate(xs[i])])
+    mean = [sum(sent[i][j] for i in range(n)) / n for j in range(len(xs[0]))]
+    return mean, sent, state
+  return step
+
+
+registry.register(registry.Entry(
+  name="atomo_s2", ref_init=lambda shapes: None, ref_step=_atomo_ref(2),
+  factory=jaxcomm.atomo, kwargs={"budget": 2}, error_feedback=False,
+  stochastic=True, rtol=1e-3, atol=1e-2,
+  bad_args=[({"budget": 0}, "budget"), ({"budget": 2.5}, "budget"),
+            ({"budget": True}, "budget"), ({"budget": None}, "budget")]))

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from scipy import optimize
 
 import jaxcomm
 from jaxcomm import parallel
 from jaxcomm.collectives import _lowrank
+from jaxcomm.transforms import _atomo
 from jaxcomm.transforms import _powersgd
 from tests import entries_powersgd
 from tests import harness
@@ -626,3 +628,106 @@ def test_batched_orthogonalization_finishes_on_8_cpu_devices():
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "finished" in out.stdout, out.stdout[-500:]
+
+
+# --------------------------------------------------------------- ATOMO ----
+
+
+def _atomo_sent(tx, m, keys):
+  """What ATOMO's codec decodes its own message of matrix ``m`` to (one
+  device, no exchange) under ``keys`` step keys: ``[keys, r, c]``."""
+  params = {"w": jnp.zeros(m.shape, jnp.float32)}
+  spec = jaxcomm.spec_of(tx)
+  (layout,) = spec.layouts(params)
+  state = spec.codec.init(layout)
+  flat = jnp.asarray(m, jnp.float32).reshape(-1)
+
+  def one(key):
+    ctx = jaxcomm.Context(axis_name=None, num_devices=1,
+                          device_index=jnp.zeros([], jnp.int32),
+                          step=jnp.zeros([], jnp.int32), key=key,
+                          layout=layout)
+    return spec.codec.apply(flat, state, ctx).sent
+
+  ks = jax.random.split(jax.random.PRNGKey(11), keys)
+  return np.asarray(jax.jit(jax.vmap(one))(ks), np.float64).reshape(
+    (keys,) + m.shape)
+
+
+def _with_spectrum(sigma, shape, seed):
+  rng = np.random.RandomState(seed)
+  u, _ = np.linalg.qr(rng.randn(shape[0], len(sigma)))
+  v, _ = np.linalg.qr(rng.randn(shape[1], len(sigma)))
+  return ((u * np.asarray(sigma)) @ v.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("which", ["gaussian", "saturated"])
+def test_atomo_is_unbiased_and_sends_exactly_s_atoms(which):
+  """Over 2000 keys the mean of ``sent`` is ``M`` within 5 standard errors
+  per element, and every draw is a sum of exactly ``s`` rank-one atoms
+  (systematic sampling). ``saturated``: the top atom has ``p = 1``."""
+  budget, shape = 2, (24, 16)
+  if which == "gaussian":
+    m = np.random.RandomState(0).randn(*shape).astype(np.float32)
+  else:
+    m = _with_spectrum([40.0, 5.0, 4.5, 4.0, 3.5, 3.0, 2.5, 2.0, 1.5, 1.0,
+                        0.8, 0.6, 0.4, 0.3, 0.2, 0.1], shape, 1)
+  tx = jaxcomm.atomo(budget, axis_name=None)
+  samples = _atomo_sent(tx, m, 2000)
+  want = m.astype(np.float64)
+  k = samples.shape[0]
+  se = np.sqrt(samples.var(axis=0, ddof=1) / k)
+  tol = 5.0 * se + 1e-6 * np.abs(want).max()
+  assert np.all(np.abs(samples.mean(axis=0) - want) <= tol), np.max(
+    np.abs(samples.mean(axis=0) - want) / tol)
+  assert samples.var(axis=0).mean() > 1e-3 * np.mean(want * want)
+  sv = np.linalg.svd(samples, compute_uv=False)          # [k, 16]
+  ranks = np.sum(sv > 1e-4 * sv[:, :1], axis=1)
+  np.testing.assert_array_equal(ranks, budget)
+  if which == "saturated":
+    # The saturated atom is in every draw, with its own weight 40.
+    np.testing.assert_allclose(sv[:, 0], 40.0, rtol=1e-4)
+
+
+def _brute_force_probabilities(sigma, budget):
+  """The paper's problem, by a generic solver: minimise ``sum sigma_i^2 /
+  p_i`` subject to ``sum p_i = s``, ``0 < p_i <= 1``."""
+  sigma = np.asarray(sigma, np.float64)
+  sigma = sigma / sigma.max()     # the solution does not depend on scale
+  k = sigma.size
+  res = optimize.minimize(
+    lambda p: np.sum(sigma ** 2 / p), np.full(k, budget / k),
+    jac=lambda p: -sigma ** 2 / p ** 2, method="SLSQP",
+    bounds=[(1e-9, 1.0)] * k,
+    constraints=[{"type": "eq", "fun": lambda p: np.sum(p) - budget,
+                  "jac": lambda p: np.ones(k)}],
+    options={"ftol": 1e-14, "maxiter": 1000})
+  assert res.success, res.message
+  return res.x
+
+
+@pytest.mark.parametrize("sigma,budget", [
+  ([5.0, 4.0, 3.0, 2.0, 1.0], 2),            # nothing saturates
+  ([10.0, 1.0, 1.0, 1.0, 0.5], 2),           # the top atom saturates
+  ([100.0, 50.0, 1.0, 1.0, 1.0, 1.0], 3),    # two saturate
+  ([9.0, 8.0, 1.0, 0.9, 0.1, 0.05], 3),
+  ([1.0, 1.0, 1.0, 1.0], 2),
+])
+def test_atomo_water_filling_solves_the_papers_problem(sigma, budget):
+  p = np.asarray(_atomo.water_filling(jnp.asarray(sigma, jnp.float32),
+                                      budget), np.float64)
+  np.testing.assert_allclose(p.sum(), budget, rtol=1e-6)
+  assert np.all(p > 0) and np.all(p <= 1.0)
+  want = _brute_force_probabilities(sigma, budget)
+  np.testing.assert_allclose(p, want, atol=1e-4)
+  # And the battery's reference (the paper's iterative loop) agrees.
+  np.testing.assert_allclose(
+    entries_powersgd.atomo_probabilities(sigma, budget), p, rtol=1e-6)
+
+
+def test_atomo_water_filling_rank_deficient():
+  """Fewer nonzero singular values than the budget: those atoms are sent
+  whole (p = 1), the zero ones never (p = 0)."""
+  p = _atomo.water_filling(jnp.asarray([[3.0, 0.0, 0.0, 0.0],
+                                        [0.0, 0.0, 0.0, 0.0]]), 2)
+  np.testing.assert_array_equal(np.asarray(p), [[1, 0, 0, 0], [0, 0, 0, 0]])

@@ -336,8 +336,10 @@ def _sent_samples(tx, x, keys=_UNBIASED_KEYS):
   """What the codec of compressor ``tx`` decodes its own message of ``x``
   (one ``[d]`` leaf, one device, no exchange) to, under ``keys`` step keys:
   ``[keys, d]`` float64."""
-  params = {"w": jnp.zeros(x.shape, jnp.float32)}
   spec = jaxcomm.spec_of(tx)
+  # A matrix codec (ATOMO) takes no vector: the probe as a 32-row matrix.
+  shape = x.shape if spec.codec.accepts(x.shape) else (32, x.size // 32)
+  params = {"w": jnp.zeros(shape, jnp.float32)}
   layouts = spec.layouts(params)
   assert len(layouts) == 1 and layouts[0].size == x.size, spec.codec.name
   layout = layouts[0]

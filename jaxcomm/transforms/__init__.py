@@ -7,6 +7,7 @@ in either), and methods are described in ``jaxcomm.registry``.
 
 # pylint: disable=wildcard-import
 from jaxcomm.transforms import _adacomp
+from jaxcomm.transforms import _atomo
 from jaxcomm.transforms import _demo
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
@@ -28,6 +29,7 @@ from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms import _ternary
 from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._adacomp import *
+from jaxcomm.transforms._atomo import *
 from jaxcomm.transforms._demo import *
 from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
@@ -51,6 +53,7 @@ from jaxcomm.transforms._zero_one_adam import *
 
 __all__ = []
 __all__ += _adacomp.__all__
+__all__ += _atomo.__all__
 __all__ += _demo.__all__
 __all__ += _dense.__all__
 __all__ += _dgc.__all__
