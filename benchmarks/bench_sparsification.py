@@ -8,8 +8,10 @@ markdown tables:
    the physical floor is one read), for exact ``lax.top_k``,
    ``lax.approx_max_k``, DGC's sampled-threshold path
    (:func:`jaxcomm.transforms._dgc.sampled_select`: sample, count,
-   compact, cut) and ``torch.topk`` when PyTorch is importable; with the
-   recall of the true top-k mass (``sum |selected| / sum |true top-k|``).
+   compact, cut), SIDCo's fitted thresholds (no sort, no sample) and
+   ``torch.topk`` when PyTorch is importable; with the recall of the true
+   top-k mass (``sum |selected| / sum |true top-k|``), then SIDCo's
+   achieved count against ``k``.
 2. Bytes sent per device per step by each compressor at n = 8 for
    ResNet-18-like parameter shapes, next to the dense float32 psum (from the
    compressors' wire claims, which the test suite checks against compiled
@@ -27,7 +29,9 @@ import numpy as np
 
 import jaxcomm
 from benchmarks._common import resnet18_shapes
+from jaxcomm import _buckets
 from jaxcomm.transforms import _dgc as dgc_mod
+from jaxcomm.transforms import _sidco
 from jaxcomm.transforms import _sparsification as sp
 
 SIZE = 25_000_000
@@ -65,6 +69,10 @@ def selection_table() -> str:
   except ImportError:
     torch = None
   a_np = np.abs(x_np)
+  density = ["", "SIDCo's achieved selection on the same vector (its "
+             "fitted threshold's count before the 2k capacity):", "",
+             "| fit | ratio | k | selected | selected / k |",
+             "|---|---:|---:|---:|---:|"]
   for ratio in RATIOS:
     k = sp.num_selected(ratio, SIZE)
     true_mass = float(np.partition(a_np, SIZE - k)[SIZE - k:].sum())
@@ -76,14 +84,28 @@ def selection_table() -> str:
     sampled = jax.jit(lambda v, key, k=k, s=s: dgc_mod.sampled_select(
       v, k, key, s)[1])
     key = jax.random.PRNGKey(0)
+    layout = _buckets.plan([(SIZE,)])[0]
+    fitted = {dist: jax.jit(lambda v, k=k, dist=dist: _sidco.select(
+      v, layout, ratio, 3 if dist == "exponential" else 2, 0.25, dist)[1])
+              for dist in _sidco.DISTRIBUTIONS}
     methods = [("lax.top_k (exact)", exact, (x,)),
                ("lax.approx_max_k (0.95)", approx, (x,)),
-               ("sampled threshold (DGC)", sampled, (x, key))]
+               ("sampled threshold (DGC)", sampled, (x, key)),
+               ("fitted threshold (SIDCo, exponential, 3 stages)",
+                fitted["exponential"], (x,)),
+               ("fitted threshold (SIDCo, gen. Pareto, 2 stages)",
+                fitted["gpareto"], (x,))]
     for name, fn, args in methods:
       t = _time(fn, *args)
       rec = _recall(true_mass, x_np, fn(*args))
       rows.append(f"| {name} | {ratio:g} | {k:,} | {t * 1e3:.1f} | "
                   f"{t / copy_t:.1f} | {rec:.4f} |")
+    for dist in _sidco.DISTRIBUTIONS:
+      _, _, count = _sidco.select(x, layout, ratio,
+                                  3 if dist == "exponential" else 2, 0.25,
+                                  dist)
+      density.append(f"| {dist} | {ratio:g} | {k:,} | {int(count[0]):,} | "
+                     f"{int(count[0]) / k:.3f} |")
     if torch is not None:
       xt = torch.from_numpy(x_np)
       fn = lambda xt=xt, k=k: torch.topk(xt.abs(), k, sorted=False)  # noqa
@@ -100,7 +122,7 @@ def selection_table() -> str:
     rows.append("")
     rows.append("torch.topk: PyTorch not importable here (optional extra), "
                 "not measured.")
-  return "\n".join(rows)
+  return "\n".join(rows + density)
 
 
 def wire_table(n: int = 8) -> str:

@@ -208,7 +208,9 @@ def demo_run(grads_seq, n, params=None, compressed=None, *, lr=LR,
       else:
         q = g.mean(axis=0)
       d = np.sign(q) if sign else q
-      upd[k] = -lr * (d + weight_decay * p[k])
+      # Decoupled weight decay on the params (whole arrays, or a block's
+      # shard when the sharded tests pass block gradients and no decay).
+      upd[k] = -lr * (d + weight_decay * p[k]) if weight_decay else -lr * d
     out.append(upd)
   return out, mom, None
 

@@ -637,7 +637,7 @@ def test_requantized_allreduce_bad_input():
   x = jnp.ones(100, jnp.float32)
   err = jnp.zeros(100, jnp.float32)
   for kwargs, arg in (({"bits": 6, "block": 128}, "bits"),
-                      ({"bits": 2, "block": 128}, "bits"),
+                      ({"bits": 3, "block": 128}, "bits"),
                       ({"bits": True, "block": 128}, "bits"),
                       ({"bits": 8, "block": 0}, "block"),
                       ({"bits": 8, "block": 12.0}, "block")):

@@ -14,9 +14,10 @@ closed forms:
   ``c = (m^2 / v - 1) / 2``, ``t = a (1 - d^c) / c`` (the exponential's
   quantile where ``c -> 0``).
 
-Every stage is a few segment reductions over the bucket; the selection is
-one packed-mask compaction (:func:`jaxcomm.kernels.threshold.compact_segments`),
-so the work does not depend on ``k``.
+Every stage is a few row reductions per group of equal-shape leaves; the
+selection is one packed-mask compaction
+(:func:`jaxcomm.kernels.threshold.compact_segments`), so the work does not
+depend on ``k``.
 """
 
 from __future__ import annotations
@@ -69,53 +70,58 @@ def _quantile(dist, mean, var, d):
                    scale * (1.0 - jnp.power(d, safe)) / safe)
 
 
-def thresholds(x, layout, ratio, stages, first_ratio, dist):
-  """Per leaf of the bucket, SIDCo's threshold on ``|x|`` (``[R]``)."""
-  bounds, sizes = _leaf_rows(layout)
-  nrows = len(sizes)
-  row = _kthreshold.segment_ids(bounds)
-  mag = jnp.abs(x).astype(jnp.float32)
-  sizes_f = jnp.asarray(sizes, jnp.float32)
-
-  def moments(y, w, count):
-    n = jnp.maximum(count, 1.0)
-    m = jax.ops.segment_sum(y * w, row, num_segments=nrows) / n
-    dev = (y - m[row]) * w
-    v = jax.ops.segment_sum(dev * dev, row, num_segments=nrows) / jnp.maximum(
-      count - 1.0, 1.0)
-    return m, v
-
+def thresholds(x, layout, ratio, stages, first_ratio, dist) -> list:
+  """Per group of equal-shape leaves of the bucket, SIDCo's threshold on
+  ``|x|`` of each leaf (``[G]``): reductions along the rows of the group's
+  ``[G, L]`` view, no scatter."""
   dens = stage_densities(ratio, stages, first_ratio)
-  m, v = moments(mag, jnp.ones_like(mag), sizes_f)
-  t = _quantile(dist, m, v, dens[0])
-  for d in dens[1:]:
-    over = mag > t[row]
-    count = jax.ops.segment_sum(over.astype(jnp.float32), row,
-                                num_segments=nrows)
-    tmin = jax.ops.segment_min(jnp.where(over, mag, jnp.inf), row,
-                               num_segments=nrows)
-    w = over.astype(jnp.float32)
-    y = jnp.where(over, mag - tmin[row], 0.0)
-    m, v = moments(y, w, count)
-    # No exceedance left: keep the threshold (nothing more to fit).
-    t = jnp.where(count > 0, tmin + _quantile(dist, m, v, d), t)
-  return t
+  out = []
+  for v in layout.views(jnp.abs(x).astype(jnp.float32)):
+    size = float(v.shape[1])
+    m = jnp.mean(v, axis=1)
+    var = jnp.sum(jnp.square(v - m[:, None]), axis=1) / max(size - 1.0, 1.0)
+    t = _quantile(dist, m, var, dens[0])
+    for d in dens[1:]:
+      over = v > t[:, None]
+      count = jnp.sum(over, axis=1).astype(jnp.float32)
+      tmin = jnp.min(jnp.where(over, v, jnp.inf), axis=1)
+      y = jnp.where(over, v - tmin[:, None], 0.0)
+      n = jnp.maximum(count, 1.0)
+      m = jnp.sum(y, axis=1) / n
+      dev = jnp.where(over, y - m[:, None], 0.0)
+      var = jnp.sum(dev * dev, axis=1) / jnp.maximum(count - 1.0, 1.0)
+      # No exceedance left: keep the threshold (nothing more to fit).
+      t = jnp.where(count > 0, tmin + _quantile(dist, m, var, d), t)
+    out.append(t)
+  return out
+
+
+def select(x, layout, ratio, stages=3, first_ratio=0.25,
+           dist="exponential", capacity_factor=2.0):
+  """SIDCo's selection on a bucket: ``(values, positions, counts)``, the
+  pairs of every leaf above its threshold (``capacity`` slots per leaf,
+  position ``layout.size`` in unused ones) and how many each leaf had
+  above it (which may exceed the capacity)."""
+  bounds, sizes = _leaf_rows(layout)
+  ts = thresholds(x, layout, ratio, stages, first_ratio, dist)
+  mask = jnp.concatenate([
+    (jnp.abs(v) > t[:, None]).reshape(-1)
+    for v, t in zip(layout.views(x), ts)])
+  caps = tuple(capacity(ratio, n, capacity_factor) for n in sizes)
+  vals, gi, counts = _kthreshold.compact_segments(
+    x, _topk.pack_mask(mask), bounds, caps)
+  return jnp.where(gi < layout.size, vals, 0.0), gi, counts
 
 
 def _sidco_codec(ratio, stages, first_ratio, dist, capacity_factor):
 
-  def select(x, layout):
-    bounds, sizes = _leaf_rows(layout)
-    t = thresholds(x, layout, ratio, stages, first_ratio, dist)
-    row = _kthreshold.segment_ids(bounds)
-    mask = jnp.abs(x) > t[row]
-    caps = tuple(capacity(ratio, n, capacity_factor) for n in sizes)
-    vals, gi, _ = _kthreshold.compact_segments(
-      x, _topk.pack_mask(mask), bounds, caps)
-    return jnp.where(gi < layout.size, vals, 0.0), gi
+  def select_pairs(x, layout):
+    vals, gi, _ = select(x, layout, ratio, stages, first_ratio, dist,
+                         capacity_factor)
+    return vals, gi
 
   def apply(x, state, ctx):
-    vals, gi = select(x, ctx.layout)
+    vals, gi = select_pairs(x, ctx.layout)
     mean, sent = _sparse_exchange(vals, gi, ctx)
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
