@@ -26,6 +26,7 @@ import jaxcomm
 # Modules that register entries (imported by the battery).
 MODULES = [
   "tests.entries_dense",
+  "tests.entries_lazy",
   "tests.entries_mx",
   "tests.entries_quantization",
   "tests.entries_sparsification",

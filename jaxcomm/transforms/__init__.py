@@ -13,6 +13,7 @@ from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
 from jaxcomm.transforms import _global_topk
+from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
@@ -35,6 +36,7 @@ from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
 from jaxcomm.transforms._global_topk import *
+from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._gossip import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
@@ -59,6 +61,7 @@ __all__ += _dense.__all__
 __all__ += _dgc.__all__
 __all__ += _diloco.__all__
 __all__ += _global_topk.__all__
+__all__ += _lag.__all__
 __all__ += _gossip.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
