@@ -158,6 +158,13 @@ METHODS = [
   # SIDCo: a fitted threshold at the top-k 0.01 rows' density.
   _m("SIDCo 0.01 (exponential, 3 stages) + EF", "sidco", "ratio=0.01", MSGD,
      "momentum SGD"),
+  # AdaComp (bins of 50, the paper's L_T for recurrent layers), ATOMO
+  # (2 SVD atoms per matrix, unbiased, no error feedback as in the paper)
+  # and LAG (zeta 1: a device resends when its gradient moved as much as
+  # since the last step).
+  _m("AdaComp L_T=50 + EF", "adacomp", "bin_size=50", MSGD, "momentum SGD"),
+  _m("ATOMO 2 atoms", "atomo", "budget=2", MSGD, "momentum SGD"),
+  _m("LAG zeta=1 (EF21 estimates)", "lag", "zeta=1.0", MSGD, "momentum SGD"),
   # ScaleCom: the leader's top-k indices, every device's values there.
   _m("ScaleCom 0.01 + EF", "scalecom", "ratio=0.01", MSGD, "momentum SGD"),
   # FetchSGD: momentum and error live in the sketch; plain SGD after it,
