@@ -78,6 +78,17 @@ def number(name: str, value, lo: float | None = None, hi: float | None = None,
   return value
 
 
+def static_number(name: str, value, default: float, lo: float) -> float:
+  """``value`` (``default`` when None) as a finite Python float ``>= lo``
+  that sets a message size: a traced value (an injected
+  hyperparameter) is refused by name."""
+  value = default if value is None else value
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(f"{name} sets the message size and must be static (a "
+                     "Python number)")
+  return float(number(name, value, lo, None, finite=True))
+
+
 def ratio(name: str, value) -> float:
   """A fraction in ``(0, 1]`` (static: it sets message sizes)."""
   if isinstance(value, jax.core.Tracer):

@@ -183,14 +183,10 @@ def adacomp(bin_size: int | None = None, *,
   # them out of the traced hyperparameters unless the caller passes them.
   bin_size = _checks.integer("bin_size", 50 if bin_size is None else bin_size,
                              1)
-  capacity_factor = _checks.number(
-    "capacity_factor", 2.0 if capacity_factor is None else capacity_factor,
-    1.0, None, finite=True)
-  if isinstance(capacity_factor, jax.core.Tracer):
-    raise ValueError("capacity_factor sets the message size and must be "
-                     "static (a Python number)")
+  capacity_factor = _checks.static_number("capacity_factor",
+                                          capacity_factor, 2.0, 1.0)
   return _compressor.compressed(
-    _adacomp_codec(bin_size, float(capacity_factor)),
+    _adacomp_codec(bin_size, capacity_factor),
     axis_name=axis_name, error_feedback=error_feedback, policy=policy,
     seed=seed, **options)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
@@ -196,15 +195,11 @@ def sidco(ratio: float, *, distribution: str = "exponential",
     "first_ratio", 0.25 if first_ratio is None else first_ratio)
   _checks.choice("distribution", distribution, DISTRIBUTIONS)
   stages = _checks.integer("stages", 3 if stages is None else stages, 1, 16)
-  capacity_factor = _checks.number(
-    "capacity_factor", 2.0 if capacity_factor is None else capacity_factor,
-    1.0, None, finite=True)
-  if isinstance(capacity_factor, jax.core.Tracer):
-    raise ValueError("capacity_factor sets the message size and must be "
-                     "static (a Python number)")
+  capacity_factor = _checks.static_number("capacity_factor",
+                                          capacity_factor, 2.0, 1.0)
   return _compressor.compressed(
     _sidco_codec(ratio, stages, first_ratio, distribution,
-                 float(capacity_factor)),
+                 capacity_factor),
     axis_name=axis_name, error_feedback=error_feedback, policy=policy,
     seed=seed, **options)
 
