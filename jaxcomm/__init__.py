@@ -11,7 +11,10 @@ from jaxcomm import collectives
 from jaxcomm import parallel
 from jaxcomm import registry
 from jaxcomm import wire
-from jaxcomm._compressor import Codec
+from jaxcomm._codec import Codec
+from jaxcomm._codec import CodecBase
+from jaxcomm._codec import GossipCodec
+from jaxcomm._codec import SteppedCodec
 from jaxcomm._compressor import CodecResult
 from jaxcomm._compressor import CompressState
 from jaxcomm._compressor import CompressStats

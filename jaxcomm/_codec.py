@@ -5,9 +5,11 @@ leaf policy and axis), which wire accounting reads."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
-from typing import Callable
+from typing import ClassVar
 from typing import NamedTuple
+from typing import Protocol
 
 import jax
 
@@ -60,9 +62,9 @@ class CodecResult(NamedTuple):
   state: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class Codec:
-  """A compressor's math and exchange, in the form :func:`compressed` takes.
+@typing.runtime_checkable
+class Codec(Protocol):
+  """What :func:`compressed` takes: a compressor's math and exchange.
 
   :func:`compressed` lays the compressed leaves into flat float32 buckets
   (:mod:`jaxcomm._buckets`) and calls the codec once per bucket, on the
@@ -72,25 +74,15 @@ class Codec:
   group of equal shapes, so the program does not grow with the number of
   leaves.
 
+  Every codec in jaxcomm is a frozen dataclass deriving :class:`CodecBase`:
+  its hyperparameters are its fields, so it prints, compares and hashes by
+  value. ``apply`` is one method (encode, exchange, decode) because several
+  codecs exchange more than once (PowerSGD's two all-reduces, the
+  two-phase quantized sums); the one-message codecs that can gossip split
+  it into :class:`GossipCodec`'s ``message`` and ``decode``.
+
   Attributes:
     name: the public name, used in messages.
-    init: ``init(layout) -> state``.
-    apply: ``apply(x, state, ctx) -> CodecResult`` (error feedback
-      already added to the input).
-    wire: ``wire(layout, n) -> [(kind, payload_bytes), ...]``, the
-      collectives ``apply`` issues on ``n`` devices, in HLO terms
-      (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
-      ``collective-permute``). Checked against the compiled HLO in tests.
-    accepts: ``accepts(shape) -> bool``, the codec's own leaf rule.
-    message: for gossip (:func:`jaxcomm.choco`), stateless codecs only:
-      ``message(x, ctx) -> (words, sent)``, this device's compressed
-      message as one ``uint32`` array (what travels to a neighbour) and
-      what it decodes to; no collective. None: the codec cannot gossip.
-    decode: ``decode(words, ctx) -> float32[layout.size]``, a received
-      message decoded (``decode(message(x)[0]) == message(x)[1]``).
-    wire_at: for a codec whose exchange changes with the step (DGC's
-      warm-up stages, behind a ``lax.switch``): ``wire_at(layout, n,
-      step)``, what that step moves. None: ``wire``, every step.
     mean_of_sent: whether ``mean`` is exactly the device mean of ``sent``
       (linear aggregation). EF21 keeps ``h = mean_i h_i`` only then, so
       ``compressed(error_feedback="ef21")`` refuses a codec that says False
@@ -111,17 +103,131 @@ class Codec:
       None.
   """
 
+  @property
+  def name(self) -> str: ...
+
+  @property
+  def mean_of_sent(self) -> bool: ...
+
+  @property
+  def unbiased(self) -> bool: ...
+
+  @property
+  def wants_gradient(self) -> bool: ...
+
+  def init(self, layout) -> Any:
+    """The codec's state for one bucket (a pytree of arrays; ``()``)."""
+
+  def apply(self, x, state, ctx: Context) -> CodecResult:
+    """One step on one bucket ``x`` (error feedback already added)."""
+
+  def wire(self, layout, n: int) -> list[Collective]:
+    """The collectives ``apply`` issues on ``n`` devices, in HLO terms
+    (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
+    ``collective-permute``) with their payload bytes per device. Checked
+    against the compiled HLO in tests."""
+
+  def accepts(self, shape) -> bool:
+    """The codec's own leaf rule (beside the policy's)."""
+
+
+@typing.runtime_checkable
+class GossipCodec(Codec, Protocol):
+  """A codec whose message travels whole to a neighbour
+  (:func:`jaxcomm.choco`): no collective inside; stateless."""
+
+  def message(self, x, ctx: Context) -> tuple[Any, Any]:
+    """``(words, sent)``: this device's message as one ``uint32`` array
+    (what travels) and what it decodes to."""
+
+  def decode(self, words, ctx: Context) -> Any:
+    """A received message decoded: ``decode(message(x)[0]) ==
+    message(x)[1]``, as ``float32[layout.size]``."""
+
+
+@typing.runtime_checkable
+class SteppedCodec(Codec, Protocol):
+  """A codec whose exchange changes with the step (DGC's warm-up stages,
+  behind a ``lax.switch``)."""
+
+  def wire_at(self, layout, n: int, step: int) -> list[Collective]:
+    """What step ``step`` moves (``wire`` lists every stage, as the
+    compiled program holds them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecBase:
+  """The defaults of a :class:`Codec`: stateless, every leaf shape, linear
+  aggregation, biased, no fresh gradient. Derive a frozen dataclass from
+  it, the hyperparameters as fields, and define ``name``, ``apply`` and
+  ``wire`` (and override the rest where the method differs)::
+
+    @dataclasses.dataclass(frozen=True)
+    class Halve(jaxcomm.CodecBase):
+      scale: float = 0.5
+      name = "halve"
+
+      def apply(self, x, state, ctx):
+        mean = jax.lax.pmean(self.scale * x, ctx.axis_name)
+        return jaxcomm.CodecResult(mean=mean, sent=self.scale * x,
+                                   state=state)
+
+      def wire(self, layout, n):
+        return [("all-reduce", 4 * layout.size)]
+  """
+
+  mean_of_sent: ClassVar[bool] = True
+  unbiased: ClassVar[bool] = False
+  wants_gradient: ClassVar[bool] = False
+
+  def init(self, layout) -> Any:
+    del layout
+    return ()
+
+  def accepts(self, shape) -> bool:
+    del shape
+    return True
+
+
+def can_gossip(codec) -> bool:
+  """Whether ``codec`` has a gossip message (:class:`GossipCodec`)."""
+  return callable(getattr(codec, "message", None)) and callable(
+    getattr(codec, "decode", None))
+
+
+def is_stepped(codec) -> bool:
+  """Whether ``codec``'s exchange changes with the step
+  (:class:`SteppedCodec`)."""
+  return callable(getattr(codec, "wire_at", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class LegacyCodec:
+  """Transitional: a codec of closures (being replaced by dataclasses)."""
+
   name: str
-  init: Callable[[Any], Any]
-  apply: Callable[[Any, Any, Context], CodecResult]
-  wire: Callable[[Any, int], list[Collective]]
-  accepts: Callable[[Shape], bool] = lambda shape: True
-  message: Callable[[Any, Context], tuple[Any, Any]] | None = None
-  decode: Callable[[Any, Context], Any] | None = None
-  wire_at: Callable[[Any, int, int], list[Collective]] | None = None
+  init: Any
+  apply: Any
+  wire: Any
+  accepts: Any = lambda shape: True
+  message: Any = None
+  decode: Any = None
+  wire_at: Any = None
   mean_of_sent: bool = True
   unbiased: bool = False
   wants_gradient: bool = False
+
+
+def check_codec(codec) -> None:
+  """Refuses what is not a :class:`Codec`, naming what is missing."""
+  missing = [a for a in ("name", "init", "apply", "wire", "accepts",
+                         "mean_of_sent", "unbiased", "wants_gradient")
+             if not hasattr(codec, a)]
+  if missing:
+    raise TypeError(
+      f"codec must be a jaxcomm.Codec (derive a frozen dataclass from "
+      f"jaxcomm.CodecBase), got {type(codec).__name__} without "
+      f"{', '.join(missing)}")
 
 
 class _Init:
@@ -187,7 +293,7 @@ class Spec:
       if dense_phase:
         out.append(("all-reduce", 4 * lay.size))
       if codec_phase:
-        if step is not None and self.codec.wire_at is not None:
+        if step is not None and is_stepped(self.codec):
           out.extend(self.codec.wire_at(lay, n, step))
         else:
           out.extend(self.codec.wire(lay, n))

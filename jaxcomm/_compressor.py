@@ -57,8 +57,10 @@ import optax
 
 from jaxcomm import _buckets
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _policy
 from jaxcomm._codec import Codec
+from jaxcomm._codec import CodecBase  # noqa: F401 (the codec API)
 from jaxcomm._codec import CodecResult  # noqa: F401 (the codec API)
 from jaxcomm._codec import Collective  # noqa: F401
 from jaxcomm._codec import CompressState
@@ -202,6 +204,7 @@ def compressed(
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`CompressState`.
   """
+  _codec.check_codec(codec)
   if unknown:
     raise ValueError(
       f"{codec.name}: unknown option(s) {', '.join(sorted(unknown))}; the "

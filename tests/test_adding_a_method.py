@@ -33,24 +33,31 @@ _MODULE = textwrap.dedent('''
     import jaxcomm
 
 
+    @dataclasses.dataclass(frozen=True)
+    class ToyRoundCodec(jaxcomm.CodecBase):
+      """Each value rounded to the nearest multiple of ``step``."""
+
+      step: float
+      name = "toy_round"
+
+      def apply(self, x, state, ctx):
+        sent = jnp.round(x / self.step) * self.step
+        total = sent if ctx.axis_name is None else jax.lax.psum(
+          sent, ctx.axis_name)
+        return jaxcomm.CodecResult(mean=total / ctx.num_devices, sent=sent,
+                                   state=state)
+
+      def wire(self, layout, n):
+        return [("all-reduce", 4 * layout.size)]
+
+
     @jaxcomm.registry.method(family="compressor", paper="(a toy)",
                              summary="values rounded to a grid, float32 mean",
                              defaults={"step": 0.25})
     def toy_round(step: float, *, axis_name="data", error_feedback=True,
                   policy=None, **options):
       """Each value rounded to the nearest multiple of ``step``."""
-
-      def apply(x, state, ctx):
-        sent = jnp.round(x / step) * step
-        total = sent if ctx.axis_name is None else jax.lax.psum(
-          sent, ctx.axis_name)
-        return jaxcomm.CodecResult(mean=total / ctx.num_devices, sent=sent,
-                                   state=state)
-
-      codec = jaxcomm.Codec(
-        name="toy_round", init=lambda layout: (), apply=apply,
-        wire=lambda layout, n: [("all-reduce", 4 * layout.size)])
-      return jaxcomm.compressed(codec, axis_name=axis_name,
+      return jaxcomm.compressed(ToyRoundCodec(step), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
 ''')

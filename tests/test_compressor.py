@@ -5,6 +5,7 @@ The toy codec sends, per leaf, only the element of largest magnitude (a
 simple enough that every expectation below is written in plain numpy.
 """
 
+import dataclasses
 import inspect
 import warnings
 
@@ -28,9 +29,13 @@ def _top1(x):
   return out
 
 
-def _codec():
+@dataclasses.dataclass(frozen=True)
+class _Top1(jaxcomm.CodecBase):
   """Top-1 of each leaf of the bucket (a per-leaf loop: a test codec)."""
-  def apply(x, state, ctx):
+
+  name = "top1"
+
+  def apply(self, x, state, ctx):
     sent = []
     for leaf in ctx.layout.split(x):
       flat = leaf.ravel()
@@ -40,9 +45,12 @@ def _codec():
     mean = _core.psum(sent, ctx.axis_name) / ctx.num_devices
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  return _compressor.Codec(
-    name="top1", init=lambda layout: (), apply=apply,
-    wire=lambda layout, n: [("all-reduce", 4 * layout.size)])
+  def wire(self, layout, n):
+    return [("all-reduce", 4 * layout.size)]
+
+
+def _codec():
+  return _Top1()
 
 
 def _grads(seed, steps, shape=(4, 5)):

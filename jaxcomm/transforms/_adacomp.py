@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _sparse
@@ -117,7 +118,7 @@ def _adacomp_codec(bin_size, capacity_factor):
     _, sizes = _leaf_rows(layout)
     return _sparse.sparse_psum_wire(sum(caps_of(sizes)), layout.size, n)
 
-  return _compressor.Codec(name=f"adacomp({bin_size})", init=init,
+  return _codec.LegacyCodec(name=f"adacomp({bin_size})", init=init,
                            apply=apply, wire=wire, wants_gradient=True)
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -123,7 +124,7 @@ def _atomo_codec(budget: int) -> _compressor.Codec:
     mean = layout.join_any(total) / ctx.num_devices
     return _compressor.CodecResult(mean=mean, sent=sent, state=state)
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name=f"atomo({budget})", init=lambda layout: (), apply=apply,
     wire=lambda layout, n: [("all-gather", 4 * n * words(layout))],
     accepts=accepts, unbiased=True)

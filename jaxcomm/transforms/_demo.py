@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _policy
 from jaxcomm import _registry
@@ -164,7 +165,7 @@ def _demo_codec(topk: int, chunk: int) -> _compressor.Codec:
     plan = _plan(layout, topk, chunk)
     return _sparse.sparse_psum_wire(plan.capacity, plan.bound, n)
 
-  return _compressor.Codec(name="demo", init=lambda layout: (), apply=apply,
+  return _codec.LegacyCodec(name="demo", init=lambda layout: (), apply=apply,
                            wire=wire, accepts=accepts)
 
 

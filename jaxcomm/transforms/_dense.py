@@ -3,23 +3,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 
 
-def _mean_codec() -> _compressor.Codec:
-  # Accepts no leaf: every floating leaf goes through the fused dense psum.
-  return _compressor.Codec(
-    name="mean_gradients",
-    init=lambda layout: (),
-    apply=None,  # never called: no leaf is compressed
-    wire=lambda layout, n: [],
-    accepts=lambda shape: False,
-    )
+@dataclasses.dataclass(frozen=True)
+class MeanCodec(_codec.CodecBase):
+  """Accepts no leaf: every floating leaf goes through the fused dense psum
+  (``apply`` is never called)."""
+
+  name = "mean_gradients"
+
+  def accepts(self, shape):
+    del shape
+    return False
+
+  def apply(self, x, state, ctx):
+    raise AssertionError("mean_gradients compresses no leaf")
+
+  def wire(self, layout, n):
+    return []
 
 
 @_registry.method(
@@ -48,7 +58,7 @@ def mean_gradients(axis_name="data"):
 
     tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
   """
-  return _compressor.compressed(_mean_codec(), axis_name=axis_name,
+  return _compressor.compressed(MeanCodec(), axis_name=axis_name,
                                 error_feedback=False)
 
 
@@ -58,7 +68,7 @@ _CAST_DTYPES = {
 }
 
 
-def _cast_codec(dtype) -> _compressor.Codec:
+def _dtype_name(dtype) -> str:
   try:
     name = np.dtype(dtype).name
   except TypeError:
@@ -66,10 +76,31 @@ def _cast_codec(dtype) -> _compressor.Codec:
   if name not in _CAST_DTYPES:
     raise ValueError(
       f"dtype must be one of {sorted(_CAST_DTYPES)}, got {dtype!r}")
-  dtype = _CAST_DTYPES[name]
-  itemsize = np.dtype(dtype).itemsize
+  return name
 
-  def apply(x, state, ctx):
+
+@dataclasses.dataclass(frozen=True)
+class CastCodec(_codec.CodecBase):
+  """Each device's ``x / n`` cast to ``dtype``; chunk sums in float32.
+
+  Attributes:
+    dtype: the wire dtype's name (a key of ``_CAST_DTYPES``).
+  """
+
+  dtype: str = "bfloat16"
+  # The chunk sums are rounded again after the float32 sum: the mean is
+  # not exactly the mean of what the devices sent.
+  mean_of_sent = False
+
+  def __post_init__(self):
+    _dtype_name(self.dtype)
+
+  @property
+  def name(self):
+    return f"cast({self.dtype})"
+
+  def apply(self, x, state, ctx):
+    dtype = _CAST_DTYPES[self.dtype]
     n = ctx.num_devices
     # Divide by n before the cast, so the sum cannot overflow where the
     # mean would not (fp16's max is 65504); FP8 saturates.
@@ -77,17 +108,13 @@ def _cast_codec(dtype) -> _compressor.Codec:
     mean = _core.scatter_gather_sum(low.astype(jnp.float32), ctx.axis_name,
                                     dtype)
     sent = low.astype(jnp.float32) * n
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
+    itemsize = np.dtype(_CAST_DTYPES[self.dtype]).itemsize
     chunk = _core.padded_length(-(-layout.size // n), 4 // itemsize)
     return [("all-to-all", chunk * n * itemsize),
             ("all-gather", chunk * n * itemsize)]
-
-  # The bf16 chunk sums are rounded again after the float32 sum: the
-  # mean is not exactly the mean of what the devices sent.
-  return _compressor.Codec(name=f"cast({name})", init=lambda layout: (),
-                           apply=apply, wire=wire, mean_of_sent=False)
 
 
 @_registry.method(
@@ -138,7 +165,7 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     Micikevicius et al, `Mixed Precision Training
     <https://arxiv.org/abs/1710.03740>`_, 2018.
   """
-  return _compressor.compressed(_cast_codec(dtype), axis_name=axis_name,
+  return _compressor.compressed(CastCodec(_dtype_name(dtype)), axis_name=axis_name,
                                 error_feedback=error_feedback,
                                 policy=policy, **options)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _sparse
@@ -263,7 +264,7 @@ def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
     return _sparse.sparse_psum_wire(
       _num_pairs(_segments(layout), densities[stage]), layout.size, n)
 
-  return _compressor.Codec(name=f"dgc({ratio})", init=lambda layout: (),
+  return _codec.LegacyCodec(name=f"dgc({ratio})", init=lambda layout: (),
                            apply=apply, wire=wire, wire_at=wire_at)
 
 

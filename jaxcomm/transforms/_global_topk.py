@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _sparse
@@ -39,7 +40,7 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
       [s.count * num_selected(ratio, s.size) for s in segs],
       [s.count * s.size for s in segs], n)
 
-  return _compressor.Codec(name=f"gtopk({ratio})", init=lambda layout: (),
+  return _codec.LegacyCodec(name=f"gtopk({ratio})", init=lambda layout: (),
                            apply=apply, wire=wire)
 
 
@@ -115,7 +116,7 @@ def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
     return _sparse.chunk_psum_wire(
       layout.size, chunk_size, csc_num_chunks(ratio, layout.size, chunk_size))
 
-  return _compressor.Codec(name=f"csc({chunk_size}, {ratio})",
+  return _codec.LegacyCodec(name=f"csc({chunk_size}, {ratio})",
                            init=lambda layout: (), apply=apply, wire=wire)
 
 

@@ -15,6 +15,7 @@ import optax
 
 from jaxcomm import _buckets
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _policy
@@ -264,7 +265,7 @@ def choco(inner: optax.GradientTransformation, compressor, *,
   from jaxcomm.collectives import _gossip
   _check_inner("inner", inner)
   spec = _compressor.spec_of(compressor)
-  if spec.codec.message is None:
+  if not _codec.can_gossip(spec.codec):
     raise ValueError(
       f"compressor {spec.codec.name} has no gossip message; choco takes "
       "jaxcomm.topk (without value_bits), jaxcomm.randomk or "

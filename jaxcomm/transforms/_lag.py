@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm import _vma
@@ -69,7 +70,7 @@ def _lag_codec(zeta: float) -> _compressor.Codec:
     # steps where some device sends (LagState.senders > 0).
     return [("all-reduce", 4), ("all-reduce", 4 * layout.size)]
 
-  return _compressor.Codec(name="lag", init=init, apply=apply,
+  return _codec.LegacyCodec(name="lag", init=init, apply=apply,
                            wire=wire, wants_gradient=True)
 
 

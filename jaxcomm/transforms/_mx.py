@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -169,7 +170,7 @@ def _mx_codec(fmt: str) -> _compressor.Codec:
 
   # The reducer rounds each chunk's sum to the format again: the mean is
   # not exactly the mean of what the devices sent.
-  return _compressor.Codec(name=f"mx({fmt})", init=lambda layout: (),
+  return _codec.LegacyCodec(name=f"mx({fmt})", init=lambda layout: (),
                            apply=apply, wire=wire, mean_of_sent=False)
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _quantized
@@ -53,7 +54,7 @@ def _natural_codec() -> _compressor.Codec:
       flat, ctx.axis_name, lambda c: natural_round(c, owner_key))
     return _compressor.CodecResult(mean=mean, sent=flat, state=state)
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name="natural", init=lambda layout: (), apply=apply, mean_of_sent=False,
     # Both roundings are unbiased; the owner's second one is why the mean
     # is not the mean of what was sent (so DIANA and EF21 refuse it).

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _lowrank
@@ -237,7 +238,7 @@ def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
     q_bytes = sum(4 * b.count * b.m * rank for b in bs)
     return [("all-reduce", p_bytes), ("all-reduce", q_bytes)] * num_iters
 
-  return _compressor.Codec(name="powersgd", init=init, apply=apply,
+  return _codec.LegacyCodec(name="powersgd", init=init, apply=apply,
                            wire=wire, accepts=accepts)
 
 

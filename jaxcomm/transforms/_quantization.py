@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxcomm import _buckets
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _registry
@@ -257,7 +258,7 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
     return ([("all-reduce", 4 * stats * lay.num_buckets)]
             + _quantized.plan(lay.padded, bound, n, low).wire)
 
-  return _compressor.Codec(name=name, init=lambda layout: (), apply=apply,
+  return _codec.LegacyCodec(name=name, init=lambda layout: (), apply=apply,
                            wire=wire, unbiased=unbiased)
 
 
@@ -494,7 +495,7 @@ def _block_int_codec(name: str, bits: int, bucket_size: int,
 
   # The requantized mean is not the mean of what devices sent (the owner
   # rounds it again): EF21 is refused for it by name.
-  return _compressor.Codec(name=name, init=init, apply=apply, wire=wire,
+  return _codec.LegacyCodec(name=name, init=init, apply=apply, wire=wire,
                            mean_of_sent=False)
 
 

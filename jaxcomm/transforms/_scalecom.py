@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -68,7 +69,7 @@ def _scalecom_codec(ratio, beta, filtered) -> _compressor.Codec:
     k = _num_pairs(_segments(layout), ratio)
     return [("all-reduce", 4 * k), ("all-reduce", 4 * k)]
 
-  return _compressor.Codec(name=f"scalecom({ratio})", init=init,
+  return _codec.LegacyCodec(name=f"scalecom({ratio})", init=init,
                            apply=apply, wire=wire,
                            mean_of_sent=not filtered)
 

@@ -27,6 +27,7 @@ import math
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _sparse
@@ -129,7 +130,7 @@ def _sidco_codec(ratio, stages, first_ratio, dist, capacity_factor):
     cap = sum(capacity(ratio, s, capacity_factor) for s in sizes)
     return _sparse.sparse_psum_wire(cap, layout.size, n)
 
-  return _compressor.Codec(name=f"sidco({ratio})", init=lambda layout: (),
+  return _codec.LegacyCodec(name=f"sidco({ratio})", init=lambda layout: (),
                            apply=apply, wire=wire)
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _registry
@@ -47,7 +48,7 @@ def _onebit_codec() -> _compressor.Codec:
     return _compressor.CodecResult(mean=mean, sent=sent,
                                    state=OneBitState(err))
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name="onebit", init=init, apply=apply, mean_of_sent=False,
     wire=lambda layout, n: _signs.compressed_allreduce_wire(
       layout.sizes, n))
@@ -135,7 +136,7 @@ def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
                                    sent=_sign(votes_on) * scale,
                                    state=new_state)
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name=name, init=init, apply=apply, mean_of_sent=False,
     wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
 
@@ -261,7 +262,7 @@ def _ef_sign_codec() -> _compressor.Codec:
   def decode(words, ctx):
     return _signs.decode_sign_message(words, ctx.layout.sizes)
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name="ef_signsgd", init=lambda layout: (), apply=apply,
     wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n),
     message=message, decode=decode)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -148,7 +149,7 @@ def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
     del layout, n
     return [("all-reduce", 4 * rows * cols)]
 
-  return _compressor.Codec(name="fetchsgd", init=init, apply=apply,
+  return _codec.LegacyCodec(name="fetchsgd", init=init, apply=apply,
                            wire=wire, mean_of_sent=False)
 
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -180,7 +181,7 @@ def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
   name = f"topk({ratio})" if value_bits is None else (
     f"topk({ratio}, {value_bits}-bit)")
   gossip = value_bits is None
-  return _compressor.Codec(name=name, init=lambda layout: (),
+  return _codec.LegacyCodec(name=name, init=lambda layout: (),
                            apply=apply, wire=wire,
                            message=message if gossip else None,
                            decode=decode if gossip else None)
@@ -380,7 +381,7 @@ def _randomk_codec(ratio, granularity) -> _compressor.Codec:
     return jnp.zeros((ctx.layout.size,), jnp.float32).at[indices(ctx)].set(
       vals)
 
-  return _compressor.Codec(name=f"randomk({ratio})", init=lambda layout: (),
+  return _codec.LegacyCodec(name=f"randomk({ratio})", init=lambda layout: (),
                            apply=apply, wire=wire, message=message,
                            decode=decode)
 
@@ -453,7 +454,7 @@ def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
     cap = _num_pairs(_segments(layout), capacity_ratio)
     return _sparse.sparse_psum_wire(cap, layout.size, n)
 
-  return _compressor.Codec(name="threshold", init=lambda layout: (),
+  return _codec.LegacyCodec(name="threshold", init=lambda layout: (),
                            apply=apply, wire=wire)
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
@@ -133,7 +134,7 @@ def _decode(layout, words, ratio, signs):
   return pos_all, val_all
 
 
-def _codec(name, select, ratio, signs) -> _compressor.Codec:
+def _ternary_codec(name, select, ratio, signs) -> _compressor.Codec:
 
   def local(x, layout):
     sel = select(x, layout, ratio)
@@ -157,7 +158,7 @@ def _codec(name, select, ratio, signs) -> _compressor.Codec:
     pos, vals = _decode(ctx.layout, words[None], ratio, signs)
     return _scatter(ctx.layout, pos, vals)
 
-  return _compressor.Codec(
+  return _codec.LegacyCodec(
     name=f"{name}({ratio})", init=lambda layout: (), apply=apply,
     wire=lambda layout, n: _wire(layout, n, ratio, signs),
     message=message, decode=decode)
@@ -206,7 +207,7 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
   """
   ratio = _checks.ratio("ratio", ratio)
   return _compressor.compressed(
-    _codec("stc", _stc_select, ratio, signs=True), axis_name=axis_name,
+    _ternary_codec("stc", _stc_select, ratio, signs=True), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
@@ -255,7 +256,7 @@ def sbc(ratio: float, *, axis_name="data", error_feedback: bool = True,
   """
   ratio = _checks.ratio("ratio", ratio)
   return _compressor.compressed(
-    _codec("sbc", _sbc_select, ratio, signs=False), axis_name=axis_name,
+    _ternary_codec("sbc", _sbc_select, ratio, signs=False), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
