@@ -1,6 +1,7 @@
 """jaxcomm.registry is the one list: the package's exports, the battery,
 train.py's choices and the README's tables all agree with it."""
 
+import dataclasses
 import inspect
 import os
 import re
@@ -68,6 +69,54 @@ def test_defaults_build_and_static_args_are_parameters(name):
   wrapped = optax.inject_hyperparams(m.factory, static_args=static)(
     **m.defaults)
   assert isinstance(wrapped, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("name", registry.names("compressor"))
+def test_every_codec_is_a_frozen_dataclass_value(name):
+  """A compressor's codec is a frozen dataclass behind the Codec protocol:
+  its fields (the hyperparameters) print in its repr, two builds of the
+  same configuration give equal codecs that hash alike, and a field
+  cannot be assigned."""
+  m = registry.get(name)
+  codec, again = jaxcomm.spec_of(m.make()).codec, jaxcomm.spec_of(
+    m.make()).codec
+  assert dataclasses.is_dataclass(codec), (name, type(codec))
+  assert isinstance(codec, jaxcomm.Codec) and isinstance(
+    codec, jaxcomm.CodecBase), name
+  assert codec == again and hash(codec) == hash(again), name
+  assert isinstance(codec.name, str) and codec.name, name
+  for f in dataclasses.fields(codec):
+    assert f"{f.name}=" in repr(codec), (name, f.name, repr(codec))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(codec, f.name, getattr(codec, f.name))
+  # A capability is there as a method or not at all.
+  for cap, members in ((jaxcomm.GossipCodec, ("message", "decode")),
+                       (jaxcomm.SteppedCodec, ("wire_at",))):
+    has = [callable(getattr(codec, a, None)) for a in members]
+    assert all(has) or not any(has), (name, members)
+    assert isinstance(codec, cap) == all(has), (name, cap)
+
+
+def test_codecs_of_other_configurations_differ():
+  spec = jaxcomm.spec_of
+  assert spec(jaxcomm.topk(0.01)).codec == spec(jaxcomm.topk(0.01)).codec
+  assert spec(jaxcomm.topk(0.01)).codec != spec(jaxcomm.topk(0.02)).codec
+  assert spec(jaxcomm.powersgd(2)).codec != spec(jaxcomm.powersgd(4)).codec
+  assert spec(jaxcomm.cast("bfloat16")).codec == jaxcomm.transforms._dense.\
+    CastCodec("bfloat16")
+  # Gossip is a capability of top-k's float32 message only.
+  assert isinstance(spec(jaxcomm.topk(0.01)).codec, jaxcomm.GossipCodec)
+  assert not isinstance(spec(jaxcomm.topk(0.01, value_bits=2)).codec,
+                        jaxcomm.GossipCodec)
+  assert isinstance(spec(jaxcomm.dgc(0.01)).codec, jaxcomm.SteppedCodec)
+  assert not isinstance(spec(jaxcomm.topk(0.01)).codec,
+                        jaxcomm.SteppedCodec)
+
+
+def test_compressed_refuses_what_is_not_a_codec():
+  with pytest.raises(TypeError, match="codec must be a jaxcomm.Codec.*"
+                     "without .*apply"):
+    jaxcomm.compressed(object())
 
 
 def test_get_names_the_choices():
