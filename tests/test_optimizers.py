@@ -290,7 +290,7 @@ def test_demo_tiles_leaves_of_any_shape_as_the_reference(mesh):
   grads = harness.make_grads(11, 3, params=params)
   updates, state, _ = harness.device_run(tx, mesh, grads, params=params)
   comp = ["a", "m", "t", "v"]
-  assert _demo._demo_codec(32, 64).accepts((3, 331)) is False
+  assert _demo.DemoCodec(32, 64).accepts((3, 331)) is False
   want, mom, _ = entries_optimizers.demo_run(
     grads, harness.N, params, comp, lr=0.05, decay=0.8, topk=32, chunk=64,
     weight_decay=0.1)

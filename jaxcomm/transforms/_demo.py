@@ -29,6 +29,7 @@ trace time, one batched einsum per group of equal shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -129,18 +130,29 @@ def _inverse(coef, groups):
   return out[0] if len(out) == 1 else jnp.concatenate(out)
 
 
-def _demo_codec(topk: int, chunk: int) -> _compressor.Codec:
-  """The top-``topk`` DCT coefficients of every tile, all-gathered."""
+@dataclasses.dataclass(frozen=True)
+class DemoCodec(_codec.CodecBase):
+  """The top-``topk`` DCT coefficients of every tile, all-gathered.
 
-  def accepts(shape):
-    _, _, h, w = tiles(shape, chunk)
+  Attributes:
+    topk: coefficients sent per tile.
+    chunk: the largest tile side (:func:`tiles`).
+  """
+
+  topk: int
+  chunk: int
+  name = "demo"
+
+  def accepts(self, shape):
+    _, _, h, w = tiles(shape, self.chunk)
     # A tile of at most topk coefficients would travel whole (DeMo then
     # extracts everything: the update is the exact mean), and its indices
     # would cost more than the dense psum: such a leaf goes dense.
-    return int(np.prod(shape, dtype=np.int64)) > 0 and h * w > topk
+    return int(np.prod(shape, dtype=np.int64)) > 0 and h * w > self.topk
 
-  def apply(x, state, ctx):
-    plan = _plan(ctx.layout, topk, chunk)
+  def apply(self, x, state, ctx):
+    topk = self.topk
+    plan = _plan(ctx.layout, topk, self.chunk)
     vals, idx = [], []
     for coef in _forward(x, plan.groups):
       _, i = jax.lax.top_k(jnp.abs(coef), topk)   # ties: lower index first
@@ -159,14 +171,11 @@ def _demo_codec(topk: int, chunk: int) -> _compressor.Codec:
     own = jnp.zeros((size,), jnp.float32).at[base + idx].add(vals)
     mean = _inverse(total / ctx.num_devices, plan.groups)
     sent = _inverse(own, plan.groups)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
-    plan = _plan(layout, topk, chunk)
+  def wire(self, layout, n):
+    plan = _plan(layout, self.topk, self.chunk)
     return _sparse.sparse_psum_wire(plan.capacity, plan.bound, n)
-
-  return _codec.LegacyCodec(name="demo", init=lambda layout: (), apply=apply,
-                           wire=wire, accepts=accepts)
 
 
 class DeMoState(NamedTuple):
@@ -295,7 +304,7 @@ def demo(
   _checks.boolean("sign", sign)
   _checks.number("weight_decay", weight_decay, 0.0, None, finite=True)
   ex = _compressor.compressed(
-    _demo_codec(topk, chunk), axis_name=axis_name, error_feedback=True,
+    DemoCodec(topk, chunk), axis_name=axis_name, error_feedback=True,
     residual_decay=compression_decay, policy=policy,
     lr_schedule=learning_rate if callable(learning_rate) else None)
   no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0

@@ -3,6 +3,7 @@ warm-up of the density, momentum correction and masking, local clipping."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -228,44 +229,65 @@ def _sampled_select_bucket(x, layout, density, key, sample_ratio,
   return vals[take], gi[take]
 
 
-def _dgc_codec(ratio, densities, steps_per_stage, sample_ratio, exact,
-               max_rounds) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class DgcCodec(_codec.CodecBase):
+  """DGC's selection (sampled threshold or exact top-k per leaf) and sparse
+  exchange, one stage per density behind a ``lax.switch`` on the step.
 
-  def stage_fn(density):
-    def run(x, ctx):
-      if exact:
-        gv, gi = _local_topk(x, _segments(ctx.layout), density)
-      else:
-        gv, gi = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
-                                        sample_ratio, max_rounds)
-      return _sparse_exchange(gv, gi, ctx)
-    return run
+  Attributes:
+    ratio: the target density (the last stage's; named in ``name``).
+    densities: the density of each stage, the warm-up's then ``ratio``
+      (:func:`dgc_densities`; ``(ratio,)`` without warm-up).
+    steps_per_stage: steps each warm-up stage is held (>= 1).
+    sample_ratio: fraction of each leaf sampled for the threshold.
+    exact: exact top-k instead of the sampled threshold.
+    max_rounds: bound on the threshold adjustment rounds.
+  """
 
-  def apply(x, state, ctx):
-    if len(densities) == 1:
-      mean, sent = stage_fn(densities[0])(x, ctx)
+  ratio: float
+  densities: tuple[float, ...]
+  steps_per_stage: int
+  sample_ratio: float
+  exact: bool
+  max_rounds: int
+
+  @property
+  def name(self):
+    return f"dgc({self.ratio})"
+
+  def _stage(self, density, x, ctx):
+    if self.exact:
+      gv, gi = _local_topk(x, _segments(ctx.layout), density)
     else:
-      stage = jnp.minimum(ctx.step // steps_per_stage, len(densities) - 1)
-      branches = [lambda x, f=stage_fn(d): f(x, ctx) for d in densities]
-      mean, sent = jax.lax.switch(stage, branches, x)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+      gv, gi = _sampled_select_bucket(x, ctx.layout, density, ctx.key,
+                                      self.sample_ratio, self.max_rounds)
+    return _sparse_exchange(gv, gi, ctx)
 
-  def wire(layout, n):
+  def apply(self, x, state, ctx):
+    densities = self.densities
+    if len(densities) == 1:
+      mean, sent = self._stage(densities[0], x, ctx)
+    else:
+      stage = jnp.minimum(ctx.step // self.steps_per_stage,
+                          len(densities) - 1)
+      branches = [lambda x, d=d: self._stage(d, x, ctx) for d in densities]
+      mean, sent = jax.lax.switch(stage, branches, x)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
+
+  def wire(self, layout, n):
     segs = _segments(layout)
     out = []
-    for d in densities:
+    for d in self.densities:
       out += _sparse.sparse_psum_wire(_num_pairs(segs, d), layout.size, n)
     return out
 
-  def wire_at(layout, n, step):
+  def wire_at(self, layout, n, step):
     # ``step`` is the global step count, as ``ctx.step``.
-    stage = min(max(step, 0) // steps_per_stage, len(densities) - 1) if (
-      len(densities) > 1) else 0
+    densities = self.densities
+    stage = min(max(step, 0) // self.steps_per_stage,
+                len(densities) - 1) if len(densities) > 1 else 0
     return _sparse.sparse_psum_wire(
       _num_pairs(_segments(layout), densities[stage]), layout.size, n)
-
-  return _codec.LegacyCodec(name=f"dgc({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, wire_at=wire_at)
 
 
 @_registry.method(
@@ -376,8 +398,8 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
       f"(got momentum={momentum!r})")
   densities = (dgc_densities(ratio, warm) if warmup_steps_per_stage
                else (ratio,))
-  codec = _dgc_codec(ratio, densities, max(warmup_steps_per_stage, 1),
-                     sample_ratio, exact, max_rounds)
+  codec = DgcCodec(ratio, densities, max(warmup_steps_per_stage, 1),
+                   sample_ratio, exact, max_rounds)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback,
                                 momentum=momentum,

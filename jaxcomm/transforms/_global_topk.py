@@ -3,6 +3,8 @@ doubling, and CSC (Sun et al. 2019) by chunk norms summed over devices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jaxcomm import _checks
@@ -17,10 +19,27 @@ from jaxcomm.transforms._sparsification import num_selected
 
 # -------------------------------------------------------------- gTop-k ----
 
-def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class GtopkCodec(_codec.CodecBase):
+  """Global top-k: each device's local top-k merged pairwise by recursive
+  doubling and re-sparsified to k after every merge.
 
-  def apply(x, state, ctx):
-    segs = _segments(ctx.layout, granularity)
+  Attributes:
+    ratio: fraction of each segment's coordinates kept, in ``(0, 1]``.
+    granularity: ``"leaf"`` (one tree per leaf) or ``"model"`` (one over
+      the whole bucket).
+  """
+
+  ratio: float
+  granularity: str = "leaf"
+
+  @property
+  def name(self):
+    return f"gtopk({self.ratio})"
+
+  def apply(self, x, state, ctx):
+    ratio = self.ratio
+    segs = _segments(ctx.layout, self.granularity)
     gv, gi = _local_topk(x, segs, ratio)
     total = ctx.layout.size
     bounds = [0] + [s.offset + (r + 1) * s.size
@@ -31,17 +50,14 @@ def _gtopk_codec(ratio, granularity) -> _compressor.Codec:
     zeros = jnp.zeros((total,), jnp.float32)
     summed = zeros.at[g_idx].set(g_val, mode="drop")
     sent = zeros.at[gi].set(jnp.where(delivered, gv, 0.0), mode="drop")
-    return _compressor.CodecResult(mean=summed / ctx.num_devices, sent=sent,
-                                   state=state)
+    return _codec.CodecResult(mean=summed / ctx.num_devices, sent=sent,
+                              state=state)
 
-  def wire(layout, n):
-    segs = _segments(layout, granularity)
+  def wire(self, layout, n):
+    segs = _segments(layout, self.granularity)
     return _sparse.gtopk_psum_wire(
-      [s.count * num_selected(ratio, s.size) for s in segs],
+      [s.count * num_selected(self.ratio, s.size) for s in segs],
       [s.count * s.size for s in segs], n)
-
-  return _codec.LegacyCodec(name=f"gtopk({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire)
 
 
 @_registry.method(
@@ -91,7 +107,7 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     <https://arxiv.org/abs/1901.04359>`_, 2019.
   """
   return _compressor.compressed(
-    _checked_codec(_gtopk_codec, ratio, granularity), axis_name=axis_name,
+    _checked_codec(GtopkCodec, ratio, granularity), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
@@ -102,22 +118,35 @@ def csc_num_chunks(ratio: float, size: int, chunk_size: int) -> int:
   return num_selected(ratio, -(-size // chunk_size))
 
 
-def _csc_codec(chunk_size, ratio) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class CscCodec(_codec.CodecBase):
+  """CSC: the bucket cut into chunks, chunk L1 norms summed over devices,
+  the chunks of largest summed norm summed (no index, no all-gather).
 
-  def apply(x, state, ctx):
-    m = csc_num_chunks(ratio, x.shape[0], chunk_size)
-    total, chosen = _sparse.chunk_psum(x, chunk_size, m, ctx.axis_name)
+  Attributes:
+    chunk_size: elements per chunk (>= 1; the last one zero-padded).
+    ratio: fraction of chunks exchanged, in ``(0, 1]``.
+  """
+
+  chunk_size: int
+  ratio: float
+
+  @property
+  def name(self):
+    return f"csc({self.chunk_size}, {self.ratio})"
+
+  def apply(self, x, state, ctx):
+    m = csc_num_chunks(self.ratio, x.shape[0], self.chunk_size)
+    total, chosen = _sparse.chunk_psum(x, self.chunk_size, m, ctx.axis_name)
     sent = jnp.where(chosen, x, 0.0)
-    return _compressor.CodecResult(mean=total / ctx.num_devices, sent=sent,
-                                   state=state)
+    return _codec.CodecResult(mean=total / ctx.num_devices, sent=sent,
+                              state=state)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     del n
     return _sparse.chunk_psum_wire(
-      layout.size, chunk_size, csc_num_chunks(ratio, layout.size, chunk_size))
-
-  return _codec.LegacyCodec(name=f"csc({chunk_size}, {ratio})",
-                           init=lambda layout: (), apply=apply, wire=wire)
+      layout.size, self.chunk_size,
+      csc_num_chunks(self.ratio, layout.size, self.chunk_size))
 
 
 @_registry.method(
@@ -165,7 +194,7 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
   """
   chunk_size = _checks.integer("chunk_size", chunk_size, 1)
   ratio = _checks.ratio("ratio", ratio)
-  return _compressor.compressed(_csc_codec(chunk_size, ratio),
+  return _compressor.compressed(CscCodec(chunk_size, ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)

@@ -4,6 +4,7 @@ al. 2022)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -33,17 +34,28 @@ class LagState(NamedTuple):
   senders: jax.Array
 
 
-def _lag_codec(zeta: float) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class LagCodec(_codec.CodecBase):
+  """LAG's trigger on EF21's input: a device sends ``x = g - h`` only when
+  ``|x|^2 > zeta |g - g_prev|^2`` (or at the first step).
 
-  def init(layout):
+  Attributes:
+    zeta: the trigger constant, ``>= 0``.
+  """
+
+  zeta: float
+  name = "lag"
+  wants_gradient = True
+
+  def init(self, layout):
     return LagState(jnp.zeros([layout.size], jnp.float32),
                     jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     # EF21's input: x = g - h (h the device's last sent gradient).
     g = ctx.grad
     moved = jnp.sum(jnp.square(g - state.previous))
-    send = (jnp.sum(jnp.square(x)) > zeta * moved) | (ctx.step == 0)
+    send = (jnp.sum(jnp.square(x)) > self.zeta * moved) | (ctx.step == 0)
     senders = _core.psum(send.astype(jnp.int32), ctx.axis_name)
     sent = jnp.where(send, x, jnp.zeros_like(x))
 
@@ -60,18 +72,15 @@ def _lag_codec(zeta: float) -> _compressor.Codec:
 
     # No device sends: the step moves the 4-byte count only.
     mean = jax.lax.cond(senders > 0, exchange, skip, None)
-    return _compressor.CodecResult(
+    return _codec.CodecResult(
       mean=mean, sent=sent,
       state=LagState(g.astype(jnp.float32),
                      state.sent_steps + send.astype(jnp.int32), senders))
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     # Both collectives the compiled step holds; the second runs only on
     # steps where some device sends (LagState.senders > 0).
     return [("all-reduce", 4), ("all-reduce", 4 * layout.size)]
-
-  return _codec.LegacyCodec(name="lag", init=init, apply=apply,
-                           wire=wire, wants_gradient=True)
 
 
 @_registry.method(
@@ -135,7 +144,7 @@ def lag(zeta: float = 1.0, *, axis_name="data", error_feedback="ef21",
       f"error_feedback must be 'ef21' for lag (its rule keeps EF21's "
       f"estimates: a device reuses its last sent gradient), got "
       f"{error_feedback!r}")
-  return _compressor.compressed(_lag_codec(zeta), axis_name=axis_name,
+  return _compressor.compressed(LagCodec(zeta), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
 

@@ -22,6 +22,7 @@ depend on ``k``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -113,25 +114,46 @@ def select(x, layout, ratio, stages=3, first_ratio=0.25,
   return jnp.where(gi < layout.size, vals, 0.0), gi, counts
 
 
-def _sidco_codec(ratio, stages, first_ratio, dist, capacity_factor):
+@dataclasses.dataclass(frozen=True)
+class SidcoCodec(_codec.CodecBase):
+  """SIDCo: every coordinate above a per-leaf threshold fitted in stages
+  (:func:`select`), as (index, value) pairs in a static capacity per leaf,
+  summed by a sparse psum.
 
-  def select_pairs(x, layout):
-    vals, gi, _ = select(x, layout, ratio, stages, first_ratio, dist,
-                         capacity_factor)
+  Attributes:
+    ratio: the target density, in ``(0, 1]``.
+    stages: fitting stages, at least 1.
+    first_ratio: stage 1's density, in ``(0, 1]``.
+    distribution: ``"exponential"`` or ``"gpareto"`` (of
+      :data:`DISTRIBUTIONS`).
+    capacity_factor: message slots per expected coordinate, at least 1.
+  """
+
+  ratio: float
+  stages: int = 3
+  first_ratio: float = 0.25
+  distribution: str = "exponential"
+  capacity_factor: float = 2.0
+
+  @property
+  def name(self):
+    return f"sidco({self.ratio})"
+
+  def _select_pairs(self, x, layout):
+    vals, gi, _ = select(x, layout, self.ratio, self.stages,
+                         self.first_ratio, self.distribution,
+                         self.capacity_factor)
     return vals, gi
 
-  def apply(x, state, ctx):
-    vals, gi = select_pairs(x, ctx.layout)
+  def apply(self, x, state, ctx):
+    vals, gi = self._select_pairs(x, ctx.layout)
     mean, sent = _sparse_exchange(vals, gi, ctx)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     _, sizes = _leaf_rows(layout)
-    cap = sum(capacity(ratio, s, capacity_factor) for s in sizes)
+    cap = sum(capacity(self.ratio, s, self.capacity_factor) for s in sizes)
     return _sparse.sparse_psum_wire(cap, layout.size, n)
-
-  return _codec.LegacyCodec(name=f"sidco({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire)
 
 
 @_registry.method(
@@ -199,8 +221,7 @@ def sidco(ratio: float, *, distribution: str = "exponential",
   capacity_factor = _checks.static_number("capacity_factor",
                                           capacity_factor, 2.0, 1.0)
   return _compressor.compressed(
-    _sidco_codec(ratio, stages, first_ratio, distribution,
-                 capacity_factor),
+    SidcoCodec(ratio, stages, first_ratio, distribution, capacity_factor),
     axis_name=axis_name, error_feedback=error_feedback, policy=policy,
     seed=seed, **options)
 

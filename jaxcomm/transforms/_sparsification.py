@@ -33,6 +33,7 @@ together (``granularity="model"``); ``k`` never exceeds ``L``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 from typing import Sequence
@@ -141,50 +142,80 @@ def _slot_rows(segs, ratio) -> np.ndarray:
   return np.concatenate(out).astype(np.int32)
 
 
-def _topk_codec(ratio, granularity, value_bits=None) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class TopkCodec(_codec.CodecBase):
+  """Top-k: each segment's k largest ``|x|`` as (index, value) pairs,
+  summed by a sparse psum (quantized values with ``value_bits``). Cannot
+  gossip (see :class:`GossipTopkCodec`, float32 values).
 
-  def apply(x, state, ctx):
-    segs = _segments(ctx.layout, granularity)
-    vals, idx = _local_topk(x, segs, ratio)
-    if value_bits is None:
+  Attributes:
+    ratio: fraction of each segment's coordinates sent, in ``(0, 1]``.
+    granularity: ``"leaf"`` (k per leaf) or ``"model"`` (one k over the
+      whole bucket).
+    value_bits: None (float32 values) or 1, 2, 4, 8 bits per value.
+  """
+
+  ratio: float
+  granularity: str = "leaf"
+  value_bits: int | None = None
+
+  @property
+  def name(self):
+    return f"topk({self.ratio})" if self.value_bits is None else (
+      f"topk({self.ratio}, {self.value_bits}-bit)")
+
+  def apply(self, x, state, ctx):
+    segs = _segments(ctx.layout, self.granularity)
+    vals, idx = _local_topk(x, segs, self.ratio)
+    if self.value_bits is None:
       mean, sent = _sparse_exchange(vals, idx, ctx)
     else:
-      rows = _slot_rows(segs, ratio)
+      rows = _slot_rows(segs, self.ratio)
       total, own = _sparse.sparse_psum_quantized(
         vals, idx, jnp.asarray(rows), sum(s.count for s in segs),
-        ctx.layout.size, value_bits, ctx.axis_name)
+        ctx.layout.size, self.value_bits, ctx.axis_name)
       mean = total / ctx.num_devices
       sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
         own, mode="drop")
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
-    segs = _segments(layout, granularity)
-    k = _num_pairs(segs, ratio)
-    if value_bits is None:
+  def wire(self, layout, n):
+    segs = _segments(layout, self.granularity)
+    k = _num_pairs(segs, self.ratio)
+    if self.value_bits is None:
       return _sparse.sparse_psum_wire(k, layout.size, n)
     return _sparse.sparse_psum_quantized_wire(
-      k, layout.size, sum(s.count for s in segs), value_bits, n)
+      k, layout.size, sum(s.count for s in segs), self.value_bits, n)
 
-  def message(x, ctx):
-    vals, idx = _local_topk(x, _segments(ctx.layout, granularity), ratio)
+
+@dataclasses.dataclass(frozen=True)
+class GossipTopkCodec(TopkCodec):
+  """:class:`TopkCodec` with float32 values (``value_bits`` None), whose
+  packed (index, value) pairs can travel whole to a neighbour.
+
+  Attributes:
+    ratio: fraction of each segment's coordinates sent, in ``(0, 1]``.
+    granularity: ``"leaf"`` or ``"model"`` (as :class:`TopkCodec`).
+    value_bits: None (the only value: the pairs carry float32 values).
+  """
+
+  def __post_init__(self):
+    if self.value_bits is not None:
+      raise ValueError(f"GossipTopkCodec sends float32 values: value_bits "
+                       f"must be None, got {self.value_bits!r}")
+
+  def message(self, x, ctx):
+    vals, idx = _local_topk(x, _segments(ctx.layout, self.granularity),
+                            self.ratio)
     sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
       vals, mode="drop")
     return _sparse.pack_pairs(vals, idx, ctx.layout.size), sent
 
-  def decode(words, ctx):
-    k = _num_pairs(_segments(ctx.layout, granularity), ratio)
+  def decode(self, words, ctx):
+    k = _num_pairs(_segments(ctx.layout, self.granularity), self.ratio)
     vals, idx = _sparse.unpack_pairs(words, k, ctx.layout.size)
     return jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
       vals, mode="drop")
-
-  name = f"topk({ratio})" if value_bits is None else (
-    f"topk({ratio}, {value_bits}-bit)")
-  gossip = value_bits is None
-  return _codec.LegacyCodec(name=name, init=lambda layout: (),
-                           apply=apply, wire=wire,
-                           message=message if gossip else None,
-                           decode=decode if gossip else None)
 
 
 @_registry.method(
@@ -244,7 +275,8 @@ def topk(ratio: float, *, granularity: str = "leaf",
                        f"None, got {value_bits!r}")
     _checks.choice("value_bits", value_bits, _sparse.VALUE_BITS)
   return _compressor.compressed(
-    _checked_codec(_topk_codec, ratio, granularity, value_bits),
+    _checked_codec(GossipTopkCodec if value_bits is None else TopkCodec,
+                   ratio, granularity, value_bits),
     axis_name=axis_name, error_feedback=error_feedback, policy=policy,
     seed=seed, **options)
 
@@ -345,45 +377,55 @@ def randomk_indices(key, ratio: float, sizes: Sequence[int],
           for size, j in zip(sizes, ids)]
 
 
-def _randomk_codec(ratio, granularity) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class RandomkCodec(_codec.CodecBase):
+  """Random-k: k coordinates per segment drawn from the step key shared by
+  every device (:func:`randomk_indices`), their values summed by one psum;
+  no index travels.
 
-  def apply(x, state, ctx):
-    segs = _segments(ctx.layout, granularity)
+  Attributes:
+    ratio: fraction of each segment's coordinates sent, in ``(0, 1]``.
+    granularity: ``"leaf"`` (k per leaf) or ``"model"`` (one k over the
+      whole bucket).
+  """
+
+  ratio: float
+  granularity: str = "leaf"
+
+  @property
+  def name(self):
+    return f"randomk({self.ratio})"
+
+  def _indices(self, ctx):
+    segs = _segments(ctx.layout, self.granularity)
     rows = [(s.offset + r * s.size, s.size, s.ids[r])
             for s in segs for r in range(s.count)]
-    gi = _randomk_flat(ctx.key, ratio, rows)
+    return _randomk_flat(ctx.key, self.ratio, rows)
+
+  def apply(self, x, state, ctx):
+    gi = self._indices(ctx)
     vals = x[gi]
     summed = _core.psum(vals, ctx.axis_name)
     zeros = jnp.zeros((ctx.layout.size,), jnp.float32)
     mean = zeros.at[gi].set(summed / ctx.num_devices)
     sent = zeros.at[gi].set(vals)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     del n
-    return [("all-reduce", 4 * _num_pairs(_segments(layout, granularity),
-                                          ratio))]
+    return [("all-reduce", 4 * _num_pairs(
+      _segments(layout, self.granularity), self.ratio))]
 
-  def indices(ctx):
-    segs = _segments(ctx.layout, granularity)
-    rows = [(s.offset + r * s.size, s.size, s.ids[r])
-            for s in segs for r in range(s.count)]
-    return _randomk_flat(ctx.key, ratio, rows)
-
-  def message(x, ctx):
-    gi = indices(ctx)        # from the shared key: the same on every device
+  def message(self, x, ctx):
+    gi = self._indices(ctx)  # from the shared key: the same on every device
     vals = x[gi]
     sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[gi].set(vals)
     return _core.to_words(vals), sent
 
-  def decode(words, ctx):
+  def decode(self, words, ctx):
     vals = _core.from_words(words, jnp.float32)
-    return jnp.zeros((ctx.layout.size,), jnp.float32).at[indices(ctx)].set(
-      vals)
-
-  return _codec.LegacyCodec(name=f"randomk({ratio})", init=lambda layout: (),
-                           apply=apply, wire=wire, message=message,
-                           decode=decode)
+    return jnp.zeros((ctx.layout.size,), jnp.float32).at[
+      self._indices(ctx)].set(vals)
 
 
 @_registry.method(
@@ -425,7 +467,7 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     <https://arxiv.org/abs/1809.07599>`_, 2018.
   """
   return _compressor.compressed(
-    _checked_codec(_randomk_codec, ratio, granularity), axis_name=axis_name,
+    _checked_codec(RandomkCodec, ratio, granularity), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
@@ -438,24 +480,36 @@ def _leaf_rows(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
   return bounds, sizes
 
 
-def _threshold_codec(value, capacity_ratio) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class ThresholdCodec(_codec.CodecBase):
+  """Threshold: each leaf's coordinates with ``|x| >= value``, at most its
+  ``capacity_ratio`` share (the largest first), as (index, value) pairs
+  summed by a sparse psum.
 
-  def apply(x, state, ctx):
+  Attributes:
+    value: the threshold ``tau > 0`` (a float, or a traced scalar under
+      ``optax.inject_hyperparams``: it sets no message size).
+    capacity_ratio: each leaf's message capacity as a fraction of the
+      leaf, in ``(0, 1]``.
+  """
+
+  value: float
+  capacity_ratio: float = 0.01
+  name = "threshold"
+
+  def apply(self, x, state, ctx):
     # Each leaf's c largest |x| (the capacity), then those under the
     # threshold dropped: when more than c qualify, the largest travel.
-    vals, gi = _local_topk(x, _segments(ctx.layout), capacity_ratio)
-    keep = jnp.abs(vals) >= value
+    vals, gi = _local_topk(x, _segments(ctx.layout), self.capacity_ratio)
+    keep = jnp.abs(vals) >= self.value
     vals = jnp.where(keep, vals, 0.0)
     gi = jnp.where(keep, gi, ctx.layout.size)      # the unused slot
     mean, sent = _sparse_exchange(vals, gi, ctx)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def wire(layout, n):
-    cap = _num_pairs(_segments(layout), capacity_ratio)
+  def wire(self, layout, n):
+    cap = _num_pairs(_segments(layout), self.capacity_ratio)
     return _sparse.sparse_psum_wire(cap, layout.size, n)
-
-  return _codec.LegacyCodec(name="threshold", init=lambda layout: (),
-                           apply=apply, wire=wire)
 
 
 @_registry.method(
@@ -513,7 +567,7 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
   # them out of the traced hyperparameters unless the caller passes them.
   capacity_ratio = _checks.ratio(
     "capacity_ratio", 0.01 if capacity_ratio is None else capacity_ratio)
-  return _compressor.compressed(_threshold_codec(value, capacity_ratio),
+  return _compressor.compressed(ThresholdCodec(value, capacity_ratio),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)

@@ -21,6 +21,8 @@ each kept value and the mean that replaced it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -134,34 +136,60 @@ def _decode(layout, words, ratio, signs):
   return pos_all, val_all
 
 
-def _ternary_codec(name, select, ratio, signs) -> _compressor.Codec:
+# Each variant's selection (STC's message also carries the signs).
+_SELECT = {"stc": _stc_select, "sbc": _sbc_select}
 
-  def local(x, layout):
-    sel = select(x, layout, ratio)
+
+@dataclasses.dataclass(frozen=True)
+class TernaryCodec(_codec.CodecBase):
+  """STC or SBC: each leaf's k selected positions Golomb-coded, their
+  values replaced by one mean per leaf (STC: with one sign bit each), one
+  all-gather of every device's message.
+
+  Attributes:
+    variant: ``"stc"`` (top-k by ``|x|``, signs times the mean magnitude)
+      or ``"sbc"`` (top-k of one sign, one signed mean).
+    ratio: fraction of each leaf's coordinates kept, in ``(0, 1]``.
+  """
+
+  variant: str
+  ratio: float
+
+  def __post_init__(self):
+    _checks.choice("variant", self.variant, tuple(_SELECT))
+
+  @property
+  def name(self):
+    return f"{self.variant}({self.ratio})"
+
+  @property
+  def _signs(self) -> bool:
+    return self.variant == "stc"
+
+  def _local(self, x, layout):
+    sel = _SELECT[self.variant](x, layout, self.ratio)
     sent = _scatter(layout, [s[0] for s in sel], [s[1] for s in sel])
     return sel, sent
 
-  def apply(x, state, ctx):
-    sel, sent = local(x, ctx.layout)
-    words = _core.all_gather(_encode(ctx.layout, sel, ratio, signs),
-                             ctx.axis_name)
-    pos, vals = _decode(ctx.layout, words, ratio, signs)
+  def apply(self, x, state, ctx):
+    sel, sent = self._local(x, ctx.layout)
+    words = _core.all_gather(_encode(ctx.layout, sel, self.ratio,
+                                     self._signs), ctx.axis_name)
+    pos, vals = _decode(ctx.layout, words, self.ratio, self._signs)
     total = _scatter(ctx.layout, pos, vals)
-    return _compressor.CodecResult(mean=total / ctx.num_devices, sent=sent,
-                                   state=state)
+    return _codec.CodecResult(mean=total / ctx.num_devices, sent=sent,
+                              state=state)
 
-  def message(x, ctx):
-    sel, sent = local(x, ctx.layout)
-    return _encode(ctx.layout, sel, ratio, signs), sent
+  def wire(self, layout, n):
+    return _wire(layout, n, self.ratio, self._signs)
 
-  def decode(words, ctx):
-    pos, vals = _decode(ctx.layout, words[None], ratio, signs)
+  def message(self, x, ctx):
+    sel, sent = self._local(x, ctx.layout)
+    return _encode(ctx.layout, sel, self.ratio, self._signs), sent
+
+  def decode(self, words, ctx):
+    pos, vals = _decode(ctx.layout, words[None], self.ratio, self._signs)
     return _scatter(ctx.layout, pos, vals)
-
-  return _codec.LegacyCodec(
-    name=f"{name}({ratio})", init=lambda layout: (), apply=apply,
-    wire=lambda layout, n: _wire(layout, n, ratio, signs),
-    message=message, decode=decode)
 
 
 @_registry.method(
@@ -207,7 +235,7 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
   """
   ratio = _checks.ratio("ratio", ratio)
   return _compressor.compressed(
-    _ternary_codec("stc", _stc_select, ratio, signs=True), axis_name=axis_name,
+    TernaryCodec("stc", ratio), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
@@ -256,7 +284,7 @@ def sbc(ratio: float, *, axis_name="data", error_feedback: bool = True,
   """
   ratio = _checks.ratio("ratio", ratio)
   return _compressor.compressed(
-    _ternary_codec("sbc", _sbc_select, ratio, signs=False), axis_name=axis_name,
+    TernaryCodec("sbc", ratio), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 
