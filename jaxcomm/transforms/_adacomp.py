@@ -16,6 +16,7 @@ per leaf, sent as top-k's ``(index, value)`` pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -81,12 +82,31 @@ def selection_mask(x, grad, layout, bin_size):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def _adacomp_codec(bin_size, capacity_factor):
+@dataclasses.dataclass(frozen=True)
+class AdaCompCodec(_codec.CodecBase):
+  """Per bin, ``|H| >= g_max`` selects exact ``(index, value)`` pairs, at
+  most a static capacity per leaf, in :func:`topk`'s all-gather; the state
+  is an :class:`AdaCompState` per bucket.
 
-  def caps_of(sizes):
-    return tuple(capacity(s, bin_size, capacity_factor) for s in sizes)
+  Attributes:
+    bin_size: ``L_T``, elements per bin.
+    capacity_factor: message slots per bin.
+  """
 
-  def init(layout):
+  bin_size: int = 50
+  capacity_factor: float = 2.0
+  wants_gradient = True
+
+  @property
+  def name(self):
+    return f"adacomp({self.bin_size})"
+
+  def _caps_of(self, sizes):
+    return tuple(capacity(s, self.bin_size, self.capacity_factor)
+                 for s in sizes)
+
+  def init(self, layout):
+    bin_size = self.bin_size
     for shape, size in zip(layout.shapes, layout.sizes):
       if size < bin_size:
         raise ValueError(
@@ -98,11 +118,11 @@ def _adacomp_codec(bin_size, capacity_factor):
                         sent=jnp.zeros([], jnp.int32),
                         total_sent=jnp.zeros([], jnp.float32))
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     layout = ctx.layout
     bounds, sizes = _leaf_rows(layout)
-    caps = caps_of(sizes)
-    mask = selection_mask(x, ctx.grad, layout, bin_size)
+    caps = self._caps_of(sizes)
+    mask = selection_mask(x, ctx.grad, layout, self.bin_size)
     vals, gi, counts = _kthreshold.compact_segments(
       x, _topk.pack_mask(mask), bounds, caps)
     vals = jnp.where(gi < layout.size, vals, 0.0)
@@ -112,14 +132,12 @@ def _adacomp_codec(bin_size, capacity_factor):
       selected=jnp.sum(counts).astype(jnp.int32),
       sent=n_sent.astype(jnp.int32),
       total_sent=state.total_sent + n_sent.astype(jnp.float32))
-    return _compressor.CodecResult(mean=mean, sent=sent, state=new)
+    return _codec.CodecResult(mean=mean, sent=sent, state=new)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     _, sizes = _leaf_rows(layout)
-    return _sparse.sparse_psum_wire(sum(caps_of(sizes)), layout.size, n)
-
-  return _codec.LegacyCodec(name=f"adacomp({bin_size})", init=init,
-                           apply=apply, wire=wire, wants_gradient=True)
+    return _sparse.sparse_psum_wire(sum(self._caps_of(sizes)), layout.size,
+                                    n)
 
 
 @_registry.method(
@@ -187,7 +205,7 @@ def adacomp(bin_size: int | None = None, *,
   capacity_factor = _checks.static_number("capacity_factor",
                                           capacity_factor, 2.0, 1.0)
   return _compressor.compressed(
-    _adacomp_codec(bin_size, capacity_factor),
+    AdaCompCodec(bin_size, capacity_factor),
     axis_name=axis_name, error_feedback=error_feedback, policy=policy,
     seed=seed, **options)
 

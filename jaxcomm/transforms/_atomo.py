@@ -19,6 +19,8 @@ device's messages, each device rebuilding the sum of all of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -77,18 +79,33 @@ def _sample(sigma, p, uniform, budget):
   return idx, valid, scale
 
 
-def _atomo_codec(budget: int) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class AtomoCodec(_codec.CodecBase):
+  """``budget`` SVD atoms per matrix, sampled unbiasedly (systematic
+  sampling), in one all-gather.
 
-  def accepts(shape):
+  Attributes:
+    budget: ``s``, the atoms sent per matrix.
+  """
+
+  budget: int
+  unbiased = True
+
+  @property
+  def name(self):
+    return f"atomo({self.budget})"
+
+  def accepts(self, shape):
     n, m = matrix_shape(shape)
-    return budget * (n + m) < n * m
+    return self.budget * (n + m) < n * m
 
-  def words(layout):
-    return sum(g.count * budget * sum(matrix_shape(g.shape))
+  def _words(self, layout):
+    return sum(g.count * self.budget * sum(matrix_shape(g.shape))
                for g in layout.groups)
 
-  def encode(x, ctx):
+  def _encode(self, x, ctx):
     """This device's message (flat float32) and what it decodes to."""
+    budget = self.budget
     layout = ctx.layout
     key = jax.random.fold_in(ctx.key, ctx.device_index)
     msgs, sent = [], []
@@ -108,9 +125,10 @@ def _atomo_codec(budget: int) -> _compressor.Codec:
       sent.append(jnp.einsum("gsr,gsc->grc", su, sv))
     return jnp.concatenate(msgs), layout.join_any(sent)
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
+    budget = self.budget
     layout = ctx.layout
-    msg, sent = encode(x, ctx)
+    msg, sent = self._encode(x, ctx)
     every = _core.all_gather(msg, ctx.axis_name)                # [d, W]
     d = every.shape[0]
     total, off = [], 0
@@ -122,12 +140,10 @@ def _atomo_codec(budget: int) -> _compressor.Codec:
       off += nu + nv
       total.append(jnp.einsum("dgsr,dgsc->grc", su, sv))
     mean = layout.join_any(total) / ctx.num_devices
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  return _codec.LegacyCodec(
-    name=f"atomo({budget})", init=lambda layout: (), apply=apply,
-    wire=lambda layout, n: [("all-gather", 4 * n * words(layout))],
-    accepts=accepts, unbiased=True)
+  def wire(self, layout, n):
+    return [("all-gather", 4 * n * self._words(layout))]
 
 
 @_registry.method(
@@ -188,7 +204,7 @@ def atomo(budget: int, *, axis_name="data", error_feedback: bool = False,
   """
   budget = _checks.integer("budget", budget, 1)
   return _compressor.compressed(
-    _atomo_codec(budget), axis_name=axis_name, error_feedback=error_feedback,
+    AtomoCodec(budget), axis_name=axis_name, error_feedback=error_feedback,
     policy=policy, seed=seed, **options)
 
 

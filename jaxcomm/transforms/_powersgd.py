@@ -23,8 +23,10 @@ values as in PyTorch. The reshape is free (row-major, no transpose).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -174,72 +176,99 @@ def _sum_sq(x):
   return s.astype(jnp.float32), tot2
 
 
-def _powersgd_codec(rank: int, min_compression_rate: float, warm_start: bool,
-                    eps, num_iters: int, seed: int,
-                    orthogonalization: str) -> _compressor.Codec:
-  orth = _lowrank.orthogonalizer(orthogonalization, rank)
-  warned: set = set()
+@dataclasses.dataclass(frozen=True)
+class PowerSGDCodec(_codec.CodecBase):
+  """Rank-``r`` power iteration on each batch of same-shape matrices.
 
-  def accepts(shape):
+  Attributes:
+    rank: the rank ``r`` of the approximation.
+    min_compression_rate: a matrix is compressed only if ``(n + m) r *
+      min_compression_rate < n m``.
+    warm_start: reuse ``Q`` across steps (else a fresh one each step).
+    orthogonalization_epsilon: the orthogonalization's ``eps`` (may be a
+      traced value, injected as a hyperparameter).
+    num_iters_per_step: rounds of the low-rank allreduce per step.
+    seed: seed of the initial ``Q``.
+    orthogonalization: a name in ``_lowrank.ORTHOGONALIZATIONS``.
+  """
+
+  rank: int
+  min_compression_rate: float = 2.0
+  warm_start: bool = True
+  orthogonalization_epsilon: Any = 0.0
+  num_iters_per_step: int = 1
+  seed: int = 0
+  orthogonalization: str = "householder"
+  # Leaf shapes already warned about (once per codec); not a
+  # hyperparameter: kept out of init, repr, comparison and hash.
+  _warned: set = dataclasses.field(default_factory=set, init=False,
+                                   repr=False, compare=False, hash=False)
+
+  name = "powersgd"
+
+  def _orth(self):
+    return _lowrank.orthogonalizer(self.orthogonalization, self.rank)
+
+  def accepts(self, shape):
+    rank = self.rank
     if len(shape) < 2:
       return False
     n, m = matrix_shape(shape)
     if rank > min(n, m):
-      if shape not in warned:
-        warned.add(shape)
+      if shape not in self._warned:
+        self._warned.add(shape)
         warnings.warn(
           f"powersgd: rank={rank} exceeds min(n, m)={min(n, m)} of a leaf "
           f"of shape {shape} (matrix {n}x{m}); it goes through the dense "
           "psum instead", stacklevel=2)
       return False
-    return (n + m) * rank * min_compression_rate < n * m
+    return (n + m) * rank * self.min_compression_rate < n * m
 
-  def init(layout):
-    key = jax.random.PRNGKey(seed)
+  def init(self, layout):
+    key = jax.random.PRNGKey(self.seed)
     return PowerSGDState(
-      q=initial_q(key, tuple(batches(layout)), rank),
+      q=initial_q(key, tuple(batches(layout)), self.rank),
       approx_error=jnp.zeros([], jnp.float32),
       compression_ratio=jnp.ones([], jnp.float32))
 
-  def ratio(layout):
-    sent = sum((b.n + b.m) * rank * num_iters * b.count
+  def _ratio(self, layout):
+    sent = sum((b.n + b.m) * self.rank * self.num_iters_per_step * b.count
                for b in batches(layout))
     return layout.size / max(sent, 1)
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     layout = ctx.layout
     bs = batches(layout)
     ms = [x[b.offset:b.offset + b.size].reshape(b.count, b.n, b.m)
           for b in bs]
-    if warm_start:
+    if self.warm_start:
       qs = list(state.q)
     else:
-      qs = list(initial_q(ctx.key, tuple(bs), rank))
+      qs = list(initial_q(ctx.key, tuple(bs), self.rank))
     scale, tot2 = _sum_sq(x)
     res = _lowrank.lowrank_allreduce(
       ms, qs, ctx.axis_name, num_devices=ctx.num_devices,
-      orthogonalize=orth, eps=eps, num_iters=num_iters, norm_scale=scale)
+      orthogonalize=self._orth(), eps=self.orthogonalization_epsilon,
+      num_iters=self.num_iters_per_step, norm_scale=scale)
     # |x - sent|^2 = |x|^2 - |sent|^2: sent is x's orthogonal projection
     # onto span(P) (exact for orthonormal P; rounding can only make it a
     # hair negative, hence the clamp). One pass over x instead of two.
     err2 = jnp.maximum(tot2 - res.sent_sq, 0.0)
     rel = jnp.sqrt(err2 / jnp.where(tot2 > 0, tot2, 1.0))
-    new_q = tuple(res.q) if warm_start else tuple(qs)
-    return _compressor.CodecResult(
+    new_q = tuple(res.q) if self.warm_start else tuple(qs)
+    return _codec.CodecResult(
       mean=layout.join_any(res.mean), sent=layout.join_any(res.sent),
       state=PowerSGDState(
         q=new_q, approx_error=rel.astype(jnp.float32),
-        compression_ratio=jnp.float32(ratio(layout))))
+        compression_ratio=jnp.float32(self._ratio(layout))))
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     del n
     bs = batches(layout)
-    p_bytes = sum(4 * b.count * b.n * rank for b in bs)
-    q_bytes = sum(4 * b.count * b.m * rank for b in bs)
-    return [("all-reduce", p_bytes), ("all-reduce", q_bytes)] * num_iters
-
-  return _codec.LegacyCodec(name="powersgd", init=init, apply=apply,
-                           wire=wire, accepts=accepts)
+    p_bytes = sum(4 * b.count * b.n * self.rank for b in bs)
+    q_bytes = sum(4 * b.count * b.m * self.rank for b in bs)
+    return ([("all-reduce", p_bytes), ("all-reduce", q_bytes)]
+            * self.num_iters_per_step)
 
 
 @_registry.method(
@@ -365,9 +394,11 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
   _checks.choice("orthogonalization", orthogonalization,
                  _lowrank.ORTHOGONALIZATIONS)
   seed = _checks.integer("seed", seed)
-  codec = _powersgd_codec(rank, rate, warm_start, orthogonalization_epsilon,
-                          int(num_iters_per_step), int(seed),
-                          orthogonalization)
+  codec = PowerSGDCodec(
+    rank=rank, min_compression_rate=rate, warm_start=warm_start,
+    orthogonalization_epsilon=orthogonalization_epsilon,
+    num_iters_per_step=int(num_iters_per_step), seed=int(seed),
+    orthogonalization=orthogonalization)
   return _compressor.compressed(
     codec, axis_name=axis_name, error_feedback=error_feedback,
     start_step=start_step, policy=policy, seed=int(seed), **options)

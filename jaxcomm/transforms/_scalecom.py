@@ -19,6 +19,9 @@ mean of the selected values, so ``mean`` is then not the mean of ``sent``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -37,16 +40,42 @@ def leader(step, n: int):
   return step % n
 
 
-def _scalecom_codec(ratio, beta, filtered) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class ScaleComCodec(_codec.CodecBase):
+  """Cyclic local top-k: the leader's indices, every device's values,
+  two psums; with ``beta != 1`` a low-pass filtered memory (per device, the
+  codec's state).
 
-  def init(layout):
-    if filtered:
+  Attributes:
+    ratio: fraction of coordinates sent per leaf.
+    beta: the filter's weight on the new residual (1: classic error
+      feedback, no filter; may be a traced value, which filters).
+  """
+
+  ratio: float
+  beta: Any = 1.0
+
+  @property
+  def name(self):
+    return f"scalecom({self.ratio})"
+
+  @property
+  def filtered(self) -> bool:
+    """Whether the memory is low-pass filtered (``beta`` is not 1)."""
+    return isinstance(self.beta, jax.core.Tracer) or float(self.beta) != 1.0
+
+  @property
+  def mean_of_sent(self):
+    return not self.filtered
+
+  def init(self, layout):
+    if self.filtered:
       return jnp.zeros((layout.size,), jnp.float32)
     return ()
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     segs = _segments(ctx.layout)
-    _, idx = _local_topk(x, segs, ratio)
+    _, idx = _local_topk(x, segs, self.ratio)
     idx = idx.astype(jnp.int32)
     lead = ctx.device_index == leader(ctx.step, ctx.num_devices)
     # The leader's indices on every device: a psum where only it adds.
@@ -56,22 +85,19 @@ def _scalecom_codec(ratio, beta, filtered) -> _compressor.Codec:
     zeros = jnp.zeros((ctx.layout.size,), jnp.float32)
     mean = zeros.at[idx].set(summed / ctx.num_devices)
     chosen = zeros.at[idx].set(vals)
-    if not filtered:
-      return _compressor.CodecResult(mean=mean, sent=chosen, state=state)
+    if not self.filtered:
+      return _codec.CodecResult(mean=mean, sent=chosen, state=state)
     # Low-pass filter: m_t = (1 - beta) m_{t-1} + beta (x - C(x)); sent is
     # what leaves exactly m_t as the residual x - sent.
+    beta = self.beta
     memory = (1.0 - beta) * state + beta * (x - chosen)
     sent = x - memory
-    return _compressor.CodecResult(mean=mean, sent=sent, state=x - sent)
+    return _codec.CodecResult(mean=mean, sent=sent, state=x - sent)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     del n
-    k = _num_pairs(_segments(layout), ratio)
+    k = _num_pairs(_segments(layout), self.ratio)
     return [("all-reduce", 4 * k), ("all-reduce", 4 * k)]
-
-  return _codec.LegacyCodec(name=f"scalecom({ratio})", init=init,
-                           apply=apply, wire=wire,
-                           mean_of_sent=not filtered)
 
 
 @_registry.method(
@@ -138,7 +164,7 @@ def scalecom(ratio: float, *, beta: float | None = None, axis_name="data",
         f"{', '.join(clash)}")
     beta = beta if isinstance(beta, jax.core.Tracer) else float(beta)
   return _compressor.compressed(
-    _scalecom_codec(ratio, beta, filtered), axis_name=axis_name,
+    ScaleComCodec(ratio, beta), axis_name=axis_name,
     error_feedback=error_feedback, policy=policy, seed=seed, **options)
 
 

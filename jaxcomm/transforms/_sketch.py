@@ -23,6 +23,9 @@ none is stored).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -82,14 +85,41 @@ def _median_rows(est: jax.Array) -> jax.Array:
   return s[mid] if rows % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
-def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
-                    seed) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class FetchSGDCodec(_codec.CodecBase):
+  """Count sketches averaged with one all-reduce, momentum and error in
+  sketch space, top-k recovery; the state is ``(S_u, S_e)`` per bucket
+  (and the rate ``S_e`` was last kept at, with ``lr_schedule``).
 
-  def k_of(layout) -> int:
-    return num_selected(k_ratio, layout.size)
+  Attributes:
+    k_ratio: fraction of each bucket's coordinates extracted per step.
+    rows: rows of the sketch.
+    cols: columns of the sketch.
+    momentum: ``rho`` of the momentum sketch (may be a traced value).
+    momentum_masking: zero the momentum sketch where coordinates were
+      extracted.
+    lr_schedule: the optimizer's learning-rate schedule, or None (the
+      user's callable, compared by identity).
+    seed: seed of the sketch's hash (an int, or a traced or array integer).
+  """
 
-  def init(layout):
-    k = k_of(layout)
+  k_ratio: float
+  rows: int
+  cols: int
+  momentum: Any = 0.9
+  momentum_masking: bool = True
+  lr_schedule: Any = None
+  seed: Any = 0
+
+  name = "fetchsgd"
+  mean_of_sent = False
+
+  def _k_of(self, layout) -> int:
+    return num_selected(self.k_ratio, layout.size)
+
+  def init(self, layout):
+    k_ratio, rows, cols = self.k_ratio, self.rows, self.cols
+    k = self._k_of(layout)
     if cols < k:
       raise ValueError(
         f"fetchsgd: cols={cols} is smaller than k={k} (k_ratio={k_ratio} of "
@@ -97,16 +127,17 @@ def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
         "heavy hitters cannot separate them; use cols >= k (the paper's "
         "sketches have several times k columns) or a smaller k_ratio")
     zeros = jnp.zeros((rows, cols), jnp.float32)
-    if lr_schedule is None:
+    if self.lr_schedule is None:
       return (zeros, zeros)
     # The rate S_e was last scaled to (0: none yet).
     return (zeros, zeros, jnp.zeros([], jnp.float32))
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
+    rows, cols, lr_schedule = self.rows, self.cols, self.lr_schedule
     s_u, s_e = state[:2]
     size = ctx.layout.size
-    k = k_of(ctx.layout)
-    salts = _row_salts(seed, rows)
+    k = self._k_of(ctx.layout)
+    salts = _row_salts(self.seed, rows)
     col, sign = sketch_hash(jnp.arange(size, dtype=jnp.uint32), salts, cols)
     # This device's sketch, then the mean sketch: the one all-reduce.
     local = _accumulate(jnp.zeros((rows, cols), jnp.float32), col, sign, x)
@@ -122,7 +153,7 @@ def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
       s_e = s_e * jnp.where((last == 0) | (cur == 0), 1.0,
                             last / jnp.where(cur == 0, 1.0, cur))
       extra = (jnp.where(cur == 0, last, cur).astype(jnp.float32),)
-    s_u = momentum * s_u + sketch
+    s_u = self.momentum * s_u + sketch
     s_e = s_e + s_u
     # Unsketch: every coordinate's median estimate, then the top-k.
     est = _median_rows(sign * jnp.take_along_axis(s_e, col, axis=1))
@@ -134,7 +165,7 @@ def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
     # to (momentum factor masking in sketch space).
     k_col, k_sign = sketch_hash(idx, salts, cols)
     s_e = _accumulate(s_e, k_col, -k_sign, vals)
-    if masking:
+    if self.momentum_masking:
       row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None],
                              k_col.shape)
       s_u = s_u.at[row, k_col].set(0.0)
@@ -142,15 +173,12 @@ def _fetchsgd_codec(k_ratio, rows, cols, momentum, masking, lr_schedule,
     # non-finite, so compressed() skips it and keeps the old state.
     ok = jnp.all(jnp.isfinite(s_u)) & jnp.all(jnp.isfinite(s_e))
     delta = jnp.where(ok, delta, jnp.nan)
-    return _compressor.CodecResult(mean=delta, sent=delta,
-                                   state=(s_u, s_e) + extra)
+    return _codec.CodecResult(mean=delta, sent=delta,
+                              state=(s_u, s_e) + extra)
 
-  def wire(layout, n):
+  def wire(self, layout, n):
     del layout, n
-    return [("all-reduce", 4 * rows * cols)]
-
-  return _codec.LegacyCodec(name="fetchsgd", init=init, apply=apply,
-                           wire=wire, mean_of_sent=False)
+    return [("all-reduce", 4 * self.rows * self.cols)]
 
 
 @_registry.method(
@@ -274,8 +302,9 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
       isinstance(seed, int) and not isinstance(seed, bool)) and not (
         hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)):
     raise ValueError(f"seed must be an int, got {seed!r}")
-  codec = _fetchsgd_codec(k_ratio, rows, cols, momentum, masking,
-                          lr_schedule, seed)
+  codec = FetchSGDCodec(k_ratio=k_ratio, rows=rows, cols=cols,
+                        momentum=momentum, momentum_masking=masking,
+                        lr_schedule=lr_schedule, seed=seed)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=False, policy=policy,
                                 seed=seed, **options)
