@@ -85,8 +85,9 @@ def selection_table() -> str:
       v, k, key, s)[1])
     key = jax.random.PRNGKey(0)
     layout = _buckets.plan([(SIZE,)])[0]
-    fitted = {dist: jax.jit(lambda v, k=k, dist=dist: _sidco.select(
-      v, layout, ratio, 3 if dist == "exponential" else 2, 0.25, dist)[1])
+    fitted = {dist: jax.jit(
+      lambda v, dist=dist, layout=layout, ratio=ratio: _sidco.select(
+        v, layout, ratio, 3 if dist == "exponential" else 2, 0.25, dist)[1])
               for dist in _sidco.DISTRIBUTIONS}
     methods = [("lax.top_k (exact)", exact, (x,)),
                ("lax.approx_max_k (0.95)", approx, (x,)),

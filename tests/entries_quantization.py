@@ -316,7 +316,8 @@ def _requantized_ref(bits, block):
   ``s``, the smallest bfloat16 value >= ``max|v| (1 / q)``, and is sent
   as ``round(v (1 / s))`` (half to even), decoding to ``code * s``; each
   product and quotient is rounded to float32 as the compressor rounds it
-  (the owner's sums decide later roundings). The owner of chunk ``k`` sums the ``n`` decoded chunks in
+  (the owner's sums decide later roundings). The owner of chunk ``k`` sums
+  the ``n`` decoded chunks in
   device order in float32 (the sum decides later roundings, so it is the
   transform's float32 sum, not a float64 one), adds its server error,
   rounds that sum the same way block by block (``z``), keeps ``y - z``;

@@ -568,8 +568,8 @@ def test_stc_and_sbc_wire_is_golomb_not_indices():
   """One 1M-element leaf at 1%: STC sends 1 float, k signs and the coded
   positions; SBC the same without signs; top-k sends k (index, value)
   pairs, 8 bytes each."""
-  from jaxcomm.collectives import _golomb
   from jaxcomm import wire
+  from jaxcomm.collectives import _golomb
   params = {"w": jnp.zeros((1000, 1000))}
   k = 10_000
   coded = _golomb.capacity_bits(k, 10 ** 6)
@@ -616,6 +616,7 @@ def test_sidco_density_tracks_its_target_on_lm_gradients(distribution,
   averaged over the run, is within 20% of the target (the paper keeps it
   close; top-k would hit it exactly)."""
   from flax import nnx
+
   from models import data
   from models.transformer import TransformerLM
   ids, vocab = data.text_corpus()

@@ -33,7 +33,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _PHI = (1 + math.sqrt(5)) / 2
 

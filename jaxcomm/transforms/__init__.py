@@ -13,8 +13,8 @@ from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
 from jaxcomm.transforms import _global_topk
-from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _gossip
+from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
 from jaxcomm.transforms import _mx
@@ -36,8 +36,8 @@ from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
 from jaxcomm.transforms._global_topk import *
-from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._gossip import *
+from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
 from jaxcomm.transforms._mx import *

@@ -165,7 +165,8 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     Micikevicius et al, `Mixed Precision Training
     <https://arxiv.org/abs/1710.03740>`_, 2018.
   """
-  return _compressor.compressed(CastCodec(_dtype_name(dtype)), axis_name=axis_name,
+  return _compressor.compressed(CastCodec(_dtype_name(dtype)),
+                                axis_name=axis_name,
                                 error_feedback=error_feedback,
                                 policy=policy, **options)
 
