@@ -24,8 +24,8 @@ convert (FP6 on CPU) work the same; codes are packed into ``uint32`` words.
 
 from __future__ import annotations
 
+import dataclasses
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -144,15 +144,32 @@ def _chunk(size: int, n: int) -> int:
   return _core.padded_length(-(-size // n), 4 * BLOCK)
 
 
-def _mx_codec(fmt: str) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class MxCodec(_codec.CodecBase):
+  """Each device's chunks in an MX format by all-to-all; the owner adds
+  them in float32 and all-gathers its sum, in MX again (:func:`mx`).
 
-  def apply(x, state, ctx):
+  Attributes:
+    fmt: the format's name (a key of ``FORMATS``).
+  """
+
+  fmt: str = "mxfp8"
+  # The reducer rounds each chunk's sum to the format again: the mean is
+  # not exactly the mean of what the devices sent.
+  mean_of_sent = False
+
+  @property
+  def name(self):
+    return f"mx({self.fmt})"
+
+  def apply(self, x, state, ctx):
+    fmt = self.fmt
     size = ctx.layout.size
     if ctx.axis_name is None:
       length = _chunk(size, 1)
       own = decode(encode(jnp.pad(x, (0, length - size)), fmt), length,
                    fmt)[:size]
-      return _compressor.CodecResult(mean=own, sent=own, state=state)
+      return _codec.CodecResult(mean=own, sent=own, state=state)
     n = ctx.num_devices
     chunk = _chunk(size, n)
     rows = jnp.pad(x, (0, chunk * n - size)).reshape(n, chunk)
@@ -162,16 +179,11 @@ def _mx_codec(fmt: str) -> _compressor.Codec:
     mine = jnp.sum(decode(got, chunk, fmt), axis=0)
     total = _core.all_gather(encode(mine, fmt), ctx.axis_name, tiled=True)
     total = decode(total.reshape(n, -1), chunk, fmt).reshape(-1)[:size]
-    return _compressor.CodecResult(mean=total / n, sent=sent, state=state)
+    return _codec.CodecResult(mean=total / n, sent=sent, state=state)
 
-  def wire(layout, n):
-    w = words_per(_chunk(layout.size, n), fmt)
+  def wire(self, layout, n):
+    w = words_per(_chunk(layout.size, n), self.fmt)
     return [("all-to-all", 4 * n * w), ("all-gather", 4 * n * w)]
-
-  # The reducer rounds each chunk's sum to the format again: the mean is
-  # not exactly the mean of what the devices sent.
-  return _codec.LegacyCodec(name=f"mx({fmt})", init=lambda layout: (),
-                           apply=apply, wire=wire, mean_of_sent=False)
 
 
 @_registry.method(
@@ -216,7 +228,7 @@ def mx(fmt: str = "mxfp8", *, axis_name="data", error_feedback=False,
     <https://arxiv.org/abs/2310.10537>`_, 2023.
   """
   _checks.choice("fmt", fmt, tuple(FORMATS))
-  return _compressor.compressed(_mx_codec(fmt), axis_name=axis_name,
+  return _compressor.compressed(MxCodec(fmt=fmt), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
 

@@ -3,6 +3,8 @@ of two, 9-bit codes; the chunk owner re-rounds the average."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -45,22 +47,28 @@ def natural_round(x: jax.Array, key: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(out, jnp.float32)
 
 
-def _natural_codec() -> _compressor.Codec:
-  def apply(x, state, ctx):
+@dataclasses.dataclass(frozen=True)
+class NaturalCodec(_codec.CodecBase):
+  """Natural compression of each device's ``x``; each chunk's owner
+  re-rounds the average (:func:`natural`). No fields: it has no
+  hyperparameters."""
+
+  name = "natural"
+  # Both roundings are unbiased; the owner's second one is why the mean
+  # is not the mean of what was sent (so DIANA and EF21 refuse it).
+  mean_of_sent = False
+  unbiased = True
+
+  def apply(self, x, state, ctx):
     flat = natural_round(x, device_key(ctx))
     owner_key = jax.random.fold_in(ctx.key,
                                    ctx.num_devices + ctx.device_index)
     mean = _quantized.natural_allreduce(
       flat, ctx.axis_name, lambda c: natural_round(c, owner_key))
-    return _compressor.CodecResult(mean=mean, sent=flat, state=state)
+    return _codec.CodecResult(mean=mean, sent=flat, state=state)
 
-  return _codec.LegacyCodec(
-    name="natural", init=lambda layout: (), apply=apply, mean_of_sent=False,
-    # Both roundings are unbiased; the owner's second one is why the mean
-    # is not the mean of what was sent (so DIANA and EF21 refuse it).
-    unbiased=True,
-    wire=lambda layout, n: _quantized.natural_plan(layout.size,
-                                                   n).wire)
+  def wire(self, layout, n):
+    return _quantized.natural_plan(layout.size, n).wire
 
 
 @_registry.method(
@@ -107,7 +115,7 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     <https://arxiv.org/abs/1905.10988>`_, 2019.
   """
   _checks.error_feedback(error_feedback)
-  return _compressor.compressed(_natural_codec(), axis_name=axis_name,
+  return _compressor.compressed(NaturalCodec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
 

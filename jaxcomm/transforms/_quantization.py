@@ -32,7 +32,8 @@ averages down over devices) and reproducible from the state's seed.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import ClassVar
 from typing import NamedTuple
 
 import jax
@@ -101,22 +102,21 @@ def bucket_layout(shapes, bucket_size: int | None) -> _Layout:
   return _Layout(sizes, buckets, counts)
 
 
-def _integer_codec(name: str, bound: int, bucket_size, *,
-                   stat: Callable, quantize: Callable, unit: Callable,
-                   prepare: Callable | None = None,
-                   stochastic: bool, low: int | None = None,
-                   zero: Callable | None = None,
-                   stat_is_max: bool = False,
-                   unbiased: bool = False) -> _compressor.Codec:
+@dataclasses.dataclass(frozen=True)
+class IntegerCodec(_codec.CodecBase):
   """A quantizer whose codes, under a scale shared by all devices, add up.
 
-  Per bucket: ``stat(xb) -> [nb]`` (``[nb, 2]`` when ``zero`` is set) the
+  The base of :class:`QsgdCodec`, :class:`TerngradCodec`,
+  :class:`IntCodec` and :class:`Uint8Codec`, which set its fields and
+  define ``stat``, ``quantize`` and ``unit`` (and ``prepare``, ``zero``).
+
+  Per bucket: ``stat(xb) -> [nb]`` (``[nb, 2]`` when ``asymmetric``) the
   local statistic;
   the shared scale is its maximum over devices (one small ``pmax``);
   ``quantize(xb, S, u) -> int32`` codes in ``[-bound, bound]`` (``[low,
   bound]`` if ``low`` is set); ``unit(S)`` the value of one code step.
   ``prepare(v)`` runs before bucketing on ``[G, d]`` rows, one leaf per
-  row (TernGrad's per-leaf clipping).
+  row (TernGrad's per-leaf clipping), where ``prepares``.
   Codes are summed exactly by :func:`jaxcomm.collectives.integer_allreduce`.
   ``unbiased``: ``E[decoded] = x`` (the codec's ``unbiased``, for DIANA).
 
@@ -131,47 +131,80 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
   (:func:`jaxcomm._buckets.leaf_blocks`): block maxima, one sorted segment
   maximum per leaf, the leaf's scale read back per block; the same ops for
   any number of leaf sizes.
+
+  Attributes:
+    bucket_size: elements per bucket (the subclass's field), or None: one
+      bucket per leaf.
+    bound: the largest code (the subclass's class attribute or property).
+    low: the smallest code, or None for ``-bound``.
+    stochastic: whether ``quantize`` takes uniform noise ``u``.
+    stat_is_max: whether ``stat`` is a maximum over the bucket.
+    prepares: whether ``prepare`` runs.
+    asymmetric: whether ``zero`` is set (two statistics per bucket).
   """
 
-  def apply_per_leaf(x, state, ctx, block):
+  low: ClassVar[int | None] = None
+  stochastic: ClassVar[bool] = False
+  stat_is_max: ClassVar[bool] = False
+  prepares: ClassVar[bool] = False
+  asymmetric: ClassVar[bool] = False
+
+  def stat(self, xb):
+    raise NotImplementedError
+
+  def quantize(self, xb, s, u):
+    raise NotImplementedError
+
+  def unit(self, s):
+    raise NotImplementedError
+
+  def prepare(self, v):
+    return v
+
+  def zero(self, s):
+    raise NotImplementedError
+
+  def _apply_per_leaf(self, x, state, ctx, block):
     sizes = ctx.layout.sizes
     xb = x.reshape(-1, block)
     ids = _buckets.block_leaf_ids(sizes, block)
-    local = jax.ops.segment_max(stat(xb), ids, num_segments=len(sizes),
+    local = jax.ops.segment_max(self.stat(xb), ids,
+                                num_segments=len(sizes),
                                 indices_are_sorted=True)
     s = _core.pmax(local, ctx.axis_name)[ids][:, None]
     u = (jax.random.uniform(device_key(ctx), xb.shape, jnp.float32)
-         if stochastic else None)
-    q = quantize(xb, s, u)
-    total = _quantized.integer_allreduce(q.ravel(), bound, ctx.axis_name,
-                                         low=low)
+         if self.stochastic else None)
+    q = self.quantize(xb, s, u)
+    total = _quantized.integer_allreduce(q.ravel(), self.bound,
+                                         ctx.axis_name, low=self.low)
     t = total.reshape(xb.shape).astype(jnp.float32)
-    un = unit(s)
+    un = self.unit(s)
     mean = t * un / ctx.num_devices
     sent = q.astype(jnp.float32) * un
-    return _compressor.CodecResult(mean=mean.reshape(-1),
-                                   sent=sent.reshape(-1), state=state)
+    return _codec.CodecResult(mean=mean.reshape(-1),
+                              sent=sent.reshape(-1), state=state)
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     layout = ctx.layout
-    if (bucket_size is None and stat_is_max and prepare is None
-        and zero is None):
+    bucket_size = self.bucket_size
+    if (bucket_size is None and self.stat_is_max and not self.prepares
+        and not self.asymmetric):
       block = _buckets.leaf_blocks(layout.sizes)
       if block is not None:
-        return apply_per_leaf(x, state, ctx, block)
+        return self._apply_per_leaf(x, state, ctx, block)
     lay = bucket_layout(layout.shapes, bucket_size)
     # The bucket as [rows, b] blocks of buckets. Consecutive groups whose
     # leaves split into whole buckets of one width b (no padding, no
     # per-leaf ``prepare``) are one contiguous region of x: a free reshape,
     # with no copy in and none out. A group that pads its last bucket (or
     # that ``prepare`` transforms per leaf) is [G, d] -> padded -> [G c, b].
-    mode = "constant" if zero is None else "edge"
+    mode = "edge" if self.asymmetric else "constant"
     parts = []   # (offset, size, b, padded: (count, d, c) | None)
     for g in layout.groups:
       d = g.leaf_size
       b = d if bucket_size is None else max(1, min(bucket_size, d))
       c = -(-d // b)
-      if b * c == d and prepare is None:
+      if b * c == d and not self.prepares:
         if (parts and parts[-1][3] is None and parts[-1][2] == b
             and parts[-1][0] + parts[-1][1] == g.offset):
           o, sz, _, _ = parts[-1]
@@ -188,8 +221,8 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
         continue
       count, d, c = padded
       v = v.reshape(count, d)
-      if prepare is not None:
-        v = prepare(v)
+      if self.prepares:
+        v = self.prepare(v)
       if b * c != d:
         v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
       xbs.append(v.reshape(count * c, b))
@@ -204,23 +237,25 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
     cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(
       parts)
     xbs = [cat([xbs[i] for i in blk]) for blk in blocks]
-    local = cat([stat(xb) for xb in xbs])
+    local = cat([self.stat(xb) for xb in xbs])
     shared = _core.pmax(local, ctx.axis_name)
-    if stochastic:
-      noise = jax.random.uniform(device_key(ctx), (lay.padded,), jnp.float32)
+    if self.stochastic:
+      noise = jax.random.uniform(device_key(ctx), (lay.padded,),
+                                 jnp.float32)
     codes, units, zeros, off, boff = [], [], [], 0, 0
     for xb in xbs:
       rows = xb.shape[0]
       s = shared[boff:boff + rows]
-      u = (noise[off:off + xb.size].reshape(xb.shape) if stochastic
+      u = (noise[off:off + xb.size].reshape(xb.shape) if self.stochastic
            else None)
-      codes.append(quantize(xb, s[:, None], u))
-      units.append(unit(s)[:, None])
-      zeros.append(None if zero is None else zero(s)[:, None])
+      codes.append(self.quantize(xb, s[:, None], u))
+      units.append(self.unit(s)[:, None])
+      zeros.append(self.zero(s)[:, None] if self.asymmetric else None)
       off += xb.size
       boff += rows
     total = _quantized.integer_allreduce(
-      cat([q.ravel() for q in codes]), bound, ctx.axis_name, low=low)
+      cat([q.ravel() for q in codes]), self.bound, ctx.axis_name,
+      low=self.low)
     n = ctx.num_devices
     mean, sent, off = [], [], 0
     for q, un, z, blk in zip(codes, units, zeros, blocks):
@@ -249,21 +284,54 @@ def _integer_codec(name: str, bound: int, bucket_size, *,
             v = v.reshape(count, c * b)[:, :d]
           out.append(v.reshape(-1))
         row += count * c
-    return _compressor.CodecResult(mean=cat(mean), sent=cat(sent),
-                                   state=state)
+    return _codec.CodecResult(mean=cat(mean), sent=cat(sent), state=state)
 
-  def wire(layout, n):
-    lay = bucket_layout(layout.shapes, bucket_size)
-    stats = 1 if zero is None else 2
+  def wire(self, layout, n):
+    lay = bucket_layout(layout.shapes, self.bucket_size)
+    stats = 2 if self.asymmetric else 1
     return ([("all-reduce", 4 * stats * lay.num_buckets)]
-            + _quantized.plan(lay.padded, bound, n, low).wire)
-
-  return _codec.LegacyCodec(name=name, init=lambda layout: (), apply=apply,
-                           wire=wire, unbiased=unbiased)
+            + _quantized.plan(lay.padded, self.bound, n, self.low).wire)
 
 
 def _safe_ratio(x, s):
   return jnp.where(s > 0, jnp.abs(x) / jnp.where(s > 0, s, 1.0), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class QsgdCodec(IntegerCodec):
+  """QSGD's stochastic levels on each bucket's norm, its maximum over
+  devices (:func:`qsgd`).
+
+  Attributes:
+    levels: ``s``, the largest code (in ``[1, MAX_LEVELS]``).
+    bucket_size: elements per bucket.
+  """
+
+  levels: int = 127
+  bucket_size: int = DEFAULT_BUCKET_SIZE
+  stochastic = True
+  unbiased = True
+
+  @property
+  def name(self):
+    return f"qsgd({self.levels})"
+
+  @property
+  def bound(self):
+    return self.levels
+
+  def stat(self, xb):
+    return jnp.sqrt(jnp.sum(xb * xb, axis=1))
+
+  def quantize(self, xb, s, u):
+    levels = self.levels
+    r = _safe_ratio(xb, s) * levels
+    low = jnp.floor(r)
+    lev = jnp.minimum(low + (u < r - low).astype(jnp.float32), levels)
+    return (jnp.sign(xb) * lev).astype(jnp.int32)
+
+  def unit(self, s):
+    return s / self.levels
 
 
 @_registry.method(
@@ -330,22 +398,51 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
       f"{levels!r}")
   _checks.integer("bucket_size", bucket_size, 1)
   _checks.error_feedback(error_feedback)
-
-  def stat(xb):
-    return jnp.sqrt(jnp.sum(xb * xb, axis=1))
-
-  def quantize(xb, s, u):
-    r = _safe_ratio(xb, s) * levels
-    low = jnp.floor(r)
-    lev = jnp.minimum(low + (u < r - low).astype(jnp.float32), levels)
-    return (jnp.sign(xb) * lev).astype(jnp.int32)
-
-  codec = _integer_codec(f"qsgd({levels})", levels, bucket_size, stat=stat,
-                         quantize=quantize, unit=lambda s: s / levels,
-                         stochastic=True, unbiased=True)
+  codec = QsgdCodec(levels=levels, bucket_size=bucket_size)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class TerngradCodec(IntegerCodec):
+  """TernGrad's stochastic ternary codes on each leaf's maximum, its
+  maximum over devices (:func:`terngrad`); one bucket per leaf.
+
+  Attributes:
+    clip_sigma: ``c``: each leaf is first clipped to ``c`` times the
+      standard deviation of its entries; None: no clipping.
+  """
+
+  clip_sigma: float | None = None
+  name = "terngrad"
+  bucket_size = None                        # one bucket per leaf
+  bound = 1
+  stochastic = True
+  stat_is_max = True
+
+  @property
+  def prepares(self):
+    return self.clip_sigma is not None
+
+  @property
+  def unbiased(self):
+    # Clipping to c sigma biases it; the stochastic ternary step does not.
+    return self.clip_sigma is None
+
+  def stat(self, xb):
+    return jnp.max(jnp.abs(xb), axis=1)
+
+  def quantize(self, xb, s, u):
+    keep = (u < _safe_ratio(xb, s)).astype(jnp.float32)
+    return (jnp.sign(xb) * keep).astype(jnp.int32)
+
+  def unit(self, s):
+    return s
+
+  def prepare(self, v):                     # [G, d]: one leaf per row
+    bound = self.clip_sigma * jnp.std(v, axis=1, keepdims=True)
+    return jnp.clip(v, -bound, bound)
 
 
 @_registry.method(
@@ -392,23 +489,7 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
     _checks.number("clip_sigma", clip_sigma, 0.0, None,
                              lo_open=True)
   _checks.error_feedback(error_feedback)
-
-  prepare = None
-  if clip_sigma is not None:
-    def prepare(v):                         # [G, d]: one leaf per row
-      bound = clip_sigma * jnp.std(v, axis=1, keepdims=True)
-      return jnp.clip(v, -bound, bound)
-
-  def quantize(xb, s, u):
-    keep = (u < _safe_ratio(xb, s)).astype(jnp.float32)
-    return (jnp.sign(xb) * keep).astype(jnp.int32)
-
-  codec = _integer_codec(
-    "terngrad", 1, None, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
-    quantize=quantize, unit=lambda s: s, prepare=prepare, stochastic=True,
-    stat_is_max=True,
-    # Clipping to c sigma biases it; the stochastic ternary step does not.
-    unbiased=clip_sigma is None)
+  codec = TerngradCodec(clip_sigma=clip_sigma)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 seed=seed, **options)
@@ -440,66 +521,110 @@ def _sent_cost(collectives) -> int:
   return sum(b * (2 if k == "all-reduce" else 1) for k, b in collectives)
 
 
-def _block_int_codec(name: str, bits: int, bucket_size: int,
-                     exchange: str | None) -> _compressor.Codec:
-  """Signed ``bits``-bit codes on a per-bucket (per-block) maximum, by the
-  exact integer exchange or the requantized one (:func:`int8`)."""
-  bound = 2 ** (bits - 1) - 1
+@dataclasses.dataclass(frozen=True)
+class IntCodec(IntegerCodec):
+  """Signed ``bits``-bit codes on a per-bucket (per-block) maximum, its
+  maximum over devices, summed exactly (:func:`int8`'s ``"exact"``
+  exchange).
 
-  def quantize(xb, s, u):
+  Attributes:
+    bits: the code width (codes in ``[-q, q]``, ``q = 2^(bits-1) - 1``).
+    bucket_size: elements per scale.
+  """
+
+  bits: int = 8
+  bucket_size: int = DEFAULT_BUCKET_SIZE
+
+  @property
+  def name(self):
+    return f"int{self.bits}"
+
+  @property
+  def bound(self):
+    return 2 ** (self.bits - 1) - 1
+
+  def stat(self, xb):
+    return jnp.max(jnp.abs(xb), axis=1)
+
+  def quantize(self, xb, s, u):
     del u
-    return jnp.round(_safe_ratio(xb, s) * float(bound) * jnp.sign(xb)
+    return jnp.round(_safe_ratio(xb, s) * float(self.bound) * jnp.sign(xb)
                      ).astype(jnp.int32)
 
-  exact = _integer_codec(
-    name, bound, bucket_size, stat=lambda xb: jnp.max(jnp.abs(xb), axis=1),
-    quantize=quantize, unit=lambda s: s / float(bound), stochastic=False)
-  if exchange == "exact":
-    return exact
+  def unit(self, s):
+    return s / float(self.bound)
 
-  def choose(layout, n):
-    if exchange is not None:
-      return exchange
+
+@dataclasses.dataclass(frozen=True)
+class RequantizedCodec(_codec.CodecBase):
+  """Signed ``bits``-bit codes on a per-block maximum by the requantized
+  exchange, or by :class:`IntCodec`'s exact one where that moves fewer
+  bytes (``exchange=None``) (:func:`int8`).
+
+  Attributes:
+    bits: the code width.
+    bucket_size: elements per block (per scale).
+    exchange: ``"requantized"``, or None: the one that moves fewer bytes
+      on the step's device count.
+  """
+
+  bits: int = 8
+  bucket_size: int = DEFAULT_BUCKET_SIZE
+  exchange: str | None = None
+  # The requantized mean is not the mean of what devices sent (the owner
+  # rounds it again): EF21 is refused for it by name.
+  mean_of_sent = False
+
+  @property
+  def name(self):
+    return f"int{self.bits}"
+
+  @property
+  def exact(self) -> IntCodec:
+    """The exact exchange's codec."""
+    return IntCodec(bits=self.bits, bucket_size=self.bucket_size)
+
+  def _choose(self, layout, n):
+    if self.exchange is not None:
+      return self.exchange
     if n <= 1:
       return "exact"
-    requant = _quantized.requantized_plan(layout.size, n, bits,
-                                          bucket_size).wire
-    if _sent_cost(requant) < _sent_cost(exact.wire(layout, n)):
+    requant = _quantized.requantized_plan(layout.size, n, self.bits,
+                                          self.bucket_size).wire
+    if _sent_cost(requant) < _sent_cost(self.exact.wire(layout, n)):
       return "requantized"
     return "exact"
 
-  def init(layout):
+  def init(self, layout):
     return RequantizedState(jnp.zeros([layout.size], jnp.float32))
 
-  def apply(x, state, ctx):
-    if choose(ctx.layout, ctx.num_devices) == "exact":
+  def apply(self, x, state, ctx):
+    if self._choose(ctx.layout, ctx.num_devices) == "exact":
       # A server error left by the requantized exchange (a state resized
       # to a device count where the exact one moves fewer bytes) is sent
       # now, not lost: it joins this device's message but not its
       # residual (zero otherwise, and then nothing changes).
       err = state.server_error
-      res = exact.apply(x + err, (), ctx)
-      return _compressor.CodecResult(mean=res.mean, sent=res.sent - err,
-                                     state=RequantizedState(
-                                       jnp.zeros_like(err)))
+      res = self.exact.apply(x + err, (), ctx)
+      return _codec.CodecResult(mean=res.mean, sent=res.sent - err,
+                                state=RequantizedState(jnp.zeros_like(err)))
     mean, sent, err = _quantized.requantized_allreduce(
-      x, state.server_error, ctx.axis_name, bits=bits, block=bucket_size)
-    return _compressor.CodecResult(mean=mean, sent=sent,
-                                   state=RequantizedState(err))
+      x, state.server_error, ctx.axis_name, bits=self.bits,
+      block=self.bucket_size)
+    return _codec.CodecResult(mean=mean, sent=sent,
+                              state=RequantizedState(err))
 
-  def wire(layout, n):
-    if choose(layout, n) == "exact":
-      return exact.wire(layout, n)
-    return _quantized.requantized_plan(layout.size, n, bits,
-                                       bucket_size).wire
-
-  # The requantized mean is not the mean of what devices sent (the owner
-  # rounds it again): EF21 is refused for it by name.
-  return _codec.LegacyCodec(name=name, init=init, apply=apply, wire=wire,
-                           mean_of_sent=False)
+  def wire(self, layout, n):
+    if self._choose(layout, n) == "exact":
+      return self.exact.wire(layout, n)
+    return _quantized.requantized_plan(layout.size, n, self.bits,
+                                       self.bucket_size).wire
 
 
 def _block_int(name, bits, bucket_size, exchange, error_feedback):
+  """The codec of :func:`int8` and :func:`int4` at ``bits`` bits (``name``
+  is ``f"int{bits}"``, the codec's own)."""
+  del name
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _checks.integer("bucket_size", bucket_size, 1)
   _checks.error_feedback(error_feedback)
@@ -511,7 +636,10 @@ def _block_int(name, bits, bucket_size, exchange, error_feedback):
     # EF21 keeps h = mean_i h_i only where the result is the mean of what
     # devices sent: the exact exchange.
     exchange = "exact"
-  return _block_int_codec(name, bits, bucket_size, exchange)
+  if exchange == "exact":
+    return IntCodec(bits=bits, bucket_size=bucket_size)
+  return RequantizedCodec(bits=bits, bucket_size=bucket_size,
+                          exchange=exchange)
 
 
 _EXCHANGE_DOC = """
@@ -652,6 +780,37 @@ def _uint8_span(S):
   return -S[..., 0], (S[..., 1] + S[..., 0]) / 255.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Uint8Codec(IntegerCodec):
+  """Asymmetric 8-bit codes on each bucket's ``(min, max)``, shared over
+  devices (:func:`uint8`).
+
+  Attributes:
+    bucket_size: elements per ``(l, s)`` pair.
+  """
+
+  bucket_size: int = DEFAULT_BUCKET_SIZE
+  name = "uint8"
+  bound = 255
+  low = 0
+  asymmetric = True
+
+  def stat(self, xb):
+    return jnp.stack([-jnp.min(xb, axis=1), jnp.max(xb, axis=1)], axis=1)
+
+  def quantize(self, xb, S, u):
+    del u
+    lo, s = _uint8_span(S)
+    r = jnp.where(s > 0, (xb - lo) / jnp.where(s > 0, s, 1.0), 0.0)
+    return jnp.clip(jnp.round(r), 0, 255).astype(jnp.int32)
+
+  def unit(self, S):
+    return _uint8_span(S)[1]
+
+  def zero(self, S):
+    return _uint8_span(S)[0]
+
+
 @_registry.method(
     family="compressor",
     paper="PyTorch DDP uint8 hook; Dettmers 2016",
@@ -704,20 +863,7 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
   bucket_size = DEFAULT_BUCKET_SIZE if bucket_size is None else bucket_size
   _checks.integer("bucket_size", bucket_size, 1)
   _checks.error_feedback(error_feedback)
-
-  def stat(xb):
-    return jnp.stack([-jnp.min(xb, axis=1), jnp.max(xb, axis=1)], axis=1)
-
-  def quantize(xb, S, u):
-    del u
-    lo, s = _uint8_span(S)
-    r = jnp.where(s > 0, (xb - lo) / jnp.where(s > 0, s, 1.0), 0.0)
-    return jnp.clip(jnp.round(r), 0, 255).astype(jnp.int32)
-
-  codec = _integer_codec(
-    "uint8", 255, bucket_size, stat=stat, quantize=quantize,
-    unit=lambda S: _uint8_span(S)[1], zero=lambda S: _uint8_span(S)[0],
-    low=0, stochastic=False)
+  codec = Uint8Codec(bucket_size=bucket_size)
   return _compressor.compressed(codec, axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)

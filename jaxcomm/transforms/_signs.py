@@ -5,6 +5,7 @@ al. 2019)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -38,20 +39,25 @@ class OneBitState(NamedTuple):
 _per_device.register(OneBitState, server_error=_per_device.OWNED)
 
 
-def _onebit_codec() -> _compressor.Codec:
-  def init(layout):
+@dataclasses.dataclass(frozen=True)
+class OneBitCodec(_codec.CodecBase):
+  """Scaled signs by DeepSpeed's two-phase compressed allreduce, with the
+  chunk owners' server error as state (:func:`onebit`). No fields: it has
+  no hyperparameters."""
+
+  name = "onebit"
+  mean_of_sent = False
+
+  def init(self, layout):
     return OneBitState(jnp.zeros([layout.size], jnp.float32))
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
     mean, sent, err = _signs.compressed_allreduce(
       x, ctx.layout.sizes, state.server_error, ctx.axis_name)
-    return _compressor.CodecResult(mean=mean, sent=sent,
-                                   state=OneBitState(err))
+    return _codec.CodecResult(mean=mean, sent=sent, state=OneBitState(err))
 
-  return _codec.LegacyCodec(
-    name="onebit", init=init, apply=apply, mean_of_sent=False,
-    wire=lambda layout, n: _signs.compressed_allreduce_wire(
-      layout.sizes, n))
+  def wire(self, layout, n):
+    return _signs.compressed_allreduce_wire(layout.sizes, n)
 
 
 @_registry.method(
@@ -104,7 +110,7 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021.
   """
   _checks.error_feedback(error_feedback)
-  return _compressor.compressed(_onebit_codec(), axis_name=axis_name,
+  return _compressor.compressed(OneBitCodec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
 
@@ -119,26 +125,42 @@ class SignumState(NamedTuple):
   momentum: jax.Array
 
 
-def _vote_codec(name, scale, beta=None) -> _compressor.Codec:
-  def init(layout):
-    if beta is None:
+@dataclasses.dataclass(frozen=True)
+class MajorityVoteCodec(_codec.CodecBase):
+  """The devices' majority sign times ``scale`` (:func:`signsgd`), or
+  their vote on each device's local momentum (:func:`signum`).
+
+  Attributes:
+    scale: ``gamma``, the size of the voted sign.
+    beta: signum's momentum (its state), or None: signSGD's vote on ``x``.
+  """
+
+  scale: float = 1.0
+  beta: float | None = None
+  mean_of_sent = False
+
+  @property
+  def name(self):
+    return "signsgd" if self.beta is None else "signum"
+
+  def init(self, layout):
+    if self.beta is None:
       return ()
     return SignumState(jnp.zeros([layout.size], jnp.float32))
 
-  def apply(x, state, ctx):
+  def apply(self, x, state, ctx):
+    beta, scale = self.beta, self.scale
     if beta is None:
       votes_on, new_state = x, state
     else:
       votes_on = beta * state.momentum + (1.0 - beta) * x
       new_state = SignumState(votes_on)
     v = _signs.majority_vote(votes_on, ctx.axis_name)
-    return _compressor.CodecResult(mean=v * scale,
-                                   sent=_sign(votes_on) * scale,
-                                   state=new_state)
+    return _codec.CodecResult(mean=v * scale, sent=_sign(votes_on) * scale,
+                              state=new_state)
 
-  return _codec.LegacyCodec(
-    name=name, init=init, apply=apply, mean_of_sent=False,
-    wire=lambda layout, n: _signs.majority_vote_wire(layout.size, n))
+  def wire(self, layout, n):
+    return _signs.majority_vote_wire(layout.size, n)
 
 
 @_registry.method(
@@ -187,7 +209,7 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
   """
   _checks.number("scale", scale, 0.0, None, lo_open=True)
   _checks.error_feedback(error_feedback)
-  return _compressor.compressed(_vote_codec("signsgd", scale),
+  return _compressor.compressed(MajorityVoteCodec(scale=scale),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
@@ -236,7 +258,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     raise ValueError(f"beta must be in [0, 1), got {beta!r}")
   _checks.number("scale", scale, 0.0, None, lo_open=True)
   _checks.error_feedback(error_feedback)
-  return _compressor.compressed(_vote_codec("signum", scale, beta),
+  return _compressor.compressed(MajorityVoteCodec(scale=scale, beta=beta),
                                 axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
@@ -245,27 +267,32 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
 # ------------------------------------------------------------- ef_signsgd --
 
 
-def _ef_sign_codec() -> _compressor.Codec:
-  def apply(x, state, ctx):
+@dataclasses.dataclass(frozen=True)
+class EfSignSgdCodec(_codec.CodecBase):
+  """Signs times each leaf's ``||x||_1 / d``, all-gathered
+  (:func:`ef_signsgd`); a gossip codec. No fields: it has no
+  hyperparameters."""
+
+  name = "ef_signsgd"
+
+  def apply(self, x, state, ctx):
     lay = ctx.layout
     scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
     sent = lay.broadcast(scales) * _sign(x)
     mean = _signs.gather_signs(x, scales, lay.sizes, ctx.axis_name)
-    return _compressor.CodecResult(mean=mean, sent=sent, state=state)
+    return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
-  def message(x, ctx):
+  def wire(self, layout, n):
+    return _signs.gather_signs_wire(layout.sizes, n)
+
+  def message(self, x, ctx):
     lay = ctx.layout
     scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
     return (_signs.sign_message(x, scales),
             lay.broadcast(scales) * _sign(x))
 
-  def decode(words, ctx):
+  def decode(self, words, ctx):
     return _signs.decode_sign_message(words, ctx.layout.sizes)
-
-  return _codec.LegacyCodec(
-    name="ef_signsgd", init=lambda layout: (), apply=apply,
-    wire=lambda layout, n: _signs.gather_signs_wire(layout.sizes, n),
-    message=message, decode=decode)
 
 
 @_registry.method(
@@ -305,7 +332,7 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
     Compression Schemes <https://arxiv.org/abs/1901.09847>`_, 2019.
   """
   _checks.error_feedback(error_feedback)
-  return _compressor.compressed(_ef_sign_codec(), axis_name=axis_name,
+  return _compressor.compressed(EfSignSgdCodec(), axis_name=axis_name,
                                 error_feedback=error_feedback, policy=policy,
                                 **options)
 
