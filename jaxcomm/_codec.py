@@ -201,23 +201,6 @@ def is_stepped(codec) -> bool:
   return callable(getattr(codec, "wire_at", None))
 
 
-@dataclasses.dataclass(frozen=True)
-class LegacyCodec:
-  """Transitional: a codec of closures (being replaced by dataclasses)."""
-
-  name: str
-  init: Any
-  apply: Any
-  wire: Any
-  accepts: Any = lambda shape: True
-  message: Any = None
-  decode: Any = None
-  wire_at: Any = None
-  mean_of_sent: bool = True
-  unbiased: bool = False
-  wants_gradient: bool = False
-
-
 def check_codec(codec) -> None:
   """Refuses what is not a :class:`Codec`, naming what is missing."""
   missing = [a for a in ("name", "init", "apply", "wire", "accepts",

@@ -539,7 +539,7 @@ def _two_bit(axis_name="data"):
   """MuLoCo's pseudo-gradient compressor: 2-bit block codes, requantized
   two-phase all-reduce, error feedback."""
   from jaxcomm import _compressor
-  from jaxcomm.transforms._quantization import _block_int
+  from jaxcomm.transforms._integer import _block_int
   return _compressor.compressed(_block_int("int2", 2, None, None, True),
                                 axis_name=axis_name, error_feedback=True)
 

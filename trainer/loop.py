@@ -348,7 +348,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                           else rep.total_sent)
     per_step = rep.total_sent
     spec = _compressor.spec_of(comp)
-    if jaxcomm._codec.is_stepped(spec.codec) and n_wire > 1:
+    if isinstance(spec.codec, jaxcomm.SteppedCodec) and n_wire > 1:
       # The exchange changes with the step (DGC's warm-up stages): each
       # step's own claim; the summary's bytes per step are the last
       # step's (after the warm-up).

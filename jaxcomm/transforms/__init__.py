@@ -14,6 +14,7 @@ from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
 from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gossip
+from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
@@ -37,6 +38,7 @@ from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
 from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gossip import *
+from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
@@ -63,6 +65,7 @@ __all__ += _diloco.__all__
 __all__ += _global_topk.__all__
 __all__ += _lag.__all__
 __all__ += _gossip.__all__
+__all__ += _integer.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
 __all__ += _mx.__all__

@@ -12,12 +12,12 @@ import optax
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm.transforms._integer import _block_int
 from jaxcomm.transforms._local_engine import LocalSpec
 from jaxcomm.transforms._local_engine import _check_inner
 from jaxcomm.transforms._local_engine import _local_engine
 from jaxcomm.transforms._local_engine import fragment_leaves
 from jaxcomm.transforms._local_engine import mean_leaves
-from jaxcomm.transforms._quantization import _block_int
 
 
 @_registry.method(
