@@ -165,6 +165,8 @@ METHODS = [
   _m("AdaComp L_T=50 + EF", "adacomp", "bin_size=50", MSGD, "momentum SGD"),
   _m("ATOMO 2 atoms", "atomo", "budget=2", MSGD, "momentum SGD"),
   _m("LAG zeta=1 (EF21 estimates)", "lag", "zeta=1.0", MSGD, "momentum SGD"),
+  _m("LAG zeta=0.5 (EF21 estimates)", "lag", "zeta=0.5", MSGD,
+     "momentum SGD"),
   # ScaleCom: the leader's top-k indices, every device's values there.
   _m("ScaleCom 0.01 + EF", "scalecom", "ratio=0.01", MSGD, "momentum SGD"),
   # FetchSGD: momentum and error live in the sketch; plain SGD after it,

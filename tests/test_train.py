@@ -16,6 +16,7 @@ import pytest
 import jaxcomm
 import models
 import train
+from jaxcomm import wire
 
 TINY = ["--model-args", "embed_dim=8,hidden_size=32,num_layers=1",
         "--seq-len", "16", "--batch-size", "16", "--eval-examples", "32",
@@ -689,3 +690,33 @@ def test_mesh_checkpoint_resumes_on_another_number_of_slices(tmp_path):
 def test_run_flags_out_of_range_are_named(flags, match, tmp_path):
   with pytest.raises(ValueError, match=match):
     _run(tmp_path, "--steps", 2, *flags)
+
+
+@pytest.mark.parametrize("zeta", [0.0, 1e12])
+def test_lag_run_counts_only_the_steps_that_send(zeta, tmp_path):
+  """LAG in train.py: a step's bytes are the 4-byte sender count plus each
+  bucket's all-reduce only where some device sent it; the summary gives
+  the fraction of steps a device sent on. zeta=0: every device sends every
+  step (the static claim); zeta=1e12: only the first step sends."""
+  steps = 5
+  r = _run(tmp_path, "--compressor", "lag", "--compressor-args",
+           f"zeta={zeta}", "--steps", steps, "--checkpoint-every", 0,
+           "--log-every", 1)
+  tx = jaxcomm.lag(zeta)
+  cfg = train.Config(model="charlm",
+                     model_args="embed_dim=8,hidden_size=32,num_layers=1",
+                     seq_len=16)
+  params = train.build_model(cfg, train.load_data(cfg)[2]).params
+  full = wire.summarize(wire.claimed(tx, params, 8), 8).total_sent
+  buckets = wire.summarize(
+    [("all-reduce", 4 * lay.size)
+     for lay in jaxcomm.spec_of(tx).layouts(params)], 8).total_sent
+  per_step = [h["bytes_per_step"] for h in r["history"] if "loss" in h]
+  if zeta == 0.0:
+    assert per_step == [full] * steps
+    assert r["sent_fraction"] == 1.0
+  else:
+    assert per_step == [full] + [full - buckets] * (steps - 1)
+    assert r["sent_fraction"] == pytest.approx(1 / steps)
+  assert r["bytes_per_step"] == pytest.approx(sum(per_step) / steps)
+  assert "of steps" in train.summary_line(r)

@@ -131,6 +131,35 @@ def _stats(opt_state) -> dict[str, float]:
   return out
 
 
+def _lazy_bytes(spec, params, n: int, full: float):
+  """For LAG (:func:`jaxcomm.lag`): ``fn(opt_state)``, the bytes the step
+  that made ``opt_state`` moved (``full``, less each bucket's all-reduce
+  on a step where no device sent it); None for any other compressor."""
+  if not isinstance(spec.codec, jaxcomm.transforms._lag.LagCodec) or n < 2:
+    return None
+  skipped = [wire.summarize([("all-reduce", 4 * lay.size)], n).total_sent
+             for lay in spec.layouts(params)]
+
+  def moved(opt_state):
+    codec = jaxcomm.compress_states(opt_state)[0].codec
+    return full - sum(b for b, st in zip(skipped, codec)
+                      if _scalar(st.senders) == 0)
+  return moved
+
+
+def lag_sent_fraction(opt_state) -> float | None:
+  """The fraction of device-steps on which a LAG device sent its gradient
+  (``sent_steps`` over steps, averaged over devices and buckets); None
+  without LAG."""
+  found = jaxcomm.compress_states(opt_state)
+  if not found or not all(isinstance(st, jaxcomm.transforms._lag.LagState)
+                          for st in found[0].codec) or not found[0].codec:
+    return None
+  steps = max(_scalar(found[0].count), 1.0)
+  return float(np.mean([_scalar(st.sent_steps) for st in found[0].codec])
+               / steps)
+
+
 def _fmt_bytes(b: float) -> str:
   for unit in ("B", "KB", "MB", "GB"):
     if abs(b) < 1024 or unit == "GB":
@@ -316,6 +345,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   dense_rep = wire.summarize(wire.claimed(jaxcomm.mean_gradients(AXIS),
                                           wire_params, n_wire), n_wire,
                              wire_params)
+  step_bytes_of_state = None
   if local_tx is not None:
     # A local-update step moves bytes only when it syncs: the summary's
     # bytes per step are the average over the run's steps, and each
@@ -360,6 +390,11 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                                               step=s), n_wire).total_sent
         return at[s]
       per_step = bytes_at(cfg.steps - 1)
+    lazy = _lazy_bytes(spec, wire_params, n_wire, rep.total_sent)
+    if lazy is not None:
+      # LAG: a bucket's all-reduce runs only on steps where some device
+      # sends; each step's bytes are read from its state.
+      bytes_at, step_bytes_of_state = None, lazy
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
 
   meta_cfg = {k: v for k, v in dataclasses.asdict(cfg).items()}
@@ -444,6 +479,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   def step_bytes(step, opt_state):
     if bytes_at is not None:
       return bytes_at(step)
+    if step_bytes_of_state is not None:
+      return step_bytes_of_state(opt_state)
     synced = jax.tree.leaves(jaxcomm.local_states(opt_state)[0].synced)[0]
     return sync_bytes if _scalar(synced) else 0.0
   t_loop = time.time()
@@ -507,7 +544,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     before = _previous_result(out_dir, stop) if main_proc else {}
 
   final = evaluate(eval_fn, dp.synchronized(params), test, cfg, dp)
-  if bytes_at is None:  # adacomm: the average of what the steps moved
+  if bytes_at is None:  # adacomm, LAG: the average of what steps moved
     per_step = cum_bytes / max(stop, 1)
   result = {
     "model": cfg.model, "dataset": dataset,
@@ -537,6 +574,9 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                                                   dp.per_device_params),
     "out_dir": out_dir,
   }
+  sent = lag_sent_fraction(opt_state)
+  if sent is not None:
+    result["sent_fraction"] = sent
   result.update(_stats(opt_state))
   summary_path = os.path.join(out_dir, "summary.md")
   if (main_proc and not math.isfinite(result["train_loss"])
@@ -719,6 +759,9 @@ def summary_line(r: dict[str, Any]) -> str:
             f"({r['compression_ratio']:.1f}x less)")
   else:
     wire = "one device: nothing crosses the wire"
+  if r.get("sent_fraction") is not None:
+    wire += (f"; a device sent on {100 * r['sent_fraction']:.1f}% of "
+             "steps")
   return (f"{r['model']} on {r['dataset']}, {r['num_devices']} devices, "
           f"{r['steps']} steps in {r['train_time_s']:.0f}s "
           f"({r['wall_time_s']:.0f}s with set-up): held-out loss "
