@@ -25,6 +25,7 @@ import numpy as np
 import jaxcomm
 from benchmarks._common import resnet18_shapes
 from benchmarks.bench_wire import CONFIGS
+from benchmarks.bench_wire import _label
 
 
 def _grads(shapes, seed=0):
@@ -36,14 +37,19 @@ def _grads(shapes, seed=0):
 # PowerSGD's options that trade kernel launches for arithmetic: timed beside
 # the defaults (the defaults were chosen on CPU).
 VARIANTS = [
-  ("powersgd r4, batched", lambda: jaxcomm.powersgd(4, batch_same_shape=True)),
-  ("powersgd r4, cholesky", lambda: jaxcomm.powersgd(
-    4, orthogonalization="cholesky")),
-  ("powersgd r4, batched + cholesky", lambda: jaxcomm.powersgd(
-    4, batch_same_shape=True, orthogonalization="cholesky")),
-  ("powersgd r4, gram_schmidt", lambda: jaxcomm.powersgd(
-    4, orthogonalization="gram_schmidt")),
+  ("powersgd r4, batched", lambda **kw: jaxcomm.powersgd(
+    4, batch_same_shape=True, **kw)),
+  ("powersgd r4, cholesky", lambda **kw: jaxcomm.powersgd(
+    4, orthogonalization="cholesky", **kw)),
+  ("powersgd r4, batched + cholesky", lambda **kw: jaxcomm.powersgd(
+    4, batch_same_shape=True, orthogonalization="cholesky", **kw)),
+  ("powersgd r4, gram_schmidt", lambda **kw: jaxcomm.powersgd(
+    4, orthogonalization="gram_schmidt", **kw)),
 ]
+
+
+# The baseline every row is compared with: the dense mean's label.
+DENSE = _label(jaxcomm.registry.get("dense", "compressor"))
 
 
 def measure(rounds: int = 7, only=None) -> dict:
@@ -53,9 +59,9 @@ def measure(rounds: int = 7, only=None) -> dict:
   grads = _grads(shapes)
   fns = {}
   for name, make in CONFIGS + VARIANTS:
-    if only and name not in only and name != "dense mean":
+    if only and name not in only and name != DENSE:
       continue
-    tx = _local(make)
+    tx = make(axis_name=None)   # the same compressor, no collectives
     state = tx.init(params)
     fn = jax.jit(tx.update)
     jax.block_until_ready(fn(grads, state, params))      # compile + warm
@@ -69,31 +75,8 @@ def measure(rounds: int = 7, only=None) -> dict:
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-_FACTORIES = ("mean_gradients", "cast", "int8", "uint8", "qsgd", "terngrad",
-              "natural", "onebit", "signsgd", "signum", "ef_signsgd", "topk",
-              "randomk", "threshold", "gtopk", "csc", "dgc", "powersgd")
-
-
-def _local(make):
-  """Calls a config's ``make`` with every factory given ``axis_name=None``
-  (the same compressor, without collectives)."""
-  originals = {name: getattr(jaxcomm, name) for name in _FACTORIES
-               if hasattr(jaxcomm, name)}
-
-  def patch(fn):
-    return lambda *a, **kw: fn(*a, **{**kw, "axis_name": None})
-
-  for name, fn in originals.items():
-    setattr(jaxcomm, name, patch(fn))
-  try:
-    return make()
-  finally:
-    for name, fn in originals.items():
-      setattr(jaxcomm, name, fn)
-
-
 def table(ms: dict) -> str:
-  dense = ms["dense mean"]
+  dense = ms[DENSE]
   rows = ["| compressor | ms / update | overhead ms | x dense |",
           "|---|---:|---:|---:|"]
   for name, t in ms.items():

@@ -25,14 +25,16 @@ def _label(m) -> str:
 
 # Every compressor of jaxcomm.registry with its defaults, then the variants
 # the README's table quotes.
+# (each ``make(**kw)`` passes ``kw``, e.g. ``axis_name=None``, through).
 CONFIGS = [(_label(m), m.make)
            for m in jaxcomm.registry.methods("compressor")] + [
-  ("topk(ratio=0.001)", lambda: jaxcomm.topk(0.001)),
-  ("randomk(ratio=0.001)", lambda: jaxcomm.randomk(0.001)),
-  ("gtopk(ratio=0.001)", lambda: jaxcomm.gtopk(0.001)),
-  ("csc(chunk_size=1024, ratio=0.001)", lambda: jaxcomm.csc(1024, 0.001)),
-  ("powersgd(rank=1)", lambda: jaxcomm.powersgd(1)),
-  ("powersgd(rank=2)", lambda: jaxcomm.powersgd(2)),
+  ("topk(ratio=0.001)", lambda **kw: jaxcomm.topk(0.001, **kw)),
+  ("randomk(ratio=0.001)", lambda **kw: jaxcomm.randomk(0.001, **kw)),
+  ("gtopk(ratio=0.001)", lambda **kw: jaxcomm.gtopk(0.001, **kw)),
+  ("csc(chunk_size=1024, ratio=0.001)",
+   lambda **kw: jaxcomm.csc(1024, 0.001, **kw)),
+  ("powersgd(rank=1)", lambda **kw: jaxcomm.powersgd(1, **kw)),
+  ("powersgd(rank=2)", lambda **kw: jaxcomm.powersgd(2, **kw)),
 ]
 LINKS = (1.0, 10.0, 25.0)
 HOSTS = (8, 64)
