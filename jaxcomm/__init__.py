@@ -7,6 +7,8 @@ own error-feedback state; use them inside a ``jax.shard_map`` (or
   tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
 """
 
+import importlib
+
 from jaxcomm import collectives
 from jaxcomm import parallel
 from jaxcomm import registry
@@ -33,6 +35,5 @@ def __getattr__(name):
   # jaxcomm.advise loads on first use, so that ``python -m jaxcomm.advise``
   # runs it as a script without a second copy of the module.
   if name == "advise":
-    import importlib  # pylint: disable=import-outside-toplevel
     return importlib.import_module("jaxcomm.advise")
   raise AttributeError(f"module 'jaxcomm' has no attribute {name!r}")

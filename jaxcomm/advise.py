@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
+from jaxcomm import parallel
+from jaxcomm import transforms
 from jaxcomm import wire
 
 
@@ -120,21 +122,21 @@ def default_candidates() -> list[Candidate]:
   with the eval-loss gaps measured on the char-LM at 8 workers
   (docs/benchmarks/convergence.md: PowerSGD r4 and onebit before Adam,
   top-k with error feedback before momentum SGD, DiLoCo with AdamW)."""
-  from jaxcomm import transforms as t  # pylint: disable=import-outside-toplevel
+  tr = transforms
   return [
-    Candidate("dense", lambda a: t.mean_gradients(axis_name=a), None, 0.0),
-    Candidate("dense, flat", lambda a: t.mean_gradients(axis_name=a), None,
+    Candidate("dense", lambda a: tr.mean_gradients(axis_name=a), None, 0.0),
+    Candidate("dense, flat", lambda a: tr.mean_gradients(axis_name=a), None,
               0.0, flat=True),
-    Candidate("dense, sharded", lambda a: t.mean_gradients(axis_name=a),
+    Candidate("dense, sharded", lambda a: tr.mean_gradients(axis_name=a),
               None, 0.0, sharded=True),
-    Candidate("bf16 cast", lambda a: t.cast(jnp.bfloat16, axis_name=a)),
-    Candidate("powersgd r1", lambda a: t.powersgd(1, axis_name=a)),
-    Candidate("powersgd r4", lambda a: t.powersgd(4, axis_name=a),
+    Candidate("bf16 cast", lambda a: tr.cast(jnp.bfloat16, axis_name=a)),
+    Candidate("powersgd r1", lambda a: tr.powersgd(1, axis_name=a)),
+    Candidate("powersgd r4", lambda a: tr.powersgd(4, axis_name=a),
               None, 0.032),
-    Candidate("topk 1%", lambda a: t.topk(0.01, axis_name=a), None, 0.075),
-    Candidate("topk 0.1%", lambda a: t.topk(0.001, axis_name=a), None,
+    Candidate("topk 1%", lambda a: tr.topk(0.01, axis_name=a), None, 0.075),
+    Candidate("topk 0.1%", lambda a: tr.topk(0.001, axis_name=a), None,
               0.367),
-    Candidate("onebit", lambda a: t.onebit(axis_name=a), None, 0.557),
+    Candidate("onebit", lambda a: tr.onebit(axis_name=a), None, 0.557),
     Candidate("local SGD H=8", None, 8, 0.037),
     Candidate("DiLoCo H=50", None, 50, 0.025),
   ]
@@ -225,7 +227,6 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     exchanged = params
     if c.sharded and fast:
       # One flat float32 share per device of the first fast axis.
-      from jaxcomm import parallel  # pylint: disable=import-outside-toplevel
       exchanged = parallel.exchange_share(params, fast[0].size)
     ops = wire.claimed(c.make(slow.name), exchanged, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)

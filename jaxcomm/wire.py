@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _codec
+
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")
 
@@ -394,12 +396,11 @@ def claimed(tx, params, n: int, step: int | None = None
       ``start_step`` / ``freeze_step``); None for every collective the
       compiled step holds (what the compiled HLO lists).
   """
-  from jaxcomm import _compressor  # pylint: disable=import-outside-toplevel
   if n < 1:
     raise ValueError(f"n must be >= 1, got {n}")
   if n == 1:
     return []
-  return _compressor.spec_of(tx).wire(params, n, step)
+  return _codec.spec_of(tx).wire(params, n, step)
 
 
 @dataclasses.dataclass(frozen=True)

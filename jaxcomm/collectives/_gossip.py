@@ -15,8 +15,10 @@ updates jaxcomm's compressors produce.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import _buckets
 from jaxcomm.collectives import _core
 
 TOPOLOGIES = ("ring", "hypercube")
@@ -152,7 +154,6 @@ def mixing_phases(topology: str, n: int) -> list[list[tuple]]:
 
 def mixing_matrix(topology: str, n: int, phase: int = 0):
   """The ``n x n`` mixing matrix ``W`` of a phase (``x <- W x``)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
   w = np.zeros((n, n))
   phases = mixing_phases(topology, n)
   for sources, weight in phases[phase % len(phases)]:
@@ -167,9 +168,6 @@ def gossip_mix(leaves, axis_name, topology: str, step):
   traced int): all leaves travel as one float32 buffer, one
   collective-permute per neighbour; time-varying topologies pick their
   phase with ``lax.switch``. Returns the mixed leaves (typed varying)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  from jaxcomm import _buckets  # pylint: disable=import-outside-toplevel
   if axis_name is None or not leaves:
     return list(leaves)
   n = _core.axis_size(axis_name)
@@ -343,7 +341,6 @@ def push_sum_mix(flat, axis_name, topology, step):
   ``x``, converges to the average. One collective-permute per class of
   :func:`_matchings`; time-varying graphs pick their phase with
   ``lax.switch``."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   if axis_name is None:
     return flat
   n = _core.axis_size(axis_name)

@@ -11,6 +11,8 @@ import optax
 
 from jaxcomm import _buckets
 from jaxcomm import _checks
+from jaxcomm import _codec
+from jaxcomm import _policy
 from jaxcomm.collectives import _core
 
 
@@ -83,9 +85,7 @@ def sharded_exchange(compressor: optax.GradientTransformation,
       optax.sgd(0.1))
     dp = DataParallel(loss_fn, tx, mesh, axis_name=("dcn", "ici"))
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxcomm import _compressor
-  spec = _compressor.spec_of(compressor)
+  spec = _codec.spec_of(compressor)
   if not isinstance(fast_axis, str):
     raise ValueError(f"fast_axis must be one mesh axis name, got "
                      f"{fast_axis!r}")
@@ -98,7 +98,6 @@ def sharded_exchange(compressor: optax.GradientTransformation,
 
   def init_fn(params):
     share = exchange_share(params, d)
-    from jaxcomm import _policy  # pylint: disable=import-outside-toplevel
     # Sharding must not silently turn a compressing compressor dense.
     if (_policy.COMPRESS in spec.paths(params)
         and spec.paths(share) != [_policy.COMPRESS]):

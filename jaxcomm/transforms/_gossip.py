@@ -21,6 +21,7 @@ from jaxcomm import _per_device
 from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
+from jaxcomm.collectives import _gossip
 from jaxcomm.transforms._local_engine import LocalState
 from jaxcomm.transforms._local_engine import _all_finite
 from jaxcomm.transforms._local_engine import _check_inner
@@ -38,7 +39,6 @@ class GossipSpec:
   start_step: int = 0
 
   def wire(self, params, n: int, step: int | None = None) -> list:
-    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
     size = sum(int(np.size(l)) for l in jax.tree.leaves(params))
     return _gossip.gossip_wire(self.topology, n, size, step)
 
@@ -102,8 +102,6 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
     topology: the communication graph.
     axis_name: the data axis.
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxcomm.collectives import _gossip
   _check_inner("inner", inner)
   _checks.choice("topology", topology, _gossip.MIXING_TOPOLOGIES)
   _checks.axis_name(axis_name)
@@ -173,7 +171,6 @@ class ChocoSpec:
 
   def wire(self, params, n: int, step: int | None = None) -> list:
     del step
-    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
     words = _choco_message_words(self.compressor, params, n)
     return _gossip.gossip_wire(self.topology, n, words, None)
 
@@ -261,8 +258,6 @@ def choco(inner: optax.GradientTransformation, compressor, *,
     axis_name: the data axis.
     seed: seed of the PRNG key kept in the state.
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxcomm.collectives import _gossip
   _check_inner("inner", inner)
   spec = _compressor.spec_of(compressor)
   if not _codec.can_gossip(spec.codec):
@@ -386,7 +381,6 @@ class PushSumSpec:
   start_step: int = 0
 
   def wire(self, params, n: int, step: int | None = None) -> list:
-    from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
     size = sum(int(np.size(l)) for l in jax.tree.leaves(params)) + 1
     return _gossip.push_sum_wire(self.topology, n, size, step)
 
@@ -428,8 +422,6 @@ def sgp(inner: optax.GradientTransformation, *, topology="exponential",
       each device's out-neighbours (a fixed directed graph).
     axis_name: the data axis.
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxcomm.collectives import _gossip
   _check_inner("inner", inner)
   if isinstance(topology, str):
     _checks.choice("topology", topology, ("exponential",))

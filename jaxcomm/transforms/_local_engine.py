@@ -25,6 +25,7 @@ import optax
 from jaxcomm import _buckets
 from jaxcomm import _compressor
 from jaxcomm import _vma
+from jaxcomm import wire
 from jaxcomm.collectives import _core
 
 
@@ -242,10 +243,9 @@ class LocalSpec:
 
   def bytes_per_step(self, params, n: int, steps: int) -> float:
     """Average bytes sent per device per step over ``steps`` steps."""
-    from jaxcomm import wire as _wire  # pylint: disable=import-outside-toplevel
     total = 0.0
     for s in range(steps):
-      total += _wire.summarize(self.wire(params, n, s), n).total_sent
+      total += wire.summarize(self.wire(params, n, s), n).total_sent
     return total / max(steps, 1)
 
 
