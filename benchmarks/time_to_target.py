@@ -62,6 +62,22 @@ METHODS = {
   "dense momentum sgd": MSGD + ["--compressor", "dense"],
   "local sgd H=8": MSGD + ["--local", "local_sgd", "--local-args",
                            "period=8"],
+  # The frontier, against bf16 (the baseline that counts) and dense Adam.
+  "bf16 -> adam": ADAM + ["--compressor", "cast",
+                          "--compressor-args", "dtype=bfloat16"],
+  "int8 -> adam": ADAM + ["--compressor", "int8"],
+  "int4 -> adam": ADAM + ["--compressor", "int4"],
+  "mxfp8 -> adam": ADAM + ["--compressor", "mx",
+                           "--compressor-args", "fmt=mxfp8"],
+  "mxfp4 + ef -> adam": ADAM + ["--compressor", "mx", "--compressor-args",
+                                "fmt=mxfp4,error_feedback=True"],
+  "demo": ["--optimizer", "demo", "--lr", "3e-3", "--compressor", "dense"],
+  "muloco H=50": ["--optimizer", "muon", "--lr", "0.02", "--local",
+                  "muloco", "--local-args", "period=50"],
+  "streaming diloco H=50, mxfp4": ADAM + [
+    "--local", "diloco", "--local-args",
+    "period=50,fragments=4,overlap_steps=5", "--compressor", "mx",
+    "--compressor-args", "fmt=mxfp4"],
 }
 # Each method's dense baseline (the target and the "vs dense" column).
 BASELINE = {"dense adam": "dense adam",
@@ -70,7 +86,12 @@ BASELINE = {"dense adam": "dense adam",
             "diloco H=50 + sparseloco": "dense adam",
             "diloco H=50 + sparseloco, outer lr 4": "dense adam",
             "dense momentum sgd": "dense momentum sgd",
-            "local sgd H=8": "dense momentum sgd"}
+            "local sgd H=8": "dense momentum sgd",
+            "bf16 -> adam": "dense adam", "int8 -> adam": "dense adam",
+            "int4 -> adam": "dense adam", "mxfp8 -> adam": "dense adam",
+            "mxfp4 + ef -> adam": "dense adam", "demo": "dense adam",
+            "muloco H=50": "dense adam",
+            "streaming diloco H=50, mxfp4": "dense adam"}
 SMOOTH = 20
 
 
