@@ -88,10 +88,12 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--only", default="",
-                      help="comma-separated config names (dense is kept)")
+                      help="config names separated by ';' (or by ',' when "
+                      "no name has one; dense is kept)")
   parser.add_argument("--json", default="")
   args = parser.parse_args(argv if argv is not None else [])
-  only = set(filter(None, args.only.split(",")))
+  only = set(filter(None, args.only.split(";" if ";" in args.only
+                                          else ",")))
   ms = measure(args.rounds, only)
   print(f"ResNet-18 (CIFAR) gradient, 62 leaves, 11,173,962 parameters; "
         f"backend {jax.default_backend()}, {jax.device_count()} devices "
