@@ -79,3 +79,19 @@ def test_bad_format_is_named():
   with pytest.raises(ValueError, match="dtype"):
     jaxcomm.cast("float8_e4m3")
   assert ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max == 6.0
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8_e5m2"])
+def test_fp8_rounding_by_convert_equals_the_table(fmt):
+  """FP8 elements round by XLA's convert: the same codes as rounding to
+  the nearest entry of ml_dtypes' table (ties to even, saturating) at
+  every midpoint between neighbours, one ulp either side, every table
+  value, and beyond the largest."""
+  t = _mx.magnitudes(fmt)
+  mids = ((t[1:].astype(np.float64) + t[:-1]) / 2).astype(np.float32)
+  a = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9),
+                      t, np.float32([t[-1] * 1.5, 1e30, 0.0])])
+  a = jnp.asarray(a, jnp.float32)
+  native = _mx._round_native(a, t, _mx._NATIVE[fmt])
+  table = _mx._round_to_table(a, t)
+  np.testing.assert_array_equal(np.asarray(native), np.asarray(table))
