@@ -420,3 +420,42 @@ def test_transformer_lm_mean_equals_plain_step_and_topk_trains(mesh_name):
   if mesh_name == "dcn2_fsdp4":   # group sizes tell the axes apart
     assert gathers(ours) <= gathers(theirs) + 4096, (ours, theirs)
 
+
+
+@pytest.mark.parametrize("make", [lambda: jaxcomm.topk(0.1, axis_name="dcn"),
+                                  lambda: jaxcomm.int8(axis_name="dcn")],
+                         ids=["topk", "int8"])
+def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
+  """``jax.make_mesh``'s default on JAX 0.10 is Explicit axes: a sharded
+  step on such a mesh (params over "fsdp", compression over "dcn") keeps
+  the params' sharding and gives the Auto mesh's params."""
+  rng = np.random.RandomState(0)
+  w0 = rng.randn(64, 16).astype(np.float32) * 0.1
+  batches = [(rng.randn(32, 64).astype(np.float32),
+              rng.randn(32, 16).astype(np.float32)) for _ in range(3)]
+
+  def loss_fn(p, batch):
+    x, y = batch
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  out = {}
+  for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(kind,) * 2)
+    params = {"w": jax.device_put(w0, NamedSharding(mesh, P("fsdp", None))),
+              "b": jax.device_put(np.zeros(16, np.float32),
+                                  NamedSharding(mesh, P()))}
+    tx = optax.chain(make(), optax.sgd(0.1))
+    dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
+                               auto_axes=("fsdp",))
+    p, s = dp.init(params)
+    for b in batches:
+      p, s, _ = dp.step(p, s, tuple(map(jnp.asarray, b)))
+    jax.block_until_ready(p)
+    assert p["w"].sharding.is_equivalent_to(
+      NamedSharding(mesh, P("fsdp", None)), 2), (kind, p["w"].sharding)
+    out[kind] = jax.tree.map(np.asarray, p)
+  auto, explicit = out.values()
+  assert not np.allclose(auto["w"], w0)       # it trained
+  for k in auto:
+    np.testing.assert_allclose(explicit[k], auto[k], rtol=1e-6, atol=1e-7,
+                               err_msg=k)
