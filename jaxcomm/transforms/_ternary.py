@@ -59,9 +59,8 @@ def _stc_select(x, layout, ratio):
                             _topk.topk_abs_groups(x, groups)):
     pos = idx - (g.offset + g.leaf_size * jnp.arange(g.count,
                                                      dtype=jnp.int32)[:, None])
-    order = jnp.argsort(pos, axis=-1)
-    pos = jnp.take_along_axis(pos, order, axis=-1)
-    vals = jnp.take_along_axis(vals, order, axis=-1)
+    # Positions in increasing order, their values carried along (one sort).
+    pos, vals = jax.lax.sort((pos, vals), dimension=-1, num_keys=1)
     mu = jnp.mean(jnp.abs(vals), axis=-1, keepdims=True)
     out.append((pos, jnp.where(vals < 0, -mu, mu), mu[:, 0], vals < 0))
   return out
