@@ -147,7 +147,6 @@ def encode(x, fmt: str):
 def decode(words, length: int, fmt: str):
   """Inverse of :func:`encode`: ``float32[..., length]``."""
   _, bits, _ = FORMATS[fmt]
-  table = jnp.asarray(magnitudes(fmt))
   lead = words.shape[:-1]
   nblocks = length // BLOCK
   packed = words[..., :nblocks * bits].reshape(lead + (nblocks, bits))
@@ -158,7 +157,7 @@ def decode(words, length: int, fmt: str):
     mag = jax.lax.bitcast_convert_type(low.astype(jnp.uint8),
                                        _NATIVE[fmt]).astype(jnp.float32)
   else:
-    mag = table[low]
+    mag = jnp.asarray(magnitudes(fmt))[low]
   val = jnp.where((codes >> (bits - 1)) & 1, -mag, mag)
   exp = scales.astype(jnp.int32) - 127
   return jnp.ldexp(val, exp[..., None]).reshape(lead + (length,))
