@@ -26,6 +26,9 @@ slow axis is priced with ``shared=2``. The measured step without a limit
 as the overhead, so the model's column is that step plus the predicted
 seconds between hosts at 1 Gbit/s.
 
+For a sharded model (the transformer LM split over fsdp=8 inside each of
+8 slices), it prices the step of ``DataParallel(..., auto_axes=("fsdp",))``.
+
 Run: ``python -m benchmarks.advisor [--out docs/benchmarks/advisor.md]``.
 """
 
@@ -89,6 +92,40 @@ def pod_tables() -> str:
       out.append(advise.table(rows, BUDGET))
       out.append(f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
                  f"({best.total_s * 1e3:.2f} ms per step).\n")
+  return "\n".join(out)
+
+
+# A GPT-2-small-sized transformer LM (models.TransformerLM), split by its
+# logical axes (models.transformer.RULES: "embed" over fsdp).
+LM_CONFIG = dict(vocab_size=50304, d_model=768, num_heads=12, num_layers=12,
+                 d_ff=3072, max_len=1024)
+SLICES, FSDP = 8, 8
+
+
+def fsdp_tables() -> str:
+  """The sharded-model step: the LM's params split over fsdp=8 inside each
+  of 8 slices (800 Gbit/s, 5 us), each device compressing its 1/8 share
+  across the slices."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  abstract = nnx.eval_shape(lambda: transformer.TransformerLM(
+    **LM_CONFIG, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(abstract, nnx.Param)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        state)
+  specs = transformer.partition_specs(params, ("dcn", "fsdp"))
+  n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+  fsdp = advise.Axis("fsdp", FSDP, wire.CostModel.link(800.0, 5.0))
+  out = []
+  for gbit in (1.0, 10.0, 100.0):
+    axes = [advise.Axis("dcn", SLICES, wire.CostModel.link(gbit, 50.0))]
+    rows = advise.advise(params, axes, budget=BUDGET, fsdp=fsdp, specs=specs)
+    best = advise.recommend(rows, BUDGET)
+    out.append(f"### transformer LM ({n_params:,} params), {SLICES} slices "
+               f"x fsdp={FSDP}, {gbit:g} Gbit/s between slices\n")
+    out.append(advise.table(rows, BUDGET))
+    out.append(f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
+               f"({best.total_s * 1e3:.2f} ms per step).\n")
   return "\n".join(out)
 
 
@@ -169,6 +206,13 @@ def main(argv=None):
                  help="also write the markdown here")
   args = p.parse_args(argv)
   text = ("## Which method pays where (jaxcomm.advise)\n\n" + pod_tables()
+          + "\n## A sharded model: FSDP inside each slice\n\n"
+          "`advise(..., fsdp=Axis(\"fsdp\", 8, link), specs=...)`: every "
+          "method pays the plain FSDP step's weight all-gather and gradient "
+          "reduce-scatter on the fast link (the fast axes column), and each "
+          "device sends across the slices what the method claims for its "
+          "1/8 share of the gradient (the shards `models.transformer.RULES` "
+          "give it). Loss gaps are the char-LM's.\n\n" + fsdp_tables()
           + "\n## The model against measured steps\n\nResNet-18 shapes, 4 "
           "processes on the 1 Gbit/s loopback, one run (the model has no "
           "compute, the measured steps do: on these 2 cores top-k's "

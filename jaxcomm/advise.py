@@ -21,6 +21,13 @@ bytes over bandwidth per collective); it ignores overlap with compute and
 congestion, so it ranks methods rather than promising seconds
 (``docs/benchmarks/advisor.md`` compares it with measured steps).
 
+With ``fsdp=Axis(...)`` it prices the sharded-model step
+(``DataParallel(..., auto_axes=("fsdp",))``): the params are split over
+that model axis, the plain step's own weight all-gather and gradient
+reduce-scatter cross its link on every step whatever the method, and each
+device's compressor works on its ``1/size`` share of the gradient, so
+what crosses the slow axis is the claim on the device's shards.
+
   >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
   >>> axes = [Axis("dcn", 8, wire.CostModel.link(10)),
   ...         Axis("ici", 8, wire.CostModel.link(400, 1))]
@@ -163,9 +170,54 @@ def _dense_time(params, axis: Axis) -> float:
     [("all-reduce", wire.dense_payload(params))], axis.size)
 
 
+def fsdp_shards(params, size: int, specs=None, axis: str = "fsdp"):
+  """One device's shards of ``params`` split ``size`` ways over an FSDP
+  axis, as ShapeDtypeStructs (what the compressor of a sharded step sees).
+
+  Args:
+    params: the model's params (arrays or ShapeDtypeStructs).
+    size: devices along the FSDP axis.
+    specs: each leaf's ``PartitionSpec`` (the model's sharding rules), of
+      which only ``axis`` counts; default: each leaf split along its
+      largest dimension that ``size`` divides (the first of equals), and
+      kept whole (replicated, as biases and norm scales are) when none
+      does.
+    axis: the FSDP axis's name in ``specs``.
+  """
+  size = _checks.integer("size", size, 1)
+
+  def dims_of(x, spec):
+    shape = tuple(x.shape)
+    if spec is None:
+      fits = [i for i, d in enumerate(shape) if d % size == 0]
+      return [max(fits, key=lambda i: (shape[i], -i))] if fits else []
+    out = []
+    for i, e in enumerate(tuple(spec)):
+      names = e if isinstance(e, tuple) else (e,)
+      if axis in names:
+        if i >= len(shape) or shape[i] % size:
+          raise ValueError(
+            f"specs: a leaf of shape {shape} splits dimension {i} over "
+            f"{axis!r} ({size} devices), which does not divide it")
+        out.append(i)
+    return out
+
+  def shard(x, spec=None):
+    shape = list(x.shape)
+    for i in dims_of(x, spec):
+      shape[i] //= size
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+  if specs is None:
+    return jax.tree.map(shard, params)
+  return jax.tree.map(shard, params, specs, is_leaf=lambda s: s is None
+                      or isinstance(s, jax.sharding.PartitionSpec))
+
+
 def advise(params, axes: Sequence[Axis], candidates=None, *,
            overhead_s: Mapping[str, float] | None = None,
-           budget: float | None = None) -> list[Row]:
+           budget: float | None = None, fsdp: Axis | None = None,
+           specs=None) -> list[Row]:
   """Predicted communication per step of each candidate on ``axes``.
 
   Args:
@@ -178,6 +230,18 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       ``benchmarks/bench_overhead.py`` on your accelerator); 0 where absent.
     budget: the largest eval-loss gap to dense accepted; candidates with a
       larger or unmeasured gap are still priced but not recommended.
+    fsdp: a model axis the params are sharded over (FSDP inside a host or
+      slice; :class:`jaxcomm.parallel.DataParallel` with ``auto_axes``).
+      Every candidate then pays the plain FSDP step's traffic on its link
+      (one all-gather of the weights and one reduce-scatter of the
+      gradient per step, local methods included: their inner steps are
+      FSDP steps), averages and compresses only its device's shards
+      (:func:`fsdp_shards`), and a local method syncs its shards. Flat and
+      host-sharded candidates do not apply and are left out of the
+      defaults (refused when given).
+    specs: the params' PartitionSpecs naming ``fsdp``'s axis, for
+      :func:`fsdp_shards` (default: each leaf split along its largest
+      dimension ``fsdp.size`` divides).
 
   Returns:
     Rows sorted by predicted total seconds, fastest first; with ``budget``
@@ -193,6 +257,7 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     _checks.number("budget", budget, 0.0)
   slow, fast = axes[0], list(axes[1:])
   overhead_s = dict(overhead_s or {})
+  candidates_given = candidates is not None
   candidates = (default_candidates() if candidates is None
                 else list(candidates))
   unknown = sorted(set(overhead_s) - {c.name for c in candidates})
@@ -202,6 +267,30 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       + ", ".join(repr(c.name) for c in candidates))
   for name, sec in overhead_s.items():
     _checks.number(f"overhead_s[{name!r}]", sec, 0.0, 1e9)
+  fsdp_s = 0.0
+  if fsdp is not None:
+    if not isinstance(fsdp, Axis):
+      raise ValueError(f"fsdp must be a jaxcomm.advise.Axis, got {fsdp!r}")
+    if fsdp.name in {a.name for a in axes}:
+      raise ValueError(f"fsdp: {fsdp.name!r} is also a data axis in axes; "
+                       "the FSDP axis is a model axis of its own")
+    whole = wire.dense_payload(params)
+    # The plain FSDP step's own traffic: weights gathered, gradient
+    # reduce-scattered, over the FSDP axis, every step.
+    fsdp_s = fsdp.effective_link.predict(
+      [("all-gather", whole), ("reduce-scatter", whole)], fsdp.size)
+    params = fsdp_shards(params, fsdp.size, specs, fsdp.name)
+    off = [c.name for c in candidates if c.flat or c.sharded]
+    if off and candidates_given:
+      raise ValueError(
+        f"candidates {off} are flat or host-sharded, which a sharded model "
+        "(fsdp=) does not run: each device already exchanges its own "
+        "shards over the slow axis")
+    candidates = [c for c in candidates if not (c.flat or c.sharded)]
+  elif specs is not None:
+    raise ValueError("specs is given without fsdp: name the FSDP axis "
+                     "(fsdp=Axis(name, size, link)) they split the params "
+                     "over")
   fast_s = sum(_dense_time(params, a) for a in fast)
   rows = []
   for c in candidates:
@@ -212,7 +301,7 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       # exchange at all.
       slow_bytes = (wire.sent_bytes("all-reduce", wire.dense_payload(params),
                                     slow.size) / c.period)
-      rows.append(Row(c.name, fast_s / c.period,
+      rows.append(Row(c.name, fsdp_s + fast_s / c.period,
                       _dense_time(params, slow) / c.period,
                       overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
       continue
@@ -230,7 +319,7 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       exchanged = parallel.exchange_share(params, fast[0].size)
     ops = wire.claimed(c.make(slow.name), exchanged, slow.size)
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
-    rows.append(Row(c.name, fast_s,
+    rows.append(Row(c.name, fsdp_s + fast_s,
                     slow.effective_link.predict(ops, slow.size),
                     overhead_s.get(c.name, 0.0), slow_bytes, c.loss_gap))
   rows.sort(key=lambda r: r.total_s)
@@ -332,6 +421,11 @@ def main(argv=None, *, model_params: Callable[[str], Any] | None = None
   p.add_argument("--fast-gbit", type=float, default=800.0,
                  help="link inside a host, Gbit/s")
   p.add_argument("--fast-latency-us", type=float, default=5.0)
+  p.add_argument("--fsdp", type=int, default=1,
+                 help="devices a host's (slice's) params are sharded over "
+                 "(FSDP on the fast link, the compressor on each device's "
+                 "shards); --per-host then counts the data-parallel "
+                 "devices beside them")
   p.add_argument("--shared", type=int, default=1,
                  help="devices of a host sharing one link between hosts")
   p.add_argument("--budget", type=float, default=0.05,
@@ -342,7 +436,7 @@ def main(argv=None, *, model_params: Callable[[str], Any] | None = None
   a = p.parse_args(argv)
   try:
     for flag, value in (("--hosts", a.hosts), ("--per-host", a.per_host),
-                        ("--shared", a.shared)):
+                        ("--shared", a.shared), ("--fsdp", a.fsdp)):
       _checks.integer(flag, value, 1)
     params = _params_from_args(a.model, a.shapes, model_params)
     axes = [Axis("dcn", a.hosts, wire.CostModel.link(a.slow_gbit,
@@ -351,8 +445,10 @@ def main(argv=None, *, model_params: Callable[[str], Any] | None = None
     if a.per_host > 1:
       axes.append(Axis("ici", a.per_host, wire.CostModel.link(
         a.fast_gbit, a.fast_latency_us)))
+    fsdp = (Axis("fsdp", a.fsdp, wire.CostModel.link(
+      a.fast_gbit, a.fast_latency_us)) if a.fsdp > 1 else None)
     rows = advise(params, axes, overhead_s=_overheads(a.overhead_ms),
-                  budget=a.budget)
+                  budget=a.budget, fsdp=fsdp)
   except ValueError as e:
     p.error(str(e))
   print(table(rows, a.budget))

@@ -221,3 +221,68 @@ def test_command_line_reads_a_registered_model(capsys):
   row = [line for line in out.splitlines() if line.startswith("| dense |")]
   assert float(row[0].split("|")[6]) == pytest.approx((4 * n + _FLAG) / 1e6,
                                                      abs=0.006)
+
+
+# ------------------------------------------------ a sharded model (FSDP) --
+
+def _ring(n, s, alpha, beta):
+  """One all-gather or reduce-scatter of ``s`` bytes on a ring of n."""
+  return (n - 1) * alpha + (n - 1) / n * s * beta
+
+
+def test_fsdp_prices_the_plain_steps_gathers_and_a_shard_over_the_slow_axis():
+  """Params split 4 ways over "fsdp" (800 Gbit/s, 5 us): every method pays
+  one all-gather of the weights and one reduce-scatter of the gradient on
+  that link, and each device sends over dcn what the method claims for its
+  (128, 256) shard: the dense all-reduce a quarter of the bytes, top-k 1%
+  its k = 328 pairs of the shard; a local method syncs its shard."""
+  fsdp = advise.Axis("fsdp", 4, wire.CostModel.link(800.0, 5.0))
+  cands = [advise.Candidate("dense", lambda a: jaxcomm.mean_gradients(
+             axis_name=a), None, 0.0),
+           advise.Candidate("topk", lambda a: jaxcomm.topk(0.01, axis_name=a)),
+           advise.Candidate("local H=10", None, 10, 0.01)]
+  rows = {r.name: r for r in advise.advise(_P, _axes()[:1], cands,
+                                           fsdp=fsdp)}
+  gathers = 2 * _ring(4, _BYTES, 5e-6, 8.0 / 800e9)
+  shard = _BYTES // 4
+  d = rows["dense"]
+  assert d.fast_s == pytest.approx(gathers)
+  assert d.slow_s == pytest.approx(_ring_allreduce(8, shard + _FLAG))
+  assert d.slow_bytes == pytest.approx(2 * 7 / 8 * (shard + _FLAG))
+  # Top-k 1% of a 128 x 256 shard: k = ceil(0.01 * 32768) = 328 float32
+  # values and their positions, 16-bit since the shard has fewer than
+  # 65,536 elements, all-gathered over the 8 slices; plus the flag. (On the
+  # whole 512 x 256 leaf, positions would need 32 bits.)
+  k = 328
+  t = rows["topk"]
+  assert t.fast_s == pytest.approx(gathers)
+  assert t.slow_bytes == pytest.approx(7 / 8 * 8 * k * 6 + 2 * 7 / 8 * _FLAG)
+  loc = rows["local H=10"]
+  assert loc.fast_s == pytest.approx(gathers)
+  assert loc.slow_s == pytest.approx(_ring_allreduce(8, shard) / 10)
+
+
+def test_fsdp_shards_follow_the_specs_or_the_largest_dividing_dimension():
+  from jax.sharding import PartitionSpec as P
+  params = {"w": jax.ShapeDtypeStruct((96, 512), jnp.float32),
+            "b": jax.ShapeDtypeStruct((30,), jnp.float32)}
+  got = advise.fsdp_shards(params, 4)
+  assert got["w"].shape == (96, 128) and got["b"].shape == (30,)
+  got = advise.fsdp_shards(params, 4, {"w": P("fsdp", None), "b": P()})
+  assert got["w"].shape == (24, 512) and got["b"].shape == (30,)
+  with pytest.raises(ValueError, match="does not divide"):
+    advise.fsdp_shards(params, 4, {"w": P(None, None), "b": P("fsdp")})
+
+
+def test_fsdp_bad_arguments_are_named():
+  fsdp = advise.Axis("fsdp", 4, wire.CostModel.link(800.0, 5.0))
+  flat = [advise.Candidate("dense, flat", lambda a: jaxcomm.mean_gradients(
+    axis_name=a), None, 0.0, flat=True)]
+  with pytest.raises(ValueError, match="flat or host-sharded"):
+    advise.advise(_P, _axes(), flat, fsdp=fsdp)
+  with pytest.raises(ValueError, match="also a data axis"):
+    advise.advise(_P, _axes(), fsdp=dataclasses.replace(fsdp, name="ici"))
+  with pytest.raises(ValueError, match="specs is given without fsdp"):
+    advise.advise(_P, _axes(), specs={"w": None})
+  rows = advise.advise(_P, _axes(), fsdp=fsdp)
+  assert not {"dense, flat", "dense, sharded"} & {r.name for r in rows}
