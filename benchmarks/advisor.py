@@ -107,6 +107,7 @@ def fsdp_tables() -> str:
   of 8 slices (800 Gbit/s, 5 us), each device compressing its 1/8 share
   across the slices."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
+
   from models import transformer  # pylint: disable=import-outside-toplevel
   abstract = nnx.eval_shape(lambda: transformer.TransformerLM(
     **LM_CONFIG, rngs=nnx.Rngs(0)))
