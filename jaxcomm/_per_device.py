@@ -13,7 +13,11 @@ whose fields follow another rule registers it here, beside its definition:
   is re-cut into the new devices' chunks;
 * :func:`restart` ``(value)``: memory that only holds for the device count
   (a gossip graph) it was built on; every new device starts from
-  ``value``, as at init.
+  ``value``, as at init;
+* :data:`WARM`: a warm start that owes the update nothing (PowerSGD's
+  ``Q``): averaged or copied with the data axis like a buffer, and rebuilt
+  as at init when the model axes' sizes change (a block of another shape
+  needs one of its own; ``jaxcomm.parallel.reshard_state``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 OWNED = "owned"
+WARM = "warm"
 
 _KINDS: dict[type, dict[str, Any]] = {}
 
@@ -39,10 +44,10 @@ def register(cls: type, **fields) -> type:
   for name, kind in fields.items():
     if name not in getattr(cls, "_fields", ()):
       raise ValueError(f"{cls.__name__} has no field {name!r}")
-    if kind != OWNED and not (isinstance(kind, tuple) and len(kind) == 2
-                              and kind[0] == "restart"):
-      raise ValueError(f"{cls.__name__}.{name}: kind must be OWNED or "
-                       f"restart(value), got {kind!r}")
+    if kind not in (OWNED, WARM) and not (
+        isinstance(kind, tuple) and len(kind) == 2 and kind[0] == "restart"):
+      raise ValueError(f"{cls.__name__}.{name}: kind must be OWNED, WARM "
+                       f"or restart(value), got {kind!r}")
   _KINDS[cls] = dict(fields)
   return cls
 

@@ -649,8 +649,41 @@ def test_mesh_checkpoint_refuses_another_mesh(tmp_path):
   flags = _LM + ["--compressor", "topk", "--compressor-args", "ratio=0.05",
                  "--steps", 4]
   _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--stop-after", 2)
-  with pytest.raises(train.CheckpointError, match="mesh"):
-    _run(tmp_path, *flags, "--mesh", "dcn=4,fsdp=2", "--resume")
+  with pytest.raises(train.CheckpointError, match="keep their names"):
+    _run(tmp_path, *flags, "--mesh", "dcn=2,tensor=4", "--resume")
+
+
+@pytest.mark.parametrize("mesh,devices", [("dcn=2,fsdp=2", 4),
+                                          ("dcn=4,fsdp=2", 8)])
+def test_mesh_checkpoint_resumes_on_another_fsdp_size(mesh, devices,
+                                                      tmp_path):
+  """A (dcn=2, fsdp=4) checkpoint resumed with fsdp=2 (and also 4 slices):
+  the residuals are re-cut for the new blocks, so the mass each slice's
+  devices hold, summed, is what the checkpoint held (averaged over the
+  slices when their number changes, as resize_state keeps it); then the
+  run continues. (That every element lands where it belongs, moments
+  included, is tests/test_reshard.py's.)"""
+  flags = _LM + ["--compressor", "topk", "--compressor-args", "ratio=0.05",
+                 "--optimizer", "adam", "--lr", 0.01]
+  saved = _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--steps", 4,
+               "--stop-after", 2)
+
+  def per_slice(state, slices):
+    res = jaxcomm.compress_states(state)[0].residual[0]
+    return res.reshape(slices, -1).astype(np.float64).sum(axis=1)
+
+  before = per_slice(_host_state(saved), 2)
+  assert np.abs(before).min() > 0
+  restored = _run(tmp_path, *flags, "--mesh", mesh, "--num-devices",
+                  devices, "--steps", 4, "--stop-after", 2, "--resume")
+  slices = int(mesh.split(",")[0].split("=")[1])
+  after = per_slice(_host_state(restored), slices)
+  np.testing.assert_allclose(after.mean(), before.mean(), rtol=1e-5)
+  if slices == 2:
+    np.testing.assert_allclose(after, before, rtol=1e-5)
+  more = _run(tmp_path, *flags, "--mesh", mesh, "--num-devices", devices,
+              "--steps", 4, "--resume")
+  assert np.isfinite(more["eval_loss"])
 
 
 def test_mesh_checkpoint_resumes_on_another_number_of_slices(tmp_path):

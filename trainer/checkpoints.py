@@ -417,9 +417,12 @@ def _layout_json(b):
 
 
 def check_compatible(meta: dict, cfg: Config, params, state, layout,
-                     path: str, *, per_device_params: bool = False) -> None:
+                     path: str, *, per_device_params: bool = False,
+                     model_axes: tuple = ()) -> None:
   """Raises :class:`CheckpointError` naming every mismatch (per-device
-  params, of local-update runs, are compared without their device axis)."""
+  params, of local-update runs, are compared without their device axis;
+  with ``model_axes`` whose sizes changed, a state leaf laid out over one
+  of them is a block's state and is compared by its layout only)."""
   problems = []
   saved_cfg = meta.get("config", {})
   for key in Config.RESUME_KEYS:
@@ -451,8 +454,10 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
     for k, x, dev, m in zip(s_keys, s_now, s_lay, meta["opt_state"]):
       shape = list(np.shape(x))
       saved = m[1][1:] if m[4] else m[1]
+      recut = (not isinstance(dev, bool)
+               and any(a in dev for a in model_axes))
       if (_layout_json(dev) != m[4]
-          or (shape[1:] if dev else shape) != saved):
+          or (not recut and (shape[1:] if dev else shape) != saved)):
         problems.append(f"opt_state{k}: checkpoint {m[1]} (per-device="
                         f"{m[4]}), this run {shape} (per-device={dev})")
   if problems:

@@ -405,9 +405,13 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       meta, p_leaves, s_leaves, start = ckpts.read(path)
     except CheckpointError as e:
       raise CheckpointError(f"{e}{ckpts.fallback_hint(path)}") from None
-    old_data = _check_mesh_resume(meta, mesh_shape, path)
+    old_data, old_model = _check_mesh_resume(meta, mesh_shape, path)
+    new_model = ({a: mesh_shape[a] for a in auto} if mesh_shape is not None
+                 else {})
+    recut = tuple(a for a in new_model if old_model.get(a) != new_model[a])
     check_compatible(meta, cfg, params, opt_state, dp.layout, path,
-                     per_device_params=dp.per_device_params)
+                     per_device_params=dp.per_device_params,
+                     model_axes=recut)
     treedef_p = jax.tree.structure(params)
     treedef_s = jax.tree.structure(opt_state)
     host_state = jax.tree.unflatten(treedef_s, s_leaves)
@@ -417,6 +421,10 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       old_n, new_n = old_data, mesh_shape[data_axis]
       resize = {"axis_name": data_axis,
                 "model_axes": {a: mesh_shape[a] for a in auto}}
+    if recut:
+      host_state = _recut_state(host_state, dp, opt_state, comp, local_tx,
+                                fn.params, data_axis, old_n, old_model,
+                                new_model, main_proc)
     if old_n != new_n:
       host_state = parallel.resize_state(host_state, dp.layout, new_n,
                                          **resize)
@@ -655,15 +663,52 @@ def _previous_result(out_dir: str, step: int) -> dict[str, Any]:
   return before
 
 
-def _check_mesh_resume(meta, mesh_shape, path) -> int | None:
-  """The checkpoint's data-axis size under ``--mesh`` (None without);
-  :class:`CheckpointError` naming what cannot move: a mesh run resumed
-  without one or the reverse, another data axis, or other model axes (a
-  device's state is its shards' state, shaped by the model axes). The
-  number of slices (the data axis's size) may change."""
+def _recut_state(host_state, dp, fresh, comp, local_tx, params, data_axis,
+                 old_n, old_model, new_model, main_proc):
+  """A checkpoint's state written on other model-axis sizes (another
+  --mesh fsdp=...), re-cut for this run's blocks at the checkpoint's
+  number of slices (:func:`jaxcomm.parallel.reshard_state`)."""
+  from jaxcomm import _compressor
+  from jaxcomm import _states
+  template = jax.device_get(fresh)
+  # The compressor whose CompressState the state holds (at most one here):
+  # the local method's compressor on its pseudo-gradient, or --compressor.
+  held = (getattr(_compressor.spec_of(local_tx), "compressor", None)
+          if local_tx is not None else comp)
+  comps = [held] if held is not None and _states.compress_states(
+    template) else []
+  if old_n != dp.mesh.shape[data_axis]:
+    template = parallel.resize_state(template, dp.layout, old_n,
+                                     axis_name=data_axis,
+                                     model_axes=new_model)
+  try:
+    state, restarted = parallel.reshard_state(
+      host_state, dp.layout, template, dp.layout, params=params,
+      specs=dp.param_specs, axis_name=data_axis, data_size=old_n,
+      old_axes=old_model, new_axes=new_model, compressors=comps)
+  except ValueError as e:
+    raise CheckpointError(
+      f"cannot move the checkpoint's state from the model axes "
+      f"{old_model} to {new_model}: {e}") from None
+  if main_proc:
+    print(f"resumed a checkpoint of model axes {old_model} on {new_model} "
+          "(each device's state re-cut for its new blocks: residuals, "
+          "moments and server errors kept element by element"
+          + (f"; restarted as at init: {', '.join(restarted)}"
+             if restarted else "") + ")")
+  return state
+
+
+def _check_mesh_resume(meta, mesh_shape, path) -> tuple:
+  """``(data-axis size, {model axis: size})`` of the checkpoint under
+  ``--mesh`` (``(None, {})`` without); :class:`CheckpointError` naming
+  what cannot move: a mesh run resumed without one or the reverse, another
+  data axis, or other model axes. The number of slices (the data axis's
+  size) and the model axes' sizes may change (the state is re-cut for the
+  new blocks)."""
   saved = meta.get("config", {}).get("mesh")
   if saved is None and mesh_shape is None:
-    return None
+    return None, {}
   if saved is None or mesh_shape is None:
     now = (None if mesh_shape is None
            else ",".join(f"{k}={v}" for k, v in mesh_shape.items()))
@@ -675,13 +720,13 @@ def _check_mesh_resume(meta, mesh_shape, path) -> int | None:
                                 next(iter(mesh_shape.items())))
   model_old = {k: v for k, v in old.items() if k != d_old}
   model_new = {k: v for k, v in mesh_shape.items() if k != d_new}
-  if d_old != d_new or model_old != model_new:
+  if d_old != d_new or list(model_old) != list(model_new):
     raise CheckpointError(
       f"{path}: the checkpoint's --mesh is {saved}; this run may change "
-      f"the size of its data axis {d_old!r} (the number of slices) but "
-      f"must keep its model axes {model_old} (each device's state is the "
-      "state of its shards, shaped by them)")
-  return n_old
+      f"the sizes of its data axis {d_old!r} (the number of slices) and "
+      f"of its model axes, but must keep their names and order "
+      f"({d_old}, {', '.join(model_old)})")
+  return n_old, model_old
 
 
 def _place_state(host_state, layout, mesh, data_axes=AXIS):

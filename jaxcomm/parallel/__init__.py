@@ -17,7 +17,8 @@ module owns that layout so users never hand-write it:
 * :func:`pmap_train_step` is the same step through ``jax.pmap``;
 * :func:`initialize` starts many processes through ``jax.distributed``;
 * :func:`resize_state` moves a state to a different device count without
-  losing residual mass.
+  losing residual mass; :func:`reshard_state` moves a sharded step's state
+  to other model-axis (FSDP) sizes.
 """
 
 from jaxcomm.parallel._exchange import ShardedExchangeState
@@ -39,6 +40,7 @@ from jaxcomm.parallel._placement import replicate
 from jaxcomm.parallel._placement import shard_batch
 from jaxcomm.parallel._pmap import pmap_replicate
 from jaxcomm.parallel._pmap import pmap_train_step
+from jaxcomm.parallel._reshard import reshard_state
 from jaxcomm.parallel._resize import resize_params
 from jaxcomm.parallel._resize import resize_state
 from jaxcomm.parallel._shards import update_on_shards

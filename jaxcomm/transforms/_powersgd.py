@@ -36,6 +36,7 @@ import numpy as np
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _per_device
 from jaxcomm import _registry
 from jaxcomm.collectives import _lowrank
 
@@ -58,6 +59,9 @@ class PowerSGDState(NamedTuple):
   q: tuple
   approx_error: jax.Array
   compression_ratio: jax.Array
+
+
+_per_device.register(PowerSGDState, q=_per_device.WARM)
 
 
 def matrix_shape(shape) -> tuple[int, int]:

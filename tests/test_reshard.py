@@ -1,0 +1,199 @@
+"""A sharded step's state moved to another FSDP size
+(``parallel.reshard_state``): every element keeps what it owes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import parallel
+
+AUTO = jax.sharding.AxisType.Auto
+SPECS = {"w": P("fsdp", None), "v": P(None, "fsdp"), "b": P()}
+
+
+def _mesh(fsdp):
+  return jax.make_mesh((2, fsdp), ("dcn", "fsdp"), axis_types=(AUTO,) * 2,
+                       devices=jax.devices()[:2 * fsdp])
+
+
+def _loss(p, batch):
+  x, y = batch
+  h = jnp.tanh(x @ p["w"] + p["b"])
+  return jnp.mean((h @ p["v"] - y) ** 2)
+
+
+def _data(steps, seed=0):
+  rng = np.random.RandomState(seed)
+  w0 = {"w": rng.randn(32, 64).astype(np.float32) * 0.2,
+        "v": rng.randn(64, 64).astype(np.float32) * 0.2,
+        "b": np.zeros(64, np.float32)}
+  batches = [(rng.randn(16, 32).astype(np.float32),
+              rng.randn(16, 64).astype(np.float32)) for _ in range(steps)]
+  return w0, batches
+
+
+def _setup(tx, fsdp, host_params):
+  mesh = _mesh(fsdp)
+  params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
+            for k, v in host_params.items()}
+  dp = parallel.DataParallel(_loss, tx, mesh, axis_name="dcn",
+                             auto_axes=("fsdp",))
+  p, s = dp.init(params)
+  return mesh, dp, p, s
+
+
+def _train(dp, p, s, batches):
+  for b in batches:
+    p, s, _ = dp.step(p, s, tuple(map(jnp.asarray, b)))
+    jax.block_until_ready(p)
+  return p, s
+
+
+def _place(host_state, layout, mesh):
+  specs = parallel.state_specs(layout, "dcn")
+  return jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)),
+                      host_state, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _reshard(tx, comps, host_state, layout_old, fsdp_old, fsdp_new, p_host):
+  mesh, dp, p_new, fresh = _setup(tx, fsdp_new, p_host)
+  state, restarted = parallel.reshard_state(
+    host_state, layout_old, jax.device_get(fresh), dp.layout,
+    params=p_host, specs=SPECS, axis_name="dcn", data_size=2,
+    old_axes={"fsdp": fsdp_old}, new_axes={"fsdp": fsdp_new},
+    compressors=comps)
+  return mesh, dp, p_new, state, restarted
+
+
+def test_an_elementwise_compressor_continues_as_if_never_resharded():
+  """bf16 with error feedback rounds element by element and Adam's
+  moments are element-wise too, so on (dcn=2, fsdp=4) three steps, a move
+  to fsdp=2, then three more give the params of six steps on fsdp=4: the
+  residuals, moments and counts arrived where their elements went."""
+  comp = jaxcomm.cast(jnp.bfloat16, axis_name="dcn", error_feedback=True)
+  tx = optax.chain(comp, optax.adam(1e-2))
+  w0, batches = _data(6)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  p_ref, _ = _train(dp4, p, s, batches)
+  p, s = _train(dp4, *_setup(tx, 4, w0)[2:], batches[:3])
+  p_host = jax.device_get(p)
+  mesh2, dp2, _, state, restarted = _reshard(
+    tx, [comp], jax.device_get(s), dp4.layout, 4, 2, p_host)
+  assert restarted == []
+  p2 = {k: jax.device_put(v, NamedSharding(mesh2, SPECS[k]))
+        for k, v in p_host.items()}
+  p2, _ = _train(dp2, p2, _place(state, dp2.layout, mesh2), batches[3:])
+  for k in p_ref:
+    np.testing.assert_allclose(np.asarray(p2[k]), np.asarray(p_ref[k]),
+                               rtol=2e-5, atol=2e-6, err_msg=k)
+
+
+def _slice_residuals(state_rows, fsdp):
+  """Per slice, each compressed leaf's residual put back together by hand:
+  the bucket of a (dcn, fsdp) device holds its "v" block (64 x 64/fsdp;
+  leaves in tree order: "b" (dense, too small), "v", "w") then its "w"
+  block (32/fsdp x 64)."""
+  out = []
+  rows = np.asarray(state_rows).reshape(2, fsdp, -1)
+  nv = 64 * (64 // fsdp)
+  for d in range(2):
+    w = np.concatenate([rows[d, f, nv:].reshape(32 // fsdp, 64)
+                        for f in range(fsdp)], axis=0)
+    v = np.concatenate([rows[d, f, :nv].reshape(64, 64 // fsdp)
+                        for f in range(fsdp)], axis=1)
+    out.append((w, v))
+  return out
+
+
+@pytest.mark.parametrize("fsdp_new", [2, 1])
+def test_topk_residuals_land_on_the_elements_they_belong_to(fsdp_new):
+  """Top-k's residuals after three steps on fsdp=4, moved to fsdp=2 (and
+  1): each slice's residual of each leaf, assembled by hand from the
+  device rows, is the same array before and after; the run goes on."""
+  comp = jaxcomm.topk(0.05, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, batches = _data(5)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  p, s = _train(dp4, p, s, batches[:3])
+  host = jax.device_get(s)
+  before = _slice_residuals(host[0].residual[0], 4)
+  assert all(np.abs(w).sum() > 0 for w, _ in before)
+  mesh, dp2, _, state, _ = _reshard(tx, [comp], host, dp4.layout, 4,
+                                    fsdp_new, jax.device_get(p))
+  after = _slice_residuals(state[0].residual[0], fsdp_new)
+  for (w0_, v0_), (w1, v1) in zip(before, after):
+    np.testing.assert_array_equal(w1, w0_)
+    np.testing.assert_array_equal(v1, v0_)
+  p2 = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
+        for k, v in jax.device_get(p).items()}
+  p2, _ = _train(dp2, p2, _place(state, dp2.layout, mesh), batches[3:])
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p2))
+
+
+def test_onebit_server_error_total_is_kept_and_powersgd_q_restarts():
+  """onebit's server error is owned by chunks of the data axis: its total
+  over a slice, per element, is kept and re-cut into the new devices'
+  chunks. PowerSGD's warm start owes nothing and restarts as at init."""
+  comp = jaxcomm.onebit(axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, batches = _data(3)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  p, s = _train(dp4, p, s, batches)
+  host = jax.device_get(s)
+  server = host[0].codec[0].server_error
+  assert np.abs(server).sum() > 0
+  _, _, _, state, _ = _reshard(tx, [comp], host, dp4.layout, 4, 2,
+                               jax.device_get(p))
+  new_server = state[0].codec[0].server_error
+  # The total over both slices' devices (rows of dcn x fsdp), per element
+  # of each leaf, assembled by hand as for the residuals.
+  def totals(rows, fsdp):
+    per = _slice_residuals(rows, fsdp)
+    return [per[0][i] + per[1][i] for i in range(2)]
+  for a, b in zip(totals(server, 4), totals(new_server, 2)):
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+  # Each element's total sits with one device of the slice pair.
+  rows = np.asarray(new_server).reshape(2, 2, -1)
+  assert not np.any((rows[0] != 0) & (rows[1] != 0))
+
+  comp = jaxcomm.powersgd(2, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  _, dp4, p, s = _setup(tx, 4, w0)
+  p, s = _train(dp4, p, s, batches)
+  _, _, _, state, restarted = _reshard(tx, [comp], jax.device_get(s),
+                                       dp4.layout, 4, 2, jax.device_get(p))
+  assert restarted and all(".codec" in r and ".q" in r for r in restarted)
+  _, _, _, fresh = _setup(tx, 2, w0)
+  for q, q0 in zip(state[0].codec[0].q, jax.device_get(fresh)[0].codec[0].q):
+    np.testing.assert_array_equal(q, q0)
+
+
+def test_what_cannot_be_recut_is_named():
+  comp = jaxcomm.topk(0.05, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, _ = _data(1)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  host, ph = jax.device_get(s), jax.device_get(p)
+  with pytest.raises(ValueError, match="no compressor is left"):
+    _reshard(tx, [], host, dp4.layout, 4, 2, ph)
+  with pytest.raises(ValueError, match="same model axes"):
+    parallel.reshard_state(host, dp4.layout, host, dp4.layout, params=ph,
+                           specs=SPECS, axis_name="dcn", data_size=2,
+                           old_axes={"fsdp": 4}, new_axes={"tensor": 2},
+                           compressors=[comp])
+  # "w" compressed in blocks of 16 x 64 = 1024 elements on fsdp=2 travels
+  # dense in blocks of 512 on fsdp=4 under a policy that compresses from
+  # 600 elements: its residual would have nowhere to go.
+  policy = jaxcomm.LeafPolicy(min_size=600)
+  comp = jaxcomm.topk(0.05, axis_name="dcn", policy=policy)
+  tx = optax.chain(comp, optax.sgd(0.1))
+  _, dp2, p, s = _setup(tx, 2, w0)
+  with pytest.raises(ValueError,
+                     match=r"leaves \['w'\] are compressed .* travel dense"):
+    _reshard(tx, [comp], jax.device_get(s), dp2.layout, 2, 4,
+             jax.device_get(p))
