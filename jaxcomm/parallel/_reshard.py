@@ -356,8 +356,8 @@ class _Resharder:
         f"{path}: params leaves {', '.join(lost)} are compressed on the old "
         f"sizes {self.old.model} and travel dense on {self.new.model} (the "
         "leaf policy sees their smaller blocks): their residuals would be "
-        "lost. Lower the compressor's min size, or resume with the checkpoint's "
-        "sizes")
+        "lost. Lower the compressor's min size, or resume with the "
+        "checkpoint's sizes")
     return out
 
   def _to_leaves(self, spec, buffers, geo, local, comp, axes, owned):
