@@ -324,6 +324,37 @@ def test_onebit_server_scales_each_leaf_segment(mesh):
     assert 0.8 < ratio < 1.25, (k, ratio)
 
 
+@pytest.mark.parametrize("shapes", [{"big": (64, 64), "small": (16, 16)},
+                                    {"a": (48, 32), "b": (32, 32)}],
+                         ids=["chunk-straddling", "padded"])
+def test_onebit_server_on_blocks_equals_the_per_element_server(
+    mesh, shapes, monkeypatch):
+  """Leaves, padding and chunk length sharing a block width: the server
+  stage reads scales per block (no per-element leaf index). Its updates
+  and server errors equal the per-element path's (forced by finding no
+  common block) over 3 steps, to float rounding of the block sums."""
+  params = {k: jnp.zeros(v) for k, v in shapes.items()}
+  rng = np.random.RandomState(3)
+  grads = [{k: rng.randn(8, *v).astype(np.float32) for k, v in
+            shapes.items()} for _ in range(3)]
+  sizes = sorted(int(np.prod(v)) for v in shapes.values())
+  length = sum(sizes)
+  c = _signs.chunk_length(length, 8)
+  assert _signs._chunk_blocks(sizes, 8 * c - length, c) is not None
+  blocks, s_blocks, _ = harness.device_run(jaxcomm.onebit(), mesh, grads,
+                                           params=params)
+  monkeypatch.setattr(_signs, "_chunk_blocks", lambda *a: None)
+  elems, s_elems, _ = harness.device_run(jaxcomm.onebit(), mesh, grads,
+                                         params=params)
+  for a, b in zip(blocks, elems):
+    for k in shapes:
+      np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]),
+                                 rtol=1e-5, atol=1e-6, err_msg=k)
+  for a, b in zip(jax.tree.leaves(s_blocks), jax.tree.leaves(s_elems)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-5)
+
+
 # ------------------------------------------ unbiased codecs, and DIANA --
 # Codec.unbiased says E[sent] = x over the codec's own randomness; DIANA
 # (error_feedback="diana") needs it. Every registered compressor's codec

@@ -207,11 +207,7 @@ def _fast_axis_gathers(ops, data_group):
 
 @pytest.mark.parametrize("name", [
   "int8", "powersgd_r2", "topk_ef",
-  pytest.param("onebit_adam", marks=pytest.mark.xfail(strict=True, reason=(
-    "the server's per-leaf-segment scales are expanded per element when "
-    "decoding (leaf index and scale arrays the size of the shards): 1.70x "
-    "the plain step's memory at fsdp=2 on this MLP (4.50 MB vs 2.66 MB, "
-    "state excluded; 1.25x before per-segment scales)"))),
+  "onebit", "onebit_adam",
   pytest.param("qsgd", marks=pytest.mark.xfail(strict=True, reason=(
     "stochastic rounding materializes one uniform draw per element of the "
     "device's shards: 1.39x the plain step's memory at fsdp=2 on this MLP "

@@ -228,6 +228,68 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   signs = bitpack.unpack_signs(got[:, :cw].reshape(-1), n * c).reshape(n, c)
   their = jnp.concatenate(
     [_words_f32(got[:, cw:]), jnp.zeros((n, 1), jnp.float32)], axis=1)
+  err_pad = jnp.pad(server_error, (0, n * c - length))
+  mine = jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
+  tiles = _chunk_blocks(sizes, n * c - length, c)
+  if tiles is not None:
+    # Every leaf, the padding and the chunk length are whole blocks of one
+    # width B: scales are read per block, never per element (no index or
+    # scale array the size of the bucket; issue: memory under FSDP).
+    mean, z, y = _server_on_blocks(signs, their, mine, tiles, idx, n, c, k,
+                                   axis_name, cw)
+  else:
+    mean, z, y = _server_per_element(signs, their, mine, sizes, idx, n, c,
+                                     k, length, axis_name, cw)
+  new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
+  return mean[:length], sent, new_err[:length]
+
+
+def _chunk_blocks(sizes, pad: int, c: int):
+  """``(B, leaf id of each block)`` over the padded vector (padding is leaf
+  ``len(sizes)``) when the leaves, the padding and the chunk length ``c``
+  share a block width of at least :data:`jaxcomm._buckets.LEAF_BLOCK_MIN`,
+  else None."""
+  parts = list(sizes) + ([pad] if pad else [])
+  block = _buckets.leaf_blocks(parts + [c])
+  if block is None:
+    return None
+  return block, _buckets.block_leaf_ids(parts, block)
+
+
+def _server_on_blocks(signs, their, mine, tiles, idx, n, c, k, axis_name,
+                      cw):
+  """The server stage and the decode with one scale per block of B."""
+  block, ids = tiles
+  per = c // block
+  lb = jax.lax.dynamic_slice(ids, (idx * per,), (per,))             # [c/B]
+  avg = jnp.sum(signs.reshape(n, per, block) * their[:, lb][..., None],
+                axis=0).reshape(c) / n
+  valid = (lb < k)[:, None]
+  y = jnp.where(valid, (avg + mine / n).reshape(per, block), 0.0)
+  seg_sq = jax.ops.segment_sum(jnp.sum(y * y, axis=1), lb,
+                               num_segments=k + 1)
+  seg_n = jax.ops.segment_sum(jnp.full((per,), float(block)), lb,
+                              num_segments=k + 1)
+  s = jnp.sqrt(seg_sq / jnp.maximum(seg_n, 1.0))                    # [k+1]
+  z = jnp.where(valid, s[lb][:, None] * _sign(y), 0.0).reshape(c)
+  y = y.reshape(c)
+  out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s[:k])])
+  rows = _core.all_gather(out, axis_name).reshape(n, cw + k)
+  all_signs = bitpack.unpack_signs(rows[:, :cw].reshape(-1), n * c)
+  scales = jnp.concatenate(
+    [_words_f32(rows[:, cw:]), jnp.zeros((n, 1), jnp.float32)], axis=1)
+  # Block b lies in chunk b // per: its scale is that chunk's for its leaf.
+  chunk = jax.lax.optimization_barrier(
+    jnp.arange(n * per, dtype=jnp.int32)) // per
+  mean = (all_signs.reshape(n * per, block)
+          * scales[chunk, ids][:, None]).reshape(-1)
+  return mean, z, y
+
+
+def _server_per_element(signs, their, mine, sizes, idx, n, c, k, length,
+                        axis_name, cw):
+  """The server stage and the decode with a leaf index per element (leaves
+  without a common block width)."""
   pos = idx * c + jnp.arange(c, dtype=jnp.int32)
   leaf = _leaf_index(pos, sizes)                                    # [c]
   avg = jnp.sum(signs * their[:, leaf], axis=0) / n
@@ -235,15 +297,12 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   # Server stage on my chunk: one scale per leaf segment (padding is the
   # extra segment k, all zeros).
   valid = pos < length
-  err_pad = jnp.pad(server_error, (0, n * c - length))
-  mine = jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
   y = jnp.where(valid, avg + mine / n, 0.0)
   seg_sq = jax.ops.segment_sum(y * y, leaf, num_segments=k + 1)
   seg_n = jax.ops.segment_sum(valid.astype(jnp.float32), leaf,
                               num_segments=k + 1)
   s = jnp.sqrt(seg_sq / jnp.maximum(seg_n, 1.0))                    # [k+1]
   z = jnp.where(valid, s[leaf] * _sign(y), 0.0)
-  new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
   out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s[:k])])
   rows = _core.all_gather(out, axis_name).reshape(n, cw + k)
   all_signs = bitpack.unpack_signs(rows[:, :cw].reshape(-1), n * c)
@@ -255,7 +314,7 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   leaf_all = _leaf_index(every, sizes).reshape(n, c)
   mean = (all_signs.reshape(n, c)
           * jnp.take_along_axis(scales, leaf_all, axis=1)).reshape(-1)
-  return mean[:length], sent, new_err[:length]
+  return mean, z, y
 
 
 def compressed_allreduce_wire(sizes: Sequence[int], n: int) -> list:
