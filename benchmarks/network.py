@@ -136,7 +136,23 @@ METHODS = {
     0.01, error_feedback=True, axis_name=ax)),
   "dgc0.1%": ("dgc", lambda jc, jnp, ax: jc.dgc(0.001, axis_name=ax)),
   "onebit": ("onebit", lambda jc, jnp, ax: jc.onebit(axis_name=ax)),
+  # The survey's remaining methods, each in its paper's setting (not in
+  # the default run: --methods names them).
+  "stc1%": ("stc", lambda jc, jnp, ax: jc.stc(0.01, axis_name=ax)),
+  "sbc1%": ("sbc", lambda jc, jnp, ax: jc.sbc(0.01, axis_name=ax)),
+  "sidco1%": ("sidco", lambda jc, jnp, ax: jc.sidco(0.01, axis_name=ax)),
+  "adacomp": ("adacomp", lambda jc, jnp, ax: jc.adacomp(axis_name=ax)),
+  "fetchsgd": ("fetchsgd", lambda jc, jnp, ax: jc.fetchsgd(
+    0.001, cols=50000, axis_name=ax)),
+  "atomo2": ("atomo", lambda jc, jnp, ax: jc.atomo(2, axis_name=ax)),
+  "scalecom1%": ("scalecom", lambda jc, jnp, ax: jc.scalecom(
+    0.01, axis_name=ax)),
+  "lag": ("lag", lambda jc, jnp, ax: jc.lag(1.0, axis_name=ax)),
+  "qsgd+diana": ("qsgd", lambda jc, jnp, ax: jc.qsgd(
+    error_feedback="diana", axis_name=ax)),
 }
+SURVEY_METHODS = ("stc1%", "sbc1%", "sidco1%", "adacomp", "fetchsgd",
+                  "atomo2", "scalecom1%", "lag", "qsgd+diana")
 # Methods that run over every data axis at once, with no mean inside hosts
 # first (--hosts > 1).
 FLAT_METHODS = ("dense-flat",)
@@ -749,7 +765,8 @@ def main(argv=None) -> int:
                  help="Gbit/s, comma separated; 'none' = no limit "
                  "(default: none,1,10; with --quick: 1)")
   p.add_argument("--models", default="resnet18,charlm")
-  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--methods", default=",".join(
+    m for m in METHODS if m not in SURVEY_METHODS))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--torch", choices=("auto", "no"), default="auto")
