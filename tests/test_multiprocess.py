@@ -13,13 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["flat", "pod"])
+@pytest.mark.parametrize("mode", ["flat", "pod", "fsdp"])
 def test_two_processes_match_one_process(tmp_path, mode):
   """flat: dense data parallelism over 8 devices. pod: a ("dcn", "ici")
   mesh with one slice per process and the hierarchical chain (dense mean
   inside a slice, PowerSGD between slices), against the same mesh cut from
-  one process's 8 devices."""
-  extra = ["pod"] if mode == "pod" else []
+  one process's 8 devices. fsdp: params sharded over an fsdp axis whose
+  groups span both processes (no process holds a whole weight), top-k
+  across "dcn" on each device's shards."""
+  extra = [mode] if mode != "flat" else []
   one = tmp_path / "one.json"
   subprocess.run([sys.executable, "-m", "tests.mp_worker", "0", "1", "0", "8",
                   str(one)] + extra, cwd=ROOT, env=procs.child_env(),

@@ -170,13 +170,25 @@ class DataParallel:
     state = _layout.init_state(self.tx, params, self.mesh, self.axis_name,
                                self.layout, specs=self.param_specs,
                                auto_axes=self.auto_axes)
-    host = jax.device_get(params)
+    return jax.tree.map(self._place_initial, params,
+                        self._param_shardings()), state
+
+  def _place_initial(self, x, sharding):
+    """One params leaf as the step's input: per device (a leading axis of
+    n rows) for a local-update optimizer, else as it is, placed by
+    ``sharding``. A global array spanning other processes' devices (params
+    sharded over a model axis across hosts) has no host view: it is placed
+    by a jitted copy, shard by shard."""
+    n = self.num_devices
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if self.per_device_params:
+        return jax.jit(lambda v: jnp.broadcast_to(v[None], (n,) + v.shape),
+                       out_shardings=sharding)(x)
+      return jax.jit(lambda v: v, out_shardings=sharding)(x)
+    host = np.asarray(jax.device_get(x))
     if self.per_device_params:
-      return self.place_params(jax.tree.map(
-        lambda x: np.broadcast_to(np.asarray(x)[None],
-                                  (self.num_devices,) + np.shape(x)),
-        host)), state
-    return self.place_params(host), state
+      host = np.broadcast_to(host[None], (n,) + host.shape)
+    return _placement._global(host, sharding)
 
   def _param_shardings(self):
     wrap = ((lambda sp: _layout._with_data(sp, self.axis_name))
