@@ -33,6 +33,12 @@ as the pod recipe (a dense mean over "ici", then the method over "dcn";
 the table adds the bytes each host's link carried per step (its filter's
 counters) against the claimed collectives.
 
+With ``--hosts H --fsdp`` the model is sharded: the transformer LM split
+by its logical axes over each host's processes (FSDP on the fast
+loopback), each method between hosts on every device's shards
+(``DataParallel(auto_axes=("fsdp",))``), next to ``plain-fsdp``, the jit
+step with XLA's own float32 all-reduce.
+
 Prints markdown tables, writes ``runs/bench/network.{json,md,png}``
 (``network-Hhosts.*`` with hosts). If
 network namespaces cannot be used (no root, no iproute2, a sandbox that
@@ -45,6 +51,9 @@ Example::
       --processes 2,4 --rates none,1,10 --models resnet18,charlm
   sudo .venv/bin/python -m benchmarks.network --hosts 2 --processes 4 \\
       --rates none,1 --models resnet18 --torch no
+  sudo .venv/bin/python -m benchmarks.network --hosts 2 --processes 4 \\
+      --fsdp --models transformer --rates none,1 --torch no \\
+      --methods plain-fsdp,dense,bf16,int8,topk1%+ef,powersgd4,diloco50
 """
 
 from __future__ import annotations
@@ -95,13 +104,37 @@ def _charlm_shapes() -> list[tuple[int, ...]]:
   return [tuple(x.shape) for x in jax.tree.leaves(params)]
 
 
+# The transformer LM of benchmarks/bench_sharded.py (1.6M params).
+TRANSFORMER = dict(vocab_size=128, d_model=256, num_heads=8, num_layers=2,
+                   d_ff=1024, max_len=64)
+
+
+def _transformer_shapes() -> list[tuple[int, ...]]:
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  model = nnx.eval_shape(lambda: transformer.TransformerLM(
+    **TRANSFORMER, rngs=nnx.Rngs(0)))
+  _, params = nnx.split(model, nnx.Param)
+  return [tuple(x.shape) for x in jax.tree.leaves(params)]
+
+
 def model_shapes(name: str) -> list[tuple[int, ...]]:
   """The gradient shapes benchmarked under ``name``."""
   if name == "resnet18":
     return list(RESNET18_SHAPES)
   if name == "charlm":
     return _charlm_shapes()
-  raise ValueError(f"model must be 'resnet18' or 'charlm', got {name!r}")
+  if name == "transformer":
+    return _transformer_shapes()
+  raise ValueError("model must be 'resnet18', 'charlm' or 'transformer', "
+                   f"got {name!r}")
+
+
+# The plain FSDP step (--fsdp): jax.jit over the sharded params, XLA's own
+# float32 gradient all-reduce over every device; no jaxcomm.
+PLAIN_FSDP = "plain-fsdp"
 
 
 def _torch_layout(shape):
@@ -188,6 +221,7 @@ LOCAL_METHODS = {
 GOSSIP_METHODS = ("dpsgd-ring", "dpsgd-exp", "choco-ring+topk10%",
                   "sgp-exp")
 METHODS.update({k: (v[0], None) for k, v in LOCAL_METHODS.items()})
+METHODS[PLAIN_FSDP] = ("mean_gradients", None)
 
 
 def _append(path, record):
@@ -222,6 +256,8 @@ def _jax_worker(a) -> int:
   jaxcomm.parallel.initialize(f"{a.coordinator}:{a.port}", a.nproc, a.pid,
                               local_device_count=a.local_devices,
                               timeout_s=a.init_timeout)
+  if a.fsdp_mode:
+    return _fsdp_worker(a, jax, jnp, np, optax, jaxcomm)
   if a.hosts > 1:
     # One row of the ("dcn", "ici") mesh per host: processes are numbered
     # host by host (see _run_jax).
@@ -334,6 +370,126 @@ def _jax_worker(a) -> int:
   return 0
 
 
+def _fsdp_worker(a, jax, jnp, np, optax, jaxcomm) -> int:
+  """--fsdp: a ("dcn", "fsdp") mesh, one row per host, the transformer LM
+  split by its logical axes over the host's processes ("fsdp", the fast
+  loopback) and the compressor between hosts on each device's shards
+  (``DataParallel(auto_axes=("fsdp",))``); ``plain-fsdp`` is the jit step
+  of the same loss, with XLA's own gradient all-reduce.
+
+  The loss is the LM's next-token cross-entropy on random tokens (a
+  synthetic loss that separates per example would let XLA reduce a few
+  scalars instead of the gradient in the plain step).
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  from models import transformer  # pylint: disable=import-outside-toplevel
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  per_host = len(devices) // a.hosts
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(a.hosts, per_host),
+                           ("dcn", "fsdp"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  n = mesh.devices.size
+  graphdef, abstract = nnx.split(transformer.TransformerLM(
+    **TRANSFORMER, rngs=nnx.Rngs(0)), nnx.Param)
+  host_tree = jax.tree.map(np.asarray, abstract)
+  specs = transformer.partition_specs(host_tree, mesh.axis_names)
+  is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+  def params_now():
+    return jax.tree.map(lambda x, sp: jax.make_array_from_callback(
+      x.shape, NamedSharding(mesh, sp), lambda i, x=x: x[i]),
+      host_tree, specs, is_leaf=is_spec)
+
+  def loss_fn(p, b):
+    logits = nnx.merge(graphdef, p)(b[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, b[:, 1:]).mean()
+
+  seq = TRANSFORMER["max_len"]
+  tokens = np.random.RandomState(0).randint(
+    0, TRANSFORMER["vocab_size"], (2 * n, seq + 1)).astype(np.int32)
+  batch = jax.make_array_from_callback(
+    tokens.shape, NamedSharding(mesh, P(("dcn", "fsdp"))),
+    lambda i: tokens[i])
+  shards = jax.tree.map(
+    lambda x, sp: jax.ShapeDtypeStruct(
+      tuple(d // per_host if i < len(tuple(sp)) and tuple(sp)[i] == "fsdp"
+            else d for i, d in enumerate(x.shape)), jnp.float32),
+    host_tree, specs, is_leaf=is_spec)
+  out = a.out if a.pid == 0 else None
+  for mi, method in enumerate(a.methods.split(",")):
+    if out:
+      _append(out, {"event": "start", "method": method})
+    try:
+      period = 1
+      if method == PLAIN_FSDP:
+        @jax.jit
+        def plain(p, b):
+          g = jax.grad(loss_fn)(p, b)
+          return jax.tree.map(lambda v, u: v - 1e-4 * u, p, g)
+
+        def step(p, st, b):
+          return plain(p, b), st
+        params, state = params_now(), None
+        ops = jaxcomm.wire.claimed(jaxcomm.mean_gradients(axis_name="dcn"),
+                                   shards, a.hosts)
+      else:
+        if method in LOCAL_METHODS:
+          _, period, make = LOCAL_METHODS[method]
+          comp = tx = make(jaxcomm, optax, "dcn")
+        else:
+          comp = METHODS[method][1](jaxcomm, jnp, "dcn")
+          tx = optax.chain(comp, optax.sgd(1e-4))
+        dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh,
+                                           axis_name="dcn",
+                                           auto_axes=("fsdp",))
+        params, state = dp.init(params_now())
+
+        def step(p, st, b, dp=dp):
+          p, st, _ = dp.step(p, st, b)
+          return p, st
+        ops = jaxcomm.wire.claimed(comp, shards, a.hosts)
+      t0 = time.perf_counter()
+      params, state = step(params, state, batch)
+      jax.block_until_ready(params)
+      first = time.perf_counter() - t0
+      sent = jaxcomm.wire.summarize(ops, a.hosts).total_sent / period
+      timed = -(-max(a.steps, period) // period) * period
+      for ri in range(a.nrates):
+        if out:
+          _append(out, {"event": "ready", "method": method, "mi": mi,
+                        "ri": ri})
+        _wait_go(a.out, mi, ri, a.init_timeout)
+        for _ in range(a.warmup):
+          params, state = step(params, state, batch)
+          jax.block_until_ready(params)
+        times = []
+        for _ in range(timed):
+          t0 = time.perf_counter()
+          params, state = step(params, state, batch)
+          jax.block_until_ready(params)
+          times.append(time.perf_counter() - t0)
+        finite = bool(all(np.isfinite(np.asarray(sh.data)).all()
+                          for w in jax.tree.leaves(params)
+                          for sh in w.addressable_shards))
+        if out:
+          _append(out, {"method": method, "ri": ri, "times": times,
+                        "first_step": first, "ops": ops, "sent": sent,
+                        "devices": n, "ops_n": a.hosts, "inside_ops": [],
+                        "finite": finite, "period": period})
+    except Exception as e:  # pylint: disable=broad-except
+      if out:
+        _append(out, {"method": method,
+                      "error": f"{type(e).__name__}: {e}"[:500]})
+      raise
+  jax.distributed.shutdown()
+  return 0
+
+
 def _torch_worker(a) -> int:
   import datetime  # pylint: disable=import-outside-toplevel
 
@@ -440,7 +596,7 @@ def _run_jax(ns, ports, a, nproc, rates, model, tmp) -> list[dict]:
     cmds = [ns.command(_worker_argv(
       "jax", pid, nproc, port, out, a, model=model,
       methods=",".join(remaining), local_devices=1, nrates=len(rates),
-      hosts=hosts, coordinator=ns.address(0)),
+      hosts=hosts, coordinator=ns.address(0), fsdp_mode=int(a.fsdp)),
       host=pid // (nproc // hosts)) for pid in range(nproc)]
     group = _netns.Group(cmds, env=_env(), cwd=ROOT)
     seen, last, timed_out = 0, time.monotonic(), False
@@ -766,7 +922,7 @@ def main(argv=None) -> int:
                  "(default: none,1,10; with --quick: 1)")
   p.add_argument("--models", default="resnet18,charlm")
   p.add_argument("--methods", default=",".join(
-    m for m in METHODS if m not in SURVEY_METHODS))
+    m for m in METHODS if m not in SURVEY_METHODS + (PLAIN_FSDP,)))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--torch", choices=("auto", "no"), default="auto")
@@ -786,6 +942,11 @@ def main(argv=None) -> int:
                  "rate-limited each way (fast loopback inside a host), on "
                  "a ('dcn', 'ici') mesh: a dense mean inside each host, "
                  "then the method between hosts")
+  p.add_argument("--fsdp", action="store_true",
+                 help="with --hosts > 1: a sharded model, params split over "
+                 "each host's processes (FSDP on the fast loopback), the "
+                 "method between hosts on each device's shards; "
+                 f"'{PLAIN_FSDP}' is the plain jit step")
   p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench"))
   p.add_argument("--quick", action="store_true",
                  help="2 processes, 1 Gbit/s, ResNet-18 shapes, 3 steps")
@@ -797,6 +958,7 @@ def main(argv=None) -> int:
                     ("label", str), ("nrates", int),
                     ("coordinator", str)):
     p.add_argument(f"--{flag}", type=typ, help=argparse.SUPPRESS)
+  p.add_argument("--fsdp-mode", type=int, default=0, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker == "jax":
     return _jax_worker(a)
@@ -835,6 +997,20 @@ def main(argv=None) -> int:
   elif any(m.endswith(SHARDED) for m in a.methods):
     p.error("the -sharded methods split the exchange between hosts over a "
             "host's processes: they need --hosts > 1")
+  if a.fsdp:
+    if model_names != ["transformer"]:
+      p.error("--fsdp trains the transformer LM's step: --models "
+              "transformer")
+    if a.hosts < 2:
+      p.error("--fsdp splits the params over each host's processes: it "
+              "needs --hosts > 1")
+    bad = [m for m in a.methods if m.endswith(SHARDED)
+           or m in FLAT_METHODS or m in GOSSIP_METHODS]
+    if bad:
+      p.error(f"--fsdp: methods {bad} do not run on a sharded model (each "
+              "device already exchanges its own shards between hosts)")
+  elif PLAIN_FSDP in a.methods:
+    p.error(f"{PLAIN_FSDP} is the plain step of a sharded model: add --fsdp")
 
   reason = _netns.unavailable()
   if not reason and a.hosts > 1:
@@ -904,7 +1080,11 @@ def main(argv=None) -> int:
   rows.sort(key=lambda r: (r["model"], r["procs"], _rate_key(r["rate"])))
   where = ("a rate-limited loopback" if a.hosts == 1 else
            f"{a.hosts} hosts joined by rate-limited links (loopback inside "
-           "each; the method between hosts after a dense mean inside)")
+           "each; " + ("the params split over each host's processes, the "
+                       "method between hosts on each device's shards)"
+                       if a.fsdp else
+                       "the method between hosts after a dense mean "
+                       "inside)"))
   md = [f"## Measured step times on {where}", "",
         f"Processes {a.processes}; rates (Gbit/s) {a.rates}; one CPU device "
         f"per process; median of {a.steps} steps after {a.warmup} warm-up "
@@ -920,7 +1100,8 @@ def main(argv=None) -> int:
     md += ["Targets:", targets(rows)]
   text = "\n".join(md)
   print("\n" + text)
-  stem = "network" if a.hosts == 1 else f"network-{a.hosts}hosts"
+  stem = ("network" if a.hosts == 1 else f"network-{a.hosts}hosts"
+          + ("-fsdp" if a.fsdp else ""))
   with open(os.path.join(a.out_dir, f"{stem}.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(a.out_dir, f"{stem}.json"), "w") as f:
