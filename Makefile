@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test bench bench-lr bench-network bench-time-to-target docs lint clean
+.PHONY: train convergence test bench bench-lr bench-network bench-sharded bench-time-to-target docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,14 @@ bench-lr: $(STAMP)
 # e.g. make bench-network ARGS=--quick
 bench-network: $(STAMP)
 	$(PY) -m benchmarks.network $(ARGS)
+
+# The sharded transformer LM (--mesh dcn=2,fsdp=4): eval loss per method
+# across slices (~40 min on 2 cores), and PowerSGD per shard against the
+# whole-matrix low rank (~30 min); tables in runs/bench/.
+bench-sharded: $(STAMP)
+	mkdir -p runs/bench
+	$(PY) -m benchmarks.sharded_convergence --out runs/bench/sharded_convergence.md
+	$(PY) -m benchmarks.powersgd_sharding --out runs/bench/powersgd_sharding.md
 
 # Time to a target loss of real char-LM training in a rate-limited network
 # namespace (needs root); e.g. make bench-time-to-target ARGS="--rates 1"
