@@ -112,7 +112,9 @@ def main(argv=None):
     b = dp.shard_batch(batch)
     c = dp.lower(params, state, b).compile()
     data, gathers = _split(wire.collectives(c))
-    claim = wire.summarize(wire.claimed(comp, shards, 2), 2).total_sent
+    claim = wire.summarize(wire.claimed(
+      comp, shards, 2, splits=parallel.shard_splits(specs, mesh)),
+      2).total_sent
     step = lambda p, s, x, dp=dp: dp.step(p, s, x)
     ms = _common.time_ms(step, params, state, b, reps=args.steps)
     rows.append((name, claim, data, gathers, _memory(c), ms))

@@ -452,7 +452,9 @@ def _fsdp_worker(a, jax, jnp, np, optax, jaxcomm) -> int:
         def step(p, st, b, dp=dp):
           p, st, _ = dp.step(p, st, b)
           return p, st
-        ops = jaxcomm.wire.claimed(comp, shards, a.hosts)
+        ops = jaxcomm.wire.claimed(
+          comp, shards, a.hosts,
+          splits=jaxcomm.parallel.shard_splits(specs, mesh))
       t0 = time.perf_counter()
       params, state = step(params, state, batch)
       jax.block_until_ready(params)

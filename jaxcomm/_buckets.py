@@ -72,11 +72,19 @@ class Layout:
       compressed leaves in ``jax.tree.leaves`` order.
     shapes: per segment, the leaf's shape.
     groups: runs of equal shapes (see :class:`Group`).
+    splits: inside a sharded step (``parallel.update_on_shards``), per
+      segment how the whole leaf is split into the blocks the bucket holds:
+      ``((dim, axes, size), ...)`` for each split dimension of the leaf
+      (``axes`` the mesh axes, ``size`` the devices along them), ``()``
+      for a whole leaf; None outside a sharded step. Codecs that work on
+      blocks ignore it; one that can exchange whole leaves (PowerSGD's
+      ``sharded="whole"``) reads it.
   """
 
   leaves: tuple[int, ...]
   shapes: tuple[Shape, ...]
   groups: tuple[Group, ...]
+  splits: tuple | None = None
 
   @property
   def sizes(self) -> tuple[int, ...]:

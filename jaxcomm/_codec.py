@@ -4,6 +4,8 @@ leaf policy and axis), which wire accounting reads."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import typing
 from typing import Any
@@ -19,6 +21,34 @@ from jaxcomm import _policy
 Shape = tuple[int, ...]
 # A collective the codec issues: (HLO kind, payload bytes per device).
 Collective = tuple[str, int]
+
+# Inside parallel.update_on_shards: per leaf of the tree tx.update gets,
+# how the whole leaf is split into the device's block (Layout.splits).
+_SPLITS: contextvars.ContextVar = contextvars.ContextVar(
+  "jaxcomm_block_splits", default=None)
+
+
+@contextlib.contextmanager
+def block_splits(splits):
+  """Within: compressors see, per leaf of the tree they update, how the
+  whole leaf is split into this device's block (set at trace time by
+  :func:`jaxcomm.parallel.update_on_shards` around ``tx.update`` and
+  ``tx.init``)."""
+  token = _SPLITS.set(None if splits is None else tuple(splits))
+  try:
+    yield
+  finally:
+    _SPLITS.reset(token)
+
+
+def current_splits(num_leaves: int):
+  """The splits :func:`block_splits` set, if they are for ``num_leaves``
+  leaves (a transform before the compressor that changed the tree gets
+  block semantics), else None."""
+  splits = _SPLITS.get()
+  if splits is None or len(splits) != num_leaves:
+    return None
+  return splits
 
 
 class Context(NamedTuple):
@@ -236,12 +266,30 @@ class Spec:
   def paths(self, params) -> list[str]:
     return self.policy.plan(params, self.codec.accepts)
 
-  def layouts(self, params) -> tuple[_buckets.Layout, ...]:
-    """The buckets of the compressed leaves of ``params``."""
+  def layouts(self, params, splits=None) -> tuple[_buckets.Layout, ...]:
+    """The buckets of the compressed leaves of ``params``.
+
+    ``splits``: per leaf of ``params`` (``jax.tree.leaves`` order), how the
+    whole leaf is split into the block ``params`` holds (see
+    :attr:`jaxcomm._buckets.Layout.splits`), or None (default: the one
+    :func:`block_splits` sets inside a sharded step, if any).
+    """
     leaves = jax.tree.leaves(params)
-    comp = _policy.select(leaves, self.paths(params), _policy.COMPRESS)
-    return _buckets.plan([tuple(l.shape) for l in comp],
-                         self.policy.bucket_bytes)
+    paths = self.paths(params)
+    comp = _policy.select(leaves, paths, _policy.COMPRESS)
+    out = _buckets.plan([tuple(l.shape) for l in comp],
+                        self.policy.bucket_bytes)
+    if splits is None:
+      splits = current_splits(len(leaves))
+    if splits is None:
+      return out
+    if len(splits) != len(leaves):
+      raise ValueError(f"splits has {len(splits)} entries for "
+                       f"{len(leaves)} leaves")
+    per_comp = _policy.select(list(splits), paths, _policy.COMPRESS)
+    return tuple(dataclasses.replace(
+      lay, splits=tuple(tuple(per_comp[j]) for j in lay.leaves))
+      for lay in out)
 
   def leaves_of(self, buffers, params) -> list:
     """Per-bucket buffers (a state's ``residual`` or ``momentum``) back as
@@ -254,7 +302,7 @@ class Spec:
         out[j] = leaf
     return [out[j] for j in sorted(out)]
 
-  def wire(self, params, n: int, step: int | None = None
+  def wire(self, params, n: int, step: int | None = None, splits=None
            ) -> list[Collective]:
     """Collectives a step issues on ``n`` devices.
 
@@ -265,6 +313,8 @@ class Spec:
         phase's psums before ``start_step``, the codec's after). None: every
         collective the compiled step holds (with ``start_step > 0``, both
         phases' behind a ``lax.cond``), as the compiled HLO lists them.
+      splits: for ``params`` that are a device's blocks in a sharded step,
+        how each leaf is split (see :meth:`layouts`).
     """
     leaves = jax.tree.leaves(params)
     paths = self.paths(params)
@@ -272,7 +322,7 @@ class Spec:
     dense_phase = self.start_step > 0 and (step is None
                                            or step < self.start_step)
     codec_phase = step is None or step >= self.start_step
-    for lay in self.layouts(params):
+    for lay in self.layouts(params, splits):
       if dense_phase:
         out.append(("all-reduce", 4 * lay.size))
       if codec_phase:

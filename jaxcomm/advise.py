@@ -214,6 +214,26 @@ def fsdp_shards(params, size: int, specs=None, axis: str = "fsdp"):
                       or isinstance(s, jax.sharding.PartitionSpec))
 
 
+def _fsdp_splits(params, size: int, specs, axis: str) -> list:
+  """Per leaf, how :func:`fsdp_shards` splits it (``Layout.splits``): a
+  compressor of whole matrices (PowerSGD) claims by it."""
+  out = []
+  leaves = jax.tree.leaves(params)
+  spec_leaves = ([None] * len(leaves) if specs is None else jax.tree.leaves(
+    specs, is_leaf=lambda s: s is None
+    or isinstance(s, jax.sharding.PartitionSpec)))
+  for x, sp in zip(leaves, spec_leaves):
+    shape = tuple(x.shape)
+    if sp is None:
+      fits = [i for i, d in enumerate(shape) if d % size == 0]
+      dims = [max(fits, key=lambda i: (shape[i], -i))] if fits else []
+    else:
+      dims = [i for i, e in enumerate(tuple(sp))
+              if axis in (e if isinstance(e, tuple) else (e,))]
+    out.append(tuple((i, (axis,), size) for i in dims))
+  return out
+
+
 def advise(params, axes: Sequence[Axis], candidates=None, *,
            overhead_s: Mapping[str, float] | None = None,
            budget: float | None = None, fsdp: Axis | None = None,
@@ -279,6 +299,7 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     # reduce-scattered, over the FSDP axis, every step.
     fsdp_s = fsdp.effective_link.predict(
       [("all-gather", whole), ("reduce-scatter", whole)], fsdp.size)
+    splits = _fsdp_splits(params, fsdp.size, specs, fsdp.name)
     params = fsdp_shards(params, fsdp.size, specs, fsdp.name)
     off = [c.name for c in candidates if c.flat or c.sharded]
     if off and candidates_given:
@@ -287,7 +308,9 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
         "(fsdp=) does not run: each device already exchanges its own "
         "shards over the slow axis")
     candidates = [c for c in candidates if not (c.flat or c.sharded)]
-  elif specs is not None:
+  else:
+    splits = None
+  if fsdp is None and specs is not None:
     raise ValueError("specs is given without fsdp: name the FSDP axis "
                      "(fsdp=Axis(name, size, link)) they split the params "
                      "over")
@@ -317,7 +340,10 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     if c.sharded and fast:
       # One flat float32 share per device of the first fast axis.
       exchanged = parallel.exchange_share(params, fast[0].size)
-    ops = wire.claimed(c.make(slow.name), exchanged, slow.size)
+    ops = (wire.claimed(c.make(slow.name), exchanged, slow.size)
+           if splits is None else
+           wire.claimed(c.make(slow.name), exchanged, slow.size,
+                        splits=splits))
     slow_bytes = sum(wire.sent_bytes(k, p, slow.size) for k, p in ops)
     rows.append(Row(c.name, fsdp_s + fast_s,
                     slow.effective_link.predict(ops, slow.size),

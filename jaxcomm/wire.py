@@ -383,7 +383,7 @@ def report(step: Any, params=None) -> Report:
   return summarize(ops, params=params)
 
 
-def claimed(tx, params, n: int, step: int | None = None
+def claimed(tx, params, n: int, step: int | None = None, *, splits=None
             ) -> list[tuple[str, int]]:
   """The collectives a jaxcomm compressor says one step issues on n devices.
 
@@ -395,12 +395,19 @@ def claimed(tx, params, n: int, step: int | None = None
     step: the step counter, for what that step moves (a dense phase before
       ``start_step`` / ``freeze_step``); None for every collective the
       compiled step holds (what the compiled HLO lists).
+    splits: when ``params`` are one device's blocks in a sharded step
+      (``parallel.shard_shapes``), how each leaf is split
+      (``parallel.shard_splits(specs, mesh)``): a compressor that exchanges
+      whole leaves (PowerSGD's ``sharded="whole"``) claims by them.
   """
   if n < 1:
     raise ValueError(f"n must be >= 1, got {n}")
   if n == 1:
     return []
-  return _codec.spec_of(tx).wire(params, n, step)
+  spec = _codec.spec_of(tx)
+  if splits is None:
+    return spec.wire(params, n, step)
+  return spec.wire(params, n, step, splits=splits)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,10 @@ _BAD = [({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"),
         ({"batch_same_shape": "yes"}, "batch_same_shape"),
         ({"seed": 1.5}, "seed"),
         ({"start_step": -1}, "start_step"),
-        ({"error_feedback": "yes"}, "error_feedback")]
+        ({"error_feedback": "yes"}, "error_feedback"),
+        ({"sharded": "block"}, "sharded"),
+        ({"sharded": "whole", "num_iters_per_step": 2},
+         "num_iters_per_step")]
 
 
 def _entry(name, kwargs, *, num_iters=1, warm_start=True, ef=True,

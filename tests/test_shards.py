@@ -74,6 +74,17 @@ def _tx(name):
   return ENTRIES[name].make(axis_name=sharded.DATA)
 
 
+def _whole(tx, mesh_name) -> bool:
+  """Whether ``tx`` compresses the battery's whole matrices on this mesh
+  (PowerSGD's ``sharded="whole"`` where every compressed leaf is split
+  along one dimension), not each block."""
+  codec = jaxcomm.spec_of(tx).codec
+  _, specs = sharded.MESHES[mesh_name]
+  return (getattr(codec, "sharded", None) == "whole" and all(
+    sum(e is not None for e in tuple(specs[k])) == 1
+    for k in harness.COMPRESSED))
+
+
 def _check(name, mesh_name):
   entry = ENTRIES[name]
   mesh = sharded.mesh_of(mesh_name)
@@ -82,6 +93,24 @@ def _check(name, mesh_name):
   grads = harness.make_grads(seed=1, steps=STEPS, n=n)
   updates, state, memory = _run(entry, tx, mesh_name, grads)
   rows = _rows(state, mesh_name, n) if entry.error_feedback else None
+  if _whole(tx, mesh_name):
+    # The whole matrices' reference with the slices as its devices; each
+    # block of the update and of every residual is its block of it.
+    ref, ref_res, _ = harness.numpy_run(entry, grads, n=n)
+    for t in range(STEPS):
+      for k in ref[t]:
+        np.testing.assert_allclose(
+          updates[t][k], ref[t][k], rtol=entry.rtol, atol=entry.atol,
+          err_msg=f"{name}: update of {k!r} (whole), step {t}")
+    if rows is not None:
+      for b, idx in enumerate(sharded.block_indices(mesh_name)):
+        for i in range(n):
+          for j, k in enumerate(harness.COMPRESSED):
+            np.testing.assert_allclose(
+              rows[i][b][k], ref_res[i][j][idx[k]], rtol=entry.rtol,
+              atol=entry.atol * 10,
+              err_msg=f"{name}: residual of {k!r}, slice {i}, block {b}")
+    return
   for b, idx in enumerate(sharded.block_indices(mesh_name)):
     ref, ref_res, _ = harness.numpy_run(
       entry, sharded.block_grads(grads, idx), n=n,
@@ -127,15 +156,39 @@ def test_bytes_cross_the_data_axis_only_and_equal_the_claim(name):
   data = [o for o in ops if o.group == 2 or o.kind == "collective-permute"]
   fast = [o for o in ops if o not in data]
   assert data, name
-  assert {o.kind for o in fast} <= {"all-reduce"}, (name, fast)
   params = harness.battery_params()
   replicated = params["b"].nbytes + params["step"].nbytes
-  assert sum(o.payload for o in fast) <= 4 * replicated, (name, fast)
+  factors = _factor_bytes(tx, params)
+  if factors:
+    # PowerSGD of whole matrices: r-wide factors gathered and summed over
+    # fsdp (P gathered, Q summed then its shares gathered back).
+    assert {o.kind for o in fast} <= {"all-reduce", "all-gather"}, fast
+  else:
+    assert {o.kind for o in fast} <= {"all-reduce"}, (name, fast)
+  assert sum(o.payload for o in fast) <= 4 * replicated + factors, (
+    name, fast)
   block = sharded.block_params("dcn2_fsdp4")
+  mesh = sharded.mesh_of("dcn2_fsdp4")
+  splits = parallel.shard_splits(sharded.MESHES["dcn2_fsdp4"][1], mesh)
   hlo = jaxcomm.wire.summarize(data, params=block)
-  claim = jaxcomm.wire.summarize(jaxcomm.wire.claimed(tx, block, 2), n=2,
-                                 params=block)
+  claim = jaxcomm.wire.summarize(
+    jaxcomm.wire.claimed(tx, block, 2, splits=splits), n=2, params=block)
   assert hlo.payload == claim.payload, (name, hlo.payload, claim.payload)
+
+
+def _factor_bytes(tx, params) -> int:
+  """For PowerSGD of whole matrices (``sharded="whole"``): 3 x the bytes
+  of the ``r``-wide factors of every matrix the sharded step may move over
+  the fast axis; 0 for every other compressor."""
+  codec = jaxcomm.spec_of(tx).codec
+  if getattr(codec, "sharded", None) != "whole":
+    return 0
+  total = 0
+  for x in jax.tree.leaves(params):
+    if np.ndim(x) >= 2:
+      rows = int(np.prod(np.shape(x)[:-1]))
+      total += 3 * 4 * codec.rank * (rows + np.shape(x)[-1])
+  return total
 
 
 # ------------------------------------------------- the whole train step --
@@ -215,8 +268,8 @@ def _fast_axis_gathers(ops, data_group):
 def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
   """The whole compiled step next to the plain jit step of the same model:
   gathers over the fast axes move no more than the plain step's FSDP weight
-  gathers (+4 KB), memory per device within 1.25x of it, and falling as
-  fsdp grows from 2 to 4."""
+  gathers (+4 KB; + PowerSGD's r-wide factors for whole matrices), memory
+  per device within 1.25x of it, and falling as fsdp grows from 2 to 4."""
   entry = ENTRIES[name]
   temps = {}
   for fsdp in (2, 4):
@@ -237,8 +290,9 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
     ).compile()
     ours_ops = jaxcomm.wire.collectives(ours)
     plain_ops = jaxcomm.wire.collectives(plain)
+    factors = _factor_bytes(entry.make(axis_name="dcn"), host)
     assert _fast_axis_gathers(ours_ops, 2) <= _fast_axis_gathers(
-      plain_ops, 2) + 4096, (name, fsdp, ours_ops, plain_ops)
+      plain_ops, 2) + 4096 + factors, (name, fsdp, ours_ops, plain_ops)
     mem = ours.memory_analysis()
     ref = plain.memory_analysis()
     used = mem.temp_size_in_bytes + mem.argument_size_in_bytes
@@ -455,3 +509,78 @@ def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
   for k in auto:
     np.testing.assert_allclose(explicit[k], auto[k], rtol=1e-6, atol=1e-7,
                                err_msg=k)
+
+
+# ------------------------------------ PowerSGD of whole matrices (FSDP) --
+
+@pytest.mark.parametrize("spec", [P(None, "fsdp"), P("fsdp", None)],
+                         ids=["columns", "rows"])
+def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
+  """PowerSGD inside the sharded step, its matrix split by columns (or
+  rows) over fsdp=4: three steps with error feedback give the updates and
+  per-slice residuals of PowerSGD on the whole matrix with the two slices
+  as its devices (numpy, tests/entries_powersgd.py), and across dcn a
+  device sends (n + m) r / 4 factor values, read from the HLO, fewer than
+  its block's own pair of factors."""
+  from tests.entries_powersgd import numpy_powersgd  # noqa: PLC0415
+  mesh = sharded.mesh_of("dcn2_fsdp4")
+  rng = np.random.RandomState(5)
+  shape = (40, 64) if spec == P(None, "fsdp") else (64, 40)
+  targets = [[rng.randn(*shape).astype(np.float32) for _ in range(2)]
+             for _ in range(3)]
+
+  def loss_fn(p, batch):
+    # Slice s (rows of its half of the batch) gets gradient targets[t][s].
+    t, s = batch[0, 0], batch[0, 1]
+    g = jnp.asarray(np.stack([np.stack(x) for x in targets]))[
+      t.astype(jnp.int32), s.astype(jnp.int32)]
+    return jnp.sum(p["w"] * g)
+
+  comp = jaxcomm.powersgd(2, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(1.0))
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
+                             auto_axes=("fsdp",), donate=False)
+  params, state = dp.init(
+    {"w": jax.device_put(np.zeros(shape, np.float32),
+                         NamedSharding(mesh, spec))})
+  key = jax.random.PRNGKey(0)
+  q = np.asarray(jax.random.normal(jax.random.fold_in(key, 0),
+                                   (shape[1], 2), jnp.float32), np.float64)
+  res = [np.zeros(shape) for _ in range(2)]
+  prev = np.zeros(shape)
+  for t in range(3):
+    batch = np.array([[t, s] for s in (0, 1) for _ in range(4)],
+                     np.float32)
+    params, state, _ = dp.step(params, state, dp.shard_batch(batch))
+    jax.block_until_ready(params)
+    ms = [targets[t][s].astype(np.float64) + res[s] for s in range(2)]
+    mean, sent, q_new = numpy_powersgd(ms, q, 2)
+    q = q_new
+    res = [m - x for m, x in zip(ms, sent)]
+    got = -np.asarray(params["w"], np.float64) - prev
+    prev = prev + got
+    np.testing.assert_allclose(got, mean, rtol=1e-4, atol=1e-5,
+                               err_msg=f"step {t}")
+  rows = np.asarray(jaxcomm.compress_states(
+    jax.device_get(state))[0].residual[0], np.float64)
+  blocks = [(slice(None), slice(16 * b, 16 * (b + 1))) if spec[0] is None
+            else (slice(16 * b, 16 * (b + 1)), slice(None))
+            for b in range(4)]
+  for s in range(2):
+    for b in range(4):
+      np.testing.assert_allclose(
+        rows[4 * s + b], res[s][blocks[b]].reshape(-1), rtol=1e-3,
+        atol=1e-4, err_msg=f"residual, slice {s}, block {b}")
+  ops = jaxcomm.wire.collectives(dp.lower(params, state,
+                                          dp.shard_batch(batch)).compile())
+  across = sum(o.payload for o in ops if o.group == 2
+               and o.kind == "all-reduce")
+  n, m = shape
+  # Whole matrix: the split factor's block and a quarter of the other,
+  # (n + m) r / 4; per block: the block's own pair of factors.
+  factors = (n + m) // 4
+  per_block = (n + m // 4) if spec[0] is None else (n // 4 + m)
+  # The two factor all-reduces, plus the finite flag (4 bytes) and the
+  # non-finite step count (4 bytes) every compressor's step carries.
+  assert across == 4 * 2 * factors + 8, (across, ops)
+  assert factors < per_block

@@ -335,8 +335,12 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   wire_params = fn.params
   if cfg.sharded_exchange:
     wire_params = parallel.exchange_share(fn.params, n // cfg.slices)
+  split_kw = {}
   if mesh_shape is not None:
     wire_params = parallel.shard_shapes(fn.params, dp.param_specs, mesh)
+    # How each leaf is split into those shards: a compressor of whole
+    # matrices (PowerSGD) claims by it.
+    split_kw = {"splits": parallel.shard_splits(dp.param_specs, mesh)}
 
   # Bytes per device per step, as the compressor claims (checked against the
   # compiled HLO by the test battery), and the dense psum it replaces.
@@ -351,7 +355,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     # bytes per step are the average over the run's steps, and each
     # logged step records what it moved.
     lspec = _compressor.spec_of(local_tx)
-    sync_bytes = (wire.summarize(lspec.wire(wire_params, n_wire),
+    sync_bytes = (wire.summarize(lspec.wire(wire_params, n_wire,
+                                            **split_kw),
                                  n_wire).total_sent if n_wire > 1 else 0.0)
     if lspec.adaptive:
       bytes_at = None  # read from the state: the period follows the loss
@@ -362,16 +367,18 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       def bytes_at(s):
         if s not in per_step_cache:
           per_step_cache[s] = (wire.summarize(wire.claimed(
-            local_tx, wire_params, n_wire, step=s), n_wire).total_sent
+            local_tx, wire_params, n_wire, step=s, **split_kw),
+            n_wire).total_sent
                                if n_wire > 1 else 0.0)
         return per_step_cache[s]
       per_step = (sum(bytes_at(s) for s in range(cfg.steps)) / cfg.steps)
     start_dense = 0
   else:
     start_dense = _compressor.spec_of(comp).start_step
-    rep = wire.summarize(wire.claimed(comp, wire_params, n_wire,
+    rep = wire.summarize(wire.claimed(comp, wire_params, n_wire, **split_kw,
                                       step=start_dense), n_wire)
     warm_rep = (wire.summarize(wire.claimed(comp, wire_params, n_wire,
+                                            **split_kw,
                                             step=0), n_wire)
                 if start_dense else rep)
     bytes_at = lambda s: (warm_rep.total_sent if s < start_dense
@@ -387,6 +394,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
       def bytes_at(s):  # pylint: disable=function-redefined
         if s not in at:
           at[s] = wire.summarize(wire.claimed(comp, wire_params, n_wire,
+                                              **split_kw,
                                               step=s), n_wire).total_sent
         return at[s]
       per_step = bytes_at(cfg.steps - 1)

@@ -415,3 +415,151 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   keep = [jnp.where(jnp.any(q != 0, axis=-2, keepdims=True), q, old)
           for q, old in zip(first_q, qs)]
   return LowRankResult(mean=mean, sent=sent, q=keep, sent_sq=sent_sq)
+
+
+# ------------------------------------------- whole matrices under FSDP --
+
+class Split(NamedTuple):
+  """How a batch's whole matrices are split into the blocks a device holds
+  (inside ``parallel.update_on_shards``).
+
+  Attributes:
+    rows: True when the rows are split (any leaf dimension but the last),
+      False when the columns are (the last).
+    axes: the mesh axes the split runs over (manual in the update).
+    size: devices along them.
+  """
+
+  rows: bool
+  axes: tuple
+  size: int
+
+
+def _piece(x, split: Split):
+  """This device's ``1 / size`` share of ``x`` flattened (zero-padded to a
+  multiple of ``size``): what it sends of a factor every block of the
+  slice holds whole."""
+  flat = x.reshape(-1)
+  length = _core.padded_length(flat.shape[0], split.size)
+  flat = jnp.pad(flat, (0, length - flat.shape[0]))
+  share = length // split.size
+  return jax.lax.dynamic_slice_in_dim(
+    flat, _core.axis_index(split.axes) * share, share)
+
+
+def _unpiece(share, split: Split, shape):
+  """The shares of :func:`_piece` gathered back into ``shape``."""
+  whole = _core.all_gather(share, split.axes, tiled=True)
+  return whole[:math.prod(shape)].reshape(shape)
+
+
+def piece_length(size: int, split: Split) -> int:
+  """Elements of a :func:`_piece` of a factor of ``size`` elements."""
+  return _core.padded_length(size, split.size) // split.size
+
+
+def lowrank_allreduce_whole(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
+                            splits: Sequence[Split], axis_name, *,
+                            num_devices: int, orthogonalize: Callable,
+                            eps=0.0) -> LowRankResult:
+  """PowerSGD's allreduce of whole matrices whose blocks lie on several
+  devices of a fast (model) axis, with one round of two psums across the
+  data axis.
+
+  Each batch's device holds a block of every matrix: rows ``M_b`` (a row
+  split) or columns (a column split) of ``M``. The result is the power
+  step of the whole matrix summed over the data axis,
+  ``P = orth(sum_i M_i Q)``, ``Q = sum_i M_i^T P``, with:
+
+  * a row split: ``P``'s rows stay split (``P_b = M_b Q``, all-reduced
+    across the data axis by their own block, ``n_b r`` values), gathered
+    over the model axis to be orthogonalized whole, and ``Q = sum_b M_b^T
+    P_b`` summed over the model axis, then sent across the data axis as
+    ``1 / size`` of it per device (``m r / size`` values) and gathered
+    back;
+  * a column split: the mirror image (``P`` summed over the model axis and
+    sent as ``1 / size`` per device, ``Q``'s rows split).
+
+  Across the data axis a device sends ``(n_b + m / size) r`` (or ``(n /
+  size + m_b) r``) values per matrix: a whole-matrix rank-``r`` factor
+  pair, each part sent once per slice. The model axis carries the gathers
+  and psums of ``r``-wide factors (and ``Q``'s scale, a max).
+
+  Args:
+    ms: per batch, this device's blocks ``(G, n_b, m)`` or ``(G, n, m_b)``.
+    qs: per batch, the warm start: ``Q`` ``(G, m, r)`` (identical over the
+      model axis) for a row split, this block's rows of ``Q`` ``(G, m_b,
+      r)`` for a column split.
+    splits: per batch, its :class:`Split`.
+    axis_name: the data axis, or None.
+    num_devices: static size of the data axis.
+    orthogonalize: as in :func:`lowrank_allreduce`.
+    eps: the orthogonalization epsilon.
+
+  Returns:
+    A :class:`LowRankResult` of this device's blocks; ``sent_sq`` is 0
+    (the rows of a block's ``P`` are not orthonormal on their own: the
+    caller measures its error directly).
+  """
+  inv_n = 1.0 / num_devices
+  per_column = orthogonalize in _EPS_PER_COLUMN
+  first, scales = [], []
+  for m, q, sp in zip(ms, qs, splits):
+    d = pow2_scale(q, axis=-2)                                   # (G, 1, r)
+    if not sp.rows:
+      # Every block's Q rows are scaled alike: their products add up.
+      d = jax.lax.pmax(d, sp.axes)
+    scales.append(d)
+    p_loc = _left(m, q / d)
+    first.append(p_loc if sp.rows else _piece(jax.lax.psum(p_loc, sp.axes),
+                                              sp))
+  summed = _core.fused_psum(first, axis_name)
+  ps = []
+  for s, m, q, sp in zip(summed, ms, qs, splits):
+    if sp.rows:
+      ps.append(_core.all_gather(s, sp.axes, axis=1, tiled=True))
+    else:
+      ps.append(_unpiece(s, sp, (m.shape[0], m.shape[1], q.shape[-1])))
+  ps = _orthogonalize_batches(
+    orthogonalize, ps, [eps / d if per_column else eps for d in scales],
+    per_column)
+  second, mine_p, mine_qt = [], [], []
+  for p, m, sp in zip(ps, ms, splits):
+    if sp.rows:
+      nb = m.shape[1]
+      p = jax.lax.dynamic_slice_in_dim(
+        p, _core.axis_index(sp.axes) * nb, nb, axis=1)
+      qt = jax.lax.psum(_right(m, p), sp.axes)        # this slice's Q^T
+      second.append(_piece(qt, sp))
+    else:
+      qt = _right(m, p)                                # (G, r, m_b)
+      second.append(qt)
+    mine_p.append(p)
+    mine_qt.append(qt)
+  summed = _core.fused_psum(second, axis_name)
+  mean, sent, keep = [], [], []
+  for s, p, qt, q_old, sp in zip(summed, mine_p, mine_qt, qs, splits):
+    qt_sum = _unpiece(s, sp, qt.shape) if sp.rows else s
+    sent.append(_outer(p, qt))
+    mean.append(_outer(p, qt_sum, inv_n))
+    q_new = jnp.swapaxes(qt_sum, -1, -2)
+    keep.append(jnp.where(jnp.any(q_new != 0, axis=-2, keepdims=True),
+                          q_new, q_old))
+  return LowRankResult(mean=mean, sent=sent, q=keep,
+                       sent_sq=jnp.zeros([], jnp.float32))
+
+
+def whole_wire(shapes: Sequence[tuple], splits: Sequence[Split], rank: int
+               ) -> tuple[int, int]:
+  """Bytes per device of :func:`lowrank_allreduce_whole`'s two psums
+  across the data axis, for batches of blocks ``(G, n_b, m)`` or ``(G, n,
+  m_b)``."""
+  p_bytes = q_bytes = 0
+  for (g, n, m), sp in zip(shapes, splits):
+    if sp.rows:
+      p_bytes += 4 * g * n * rank
+      q_bytes += 4 * piece_length(g * m * rank, sp)
+    else:
+      p_bytes += 4 * piece_length(g * n * rank, sp)
+      q_bytes += 4 * g * m * rank
+  return p_bytes, q_bytes

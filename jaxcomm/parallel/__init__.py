@@ -28,6 +28,7 @@ from jaxcomm.parallel._layout import init_state
 from jaxcomm.parallel._layout import local_params
 from jaxcomm.parallel._layout import param_specs
 from jaxcomm.parallel._layout import shard_shapes
+from jaxcomm.parallel._layout import shard_splits
 from jaxcomm.parallel._layout import state_layout
 from jaxcomm.parallel._layout import state_specs
 from jaxcomm.parallel._layout import to_global

@@ -13,6 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _codec
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.parallel._placement import _data_size
@@ -111,6 +112,30 @@ def shard_shapes(params, specs, mesh):
     lambda x, sp: jax.ShapeDtypeStruct(_local_shape(np.shape(x), sp, mesh),
                                        jnp.result_type(x)), params, specs,
     is_leaf=lambda x: isinstance(x, P) and not hasattr(x, "shape"))
+
+
+def shard_splits(specs, mesh) -> list:
+  """Per params leaf (``jax.tree.leaves`` order of ``specs``), how the
+  whole leaf is split into one device's block: ``((dim, axes, size),
+  ...)`` for each dimension a spec entry splits over mesh axes
+  (``size`` the devices along them), ``()`` for a whole leaf. What
+  compressors see inside :func:`update_on_shards` (``Layout.splits``), and
+  what :func:`jaxcomm.wire.claimed` takes as ``splits=`` to claim the bytes
+  of one device's blocks."""
+  shape = dict(mesh.shape)
+  out = []
+  for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
+    entry = []
+    for i, e in enumerate(tuple(sp)):
+      if e is None:
+        continue
+      axes = tuple(e) if isinstance(e, tuple) else (e,)
+      size = 1
+      for a in axes:
+        size *= int(shape[a])
+      entry.append((i, axes, size))
+    out.append(tuple(entry))
+  return out
 
 
 def _with_data(spec, axis_name) -> P:
@@ -322,6 +347,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   if specs is None:
     specs = param_specs(params, mesh, axis_name)
   copies = None
+  specs_in = specs
   if auto_axes:
     copies = copied(specs, auto_axes)
     params = expand(_abstract(params), specs, mesh, auto_axes)
@@ -357,6 +383,9 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     kept = frozenset(a for a in watched if a in axes)
     return True if kept == frozenset(names) else (kept or False)
 
+  # With auto_axes the step runs tx.update inside update_on_shards, which
+  # tells compressors how each leaf is split: the probe does the same.
+  splits = shard_splits(specs_in, mesh) if auto_axes else None
   drift = []
   for _ in range(len(leaves) + 1):
     found = []
@@ -370,7 +399,8 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
       params = own(params, copies)
-      updates, new_state = tx.update(grads, state, params, **extra)
+      with _codec.block_splits(splits):
+        updates, new_state = tx.update(grads, state, params, **extra)
       found[:] = [watched & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]
       drift[:] = [jax.tree_util.keystr(path) for path, u in
@@ -465,6 +495,7 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
     layout = state_layout(tx, params, mesh, axis_name, specs=specs,
                           auto_axes=auto_axes)
   copies = None
+  specs_in = specs
   if auto_axes:
     copies = copied(specs, auto_axes)
     params = expand(params, specs, mesh, auto_axes)
@@ -474,8 +505,12 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
     placed = jax.tree.map(
       lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), params,
       specs)
-    init = jax.shard_map(lambda p: to_global(tx.init(own(p, copies)), layout),
-                         mesh=mesh,
+    splits = shard_splits(specs_in, mesh) if auto_axes else None
+
+    def init_block(p):
+      with _codec.block_splits(splits):
+        return to_global(tx.init(own(p, copies)), layout)
+    init = jax.shard_map(init_block, mesh=mesh,
                          in_specs=(specs,),
                          out_specs=state_specs(layout, axis_name))
     return jax.jit(init)(placed)

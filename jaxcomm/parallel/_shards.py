@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _codec
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel._placement import _data_size
 from jaxcomm.transforms import _local_engine
@@ -118,8 +119,10 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
     # A copy of a replicated leaf is the leaf itself: its own shape.
     local = _layout.to_local(state, layout)
     params = _layout.own(params, copies)
-    updates, new = tx.update(_layout.own(grads, copies), local, params,
-                             **extra)
+    splits = _layout.shard_splits(specs, jax.sharding.get_abstract_mesh())
+    with _codec.block_splits(splits):
+      updates, new = tx.update(_layout.own(grads, copies), local, params,
+                               **extra)
     new_params = _local_engine.apply_updates(params, updates, new)
     new_params = jax.tree.map(lambda x, c: x[None] if c else x, new_params,
                               copies)

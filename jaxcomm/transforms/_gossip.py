@@ -38,7 +38,9 @@ class GossipSpec:
   adaptive: bool = False
   start_step: int = 0
 
-  def wire(self, params, n: int, step: int | None = None) -> list:
+  def wire(self, params, n: int, step: int | None = None,
+           splits=None) -> list:
+    del splits  # block semantics: no whole-leaf exchange
     size = sum(int(np.size(l)) for l in jax.tree.leaves(params))
     return _gossip.gossip_wire(self.topology, n, size, step)
 
@@ -169,7 +171,9 @@ class ChocoSpec:
   adaptive: bool = False
   start_step: int = 0
 
-  def wire(self, params, n: int, step: int | None = None) -> list:
+  def wire(self, params, n: int, step: int | None = None,
+           splits=None) -> list:
+    del splits  # block semantics: no whole-leaf exchange
     del step
     words = _choco_message_words(self.compressor, params, n)
     return _gossip.gossip_wire(self.topology, n, words, None)
@@ -380,7 +384,9 @@ class PushSumSpec:
   adaptive: bool = False
   start_step: int = 0
 
-  def wire(self, params, n: int, step: int | None = None) -> list:
+  def wire(self, params, n: int, step: int | None = None,
+           splits=None) -> list:
+    del splits  # block semantics: no whole-leaf exchange
     size = sum(int(np.size(l)) for l in jax.tree.leaves(params)) + 1
     return _gossip.push_sum_wire(self.topology, n, size, step)
 

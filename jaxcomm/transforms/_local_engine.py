@@ -205,20 +205,27 @@ class LocalSpec:
     return [f for f, off in enumerate(self.offsets())
             if count >= off and (count - off) % self.period == 0]
 
-  def _fragment_wire(self, frag_params, n: int, sync_index) -> list:
+  def _fragment_wire(self, frag_params, n: int, sync_index,
+                     splits=None) -> list:
     if self.compressor is not None:
       spec = _compressor.spec_of(self.compressor)
+      if splits is not None:
+        return list(spec.wire(frag_params, n, sync_index, splits=splits))
       return list(spec.wire(frag_params, n, sync_index))
     size = sum(int(np.size(l)) for l in jax.tree.leaves(frag_params))
     return [("all-reduce", 4 * (size + self.extra_floats))]
 
-  def wire(self, params, n: int, step: int | None = None) -> list:
+  def wire(self, params, n: int, step: int | None = None,
+           splits=None) -> list:
     leaves = jax.tree.leaves(params)
     groups = fragment_leaves(params, self.fragments)
+    part = ((lambda g: None) if splits is None
+            else (lambda g: [splits[j] for j in g]))
     if step is None:
       out = []
       for g in groups:
-        out.extend(self._fragment_wire([leaves[j] for j in g], n, None))
+        out.extend(self._fragment_wire([leaves[j] for j in g], n, None,
+                                       part(g)))
       return out
     if self.adaptive:
       raise ValueError(
@@ -228,7 +235,8 @@ class LocalSpec:
     out = []
     for f in self.syncing(count):
       out.extend(self._fragment_wire([leaves[j] for j in groups[f]], n,
-                                     self._syncs_before(f, count)))
+                                     self._syncs_before(f, count),
+                                     part(groups[f])))
     return out
 
   def _syncs_before(self, f: int, count: int) -> int:

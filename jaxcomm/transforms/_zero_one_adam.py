@@ -91,7 +91,9 @@ class ZeroOneSpec(LocalSpec):
   exchanges: tuple = ()
   schedule_args: tuple = ()
 
-  def wire(self, params, n: int, step: int | None = None) -> list:
+  def wire(self, params, n: int, step: int | None = None,
+           splits=None) -> list:
+    del splits  # block semantics: no whole-leaf exchange
     dense, grad_ex, mom_ex = self.exchanges
     claim = lambda tx: list(_compressor.spec_of(tx).wire(params, n))
     if step is None:
