@@ -5,11 +5,12 @@ compressing its own shards (``DataParallel(auto_axes=...)``).
 Checked on meshes ``(dcn=2, fsdp=4)`` and ``(dcn=2, fsdp=2, tensor=2)``:
 every battery entry equals its numpy reference replayed on each block with
 the two slices as its devices (updates and residuals; PowerSGD, which
-takes whole matrices, its reference on the whole leaves); the compiled update
-moves exactly the claimed bytes across ``dcn`` for the local shards and
-nothing over the fast axes (PowerSGD: its r-wide factors); ``mean_gradients`` equals the plain
-``jax.jit`` step (XLA's own all-reduce) to float rounding; the compiled
-step's memory stays near the plain step's; bad axes are named.
+takes whole matrices, its reference on the whole leaves); the compiled
+update moves exactly the claimed bytes across ``dcn`` for the local shards
+and nothing over the fast axes (PowerSGD: its r-wide factors);
+``mean_gradients`` equals the plain ``jax.jit`` step (XLA's own
+all-reduce) to float rounding; the compiled step's memory stays near the
+plain step's; bad axes are named.
 """
 
 from __future__ import annotations
