@@ -86,13 +86,17 @@ def pod_tables() -> str:
       axes = [advise.Axis("dcn", HOSTS, wire.CostModel.link(gbit, 50.0)),
               advise.Axis("ici", PER_HOST, wire.CostModel.link(800.0, 5.0))]
       rows = advise.advise(params, axes, overhead_s=over, budget=BUDGET)
-      best = advise.recommend(rows, BUDGET)
-      out.append(f"### {model} ({n_params:,} params), {HOSTS} hosts x "
-                 f"{PER_HOST}, {gbit:g} Gbit/s between hosts\n")
-      out.append(advise.table(rows, BUDGET))
-      out.append(f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
-                 f"({best.total_s * 1e3:.2f} ms per step).\n")
+      out += _section(f"{model} ({n_params:,} params), {HOSTS} hosts x "
+                      f"{PER_HOST}, {gbit:g} Gbit/s between hosts", rows)
   return "\n".join(out)
+
+
+def _section(title: str, rows) -> list:
+  """A priced table under its title, and the advisor's pick."""
+  best = advise.recommend(rows, BUDGET)
+  return [f"### {title}\n", advise.table(rows, BUDGET),
+          f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
+          f"({best.total_s * 1e3:.2f} ms per step).\n"]
 
 
 # A GPT-2-small-sized transformer LM (models.TransformerLM), split by its
@@ -121,12 +125,9 @@ def fsdp_tables() -> str:
   for gbit in (1.0, 10.0, 100.0):
     axes = [advise.Axis("dcn", SLICES, wire.CostModel.link(gbit, 50.0))]
     rows = advise.advise(params, axes, budget=BUDGET, fsdp=fsdp, specs=specs)
-    best = advise.recommend(rows, BUDGET)
-    out.append(f"### transformer LM ({n_params:,} params), {SLICES} slices "
-               f"x fsdp={FSDP}, {gbit:g} Gbit/s between slices\n")
-    out.append(advise.table(rows, BUDGET))
-    out.append(f"\nWithin a loss gap of {BUDGET}: **{best.name}** "
-               f"({best.total_s * 1e3:.2f} ms per step).\n")
+    out += _section(f"transformer LM ({n_params:,} params), {SLICES} "
+                    f"slices x fsdp={FSDP}, {gbit:g} Gbit/s between slices",
+                    rows)
   return "\n".join(out)
 
 

@@ -244,6 +244,33 @@ def _wait_go(out, mi, ri, timeout_s):
     time.sleep(0.02)
 
 
+def _time_at_rates(a, out, mi, method, step, params, state, batch,
+                   period, finite_of, record):
+  """Times ``step(params, state, batch) -> (params, state)`` at each rate
+  the driver sets (it changes the loopback's rate, then says go): warm-up
+  steps, then whole periods of timed ones, each blocked on; process 0
+  appends the times with ``record``. Returns the last params and state."""
+  import jax  # pylint: disable=import-outside-toplevel
+  timed = -(-max(a.steps, period) // period) * period
+  for ri in range(a.nrates):
+    if out:
+      _append(out, {"event": "ready", "method": method, "mi": mi, "ri": ri})
+    _wait_go(a.out, mi, ri, a.init_timeout)
+    for _ in range(a.warmup):
+      params, state = step(params, state, batch)
+      jax.block_until_ready((params, state))
+    times = []
+    for _ in range(timed):
+      t0 = time.perf_counter()
+      params, state = step(params, state, batch)
+      jax.block_until_ready((params, state))
+      times.append(time.perf_counter() - t0)
+    if out:
+      _append(out, dict(record, method=method, ri=ri, times=times,
+                        finite=finite_of(params)))
+  return params, state
+
+
 def _jax_worker(a) -> int:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=import-outside-toplevel
@@ -336,30 +363,19 @@ def _jax_worker(a) -> int:
       sent = jaxcomm.wire.summarize(ops, ops_n).total_sent / period
       if inside is not None:
         inside_ops = jaxcomm.wire.claimed(inside, abstract, n // n_slow)
-      timed = -(-max(a.steps, period) // period) * period
-      for ri in range(a.nrates):
-        # The driver sets rate ri on the loopback, then says go.
-        if out:
-          _append(out, {"event": "ready", "method": method, "mi": mi,
-                        "ri": ri})
-        _wait_go(a.out, mi, ri, a.init_timeout)
-        for _ in range(a.warmup):
-          params, state, _ = dp.step(params, state, batch)
-          jax.block_until_ready((params, state))
-        times = []
-        for _ in range(timed):
-          t0 = time.perf_counter()
-          params, state, _ = dp.step(params, state, batch)
-          jax.block_until_ready((params, state))
-          times.append(time.perf_counter() - t0)
-        finite = bool(jax.device_get(jnp.all(jnp.stack(
-          [jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(params)]))))
-        if out:
-          _append(out, {"method": method, "ri": ri, "times": times,
-                        "first_step": first, "ops": ops, "sent": sent,
-                        "devices": n, "ops_n": ops_n,
-                        "inside_ops": inside_ops, "finite": finite,
-                        "period": period})
+
+      def step(p, st, b, dp=dp):
+        p, st, _ = dp.step(p, st, b)
+        return p, st
+
+      def finite_of(p):
+        return bool(jax.device_get(jnp.all(jnp.stack(
+          [jnp.all(jnp.isfinite(w)) for w in jax.tree.leaves(p)]))))
+
+      params, state = _time_at_rates(
+        a, out, mi, method, step, params, state, batch, period, finite_of,
+        {"first_step": first, "ops": ops, "sent": sent, "devices": n,
+         "ops_n": ops_n, "inside_ops": inside_ops, "period": period})
     except Exception as e:  # pylint: disable=broad-except
       if out:
         _append(out, {"method": method,
@@ -460,29 +476,15 @@ def _fsdp_worker(a, jax, jnp, np, optax, jaxcomm) -> int:
       jax.block_until_ready(params)
       first = time.perf_counter() - t0
       sent = jaxcomm.wire.summarize(ops, a.hosts).total_sent / period
-      timed = -(-max(a.steps, period) // period) * period
-      for ri in range(a.nrates):
-        if out:
-          _append(out, {"event": "ready", "method": method, "mi": mi,
-                        "ri": ri})
-        _wait_go(a.out, mi, ri, a.init_timeout)
-        for _ in range(a.warmup):
-          params, state = step(params, state, batch)
-          jax.block_until_ready(params)
-        times = []
-        for _ in range(timed):
-          t0 = time.perf_counter()
-          params, state = step(params, state, batch)
-          jax.block_until_ready(params)
-          times.append(time.perf_counter() - t0)
-        finite = bool(all(np.isfinite(np.asarray(sh.data)).all()
-                          for w in jax.tree.leaves(params)
-                          for sh in w.addressable_shards))
-        if out:
-          _append(out, {"method": method, "ri": ri, "times": times,
-                        "first_step": first, "ops": ops, "sent": sent,
-                        "devices": n, "ops_n": a.hosts, "inside_ops": [],
-                        "finite": finite, "period": period})
+      def finite_of(p):
+        return bool(all(np.isfinite(np.asarray(sh.data)).all()
+                        for w in jax.tree.leaves(p)
+                        for sh in w.addressable_shards))
+
+      params, state = _time_at_rates(
+        a, out, mi, method, step, params, state, batch, period, finite_of,
+        {"first_step": first, "ops": ops, "sent": sent, "devices": n,
+         "ops_n": a.hosts, "inside_ops": [], "period": period})
     except Exception as e:  # pylint: disable=broad-except
       if out:
         _append(out, {"method": method,

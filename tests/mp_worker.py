@@ -65,19 +65,31 @@ def main(argv):
   losses = []
   per_proc = 32 // nproc
   for step in range(6):
-    r = np.random.RandomState(100 + step)
-    x = r.randn(32, 16).astype(np.float32)
-    y = x @ w_true + 0.01 * r.randn(32, 4).astype(np.float32)
+    x, y = _batch(step, w_true)
     sl = slice(pid * per_proc, (pid + 1) * per_proc)
     batch = dp.shard_batch((x[sl], y[sl]))
     params, state, metrics = dp.step(params, state, batch)
     losses.append(float(jax.device_get(metrics["loss"])))
+  _report(pid, nproc, out, losses)
+
+
+def _report(pid, nproc, out, losses):
+  """Process 0 writes the losses; every process leaves the job."""
+  import jax  # pylint: disable=import-outside-toplevel
   if pid == 0:
     with open(out, "w") as f:
       json.dump({"losses": losses, "processes": jax.process_count(),
                  "devices": jax.device_count()}, f)
   if nproc > 1:
     jax.distributed.shutdown()
+
+
+def _batch(step, w_true):
+  """The whole batch of ``step`` (every process draws the same)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  r = np.random.RandomState(100 + step)
+  x = r.randn(32, 16).astype(np.float32)
+  return x, x @ w_true + 0.01 * r.randn(32, 4).astype(np.float32)
 
 
 def _fsdp(pid, nproc, out):
@@ -120,21 +132,14 @@ def _fsdp(pid, nproc, out):
   rows = NamedSharding(mesh, P(("dcn", "fsdp")))
   losses = []
   for step in range(6):
-    r = np.random.RandomState(100 + step)
-    x = r.randn(32, 16).astype(np.float32)
-    y = x @ w_true + 0.01 * r.randn(32, 4).astype(np.float32)
+    x, y = _batch(step, w_true)
     batch = tuple(jax.make_array_from_callback(a.shape, rows,
                                                lambda i, a=a: a[i])
                   for a in (x, y))
     params, state, metrics = dp.step(params, state, batch)
     losses.append(float(jax.device_get(metrics["loss"])))
   assert not params["w"].is_fully_addressable or nproc == 1
-  if pid == 0:
-    with open(out, "w") as f:
-      json.dump({"losses": losses, "processes": jax.process_count(),
-                 "devices": jax.device_count()}, f)
-  if nproc > 1:
-    jax.distributed.shutdown()
+  _report(pid, nproc, out, losses)
 
 
 if __name__ == "__main__":
