@@ -83,8 +83,10 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
   each device's own shards of every leaf.
 
   Every device compresses its own block of each leaf: top-k keeps its
-  ratio per block, quantizers and signs scale per block, PowerSGD
-  factorizes each block. A leaf replicated over an auto axis (a bias, a
+  ratio per block, quantizers and signs scale per block. Compressors are
+  told how each leaf is split (``Layout.splits``, from ``specs``): PowerSGD
+  uses it to take the low rank of the whole matrix (its ``sharded``
+  argument). A leaf replicated over an auto axis (a bias, a
   norm scale) is compressed on every device of that axis from the same
   slice gradient and the copies' results averaged (an all-reduce of that
   leaf over the fast axis, where the plain step all-reduces its gradient
