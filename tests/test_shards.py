@@ -260,18 +260,50 @@ def _fast_axis_gathers(ops, data_group):
              and o.group != data_group)
 
 
-@pytest.mark.parametrize("name", [
-  "int8", "powersgd_r2", "topk_ef",
-  "onebit", "onebit_adam",
-  pytest.param("qsgd", marks=pytest.mark.xfail(strict=True, reason=(
-    "stochastic rounding materializes one uniform draw per element of the "
-    "device's shards: 1.39x the plain step's memory at fsdp=2 on this MLP "
-    "(3.71 MB vs 2.66 MB, state excluded)")))])
+# Entries whose compiled step is measured above 1.25x the plain step's
+# memory on this MLP (state excluded), with what is materialized.
+_MEMORY_OVER = {
+  "qsgd": ("stochastic rounding materializes one uniform draw per element "
+           "of the device's shards: 1.40x at fsdp=2 (3.71 MB vs 2.66 MB)"),
+  "terngrad": "1.59x at fsdp=2 (4.23 MB vs 2.66 MB): its uniform draws",
+  "uint8_partial_buckets": "1.40x at fsdp=2: its padded partial buckets",
+  "mx_mxfp6": ("2.00x at fsdp=2 (5.31 MB vs 2.66 MB), 1.33x at fsdp=4: "
+               "FP6 rounds through a search of the value table"),
+  "mx_mxfp4_ef": ("1.79x at fsdp=2, 1.33x at fsdp=4: FP4 rounds through a "
+                  "search of the value table"),
+  "atomo_s2": "1.40x at fsdp=2: the SVD's workspace",
+  "adacomp_ef": "1.31x at fsdp=2, 1.28x at fsdp=4: its bin statistics",
+  "onebit_lamb": "1.33x at fsdp=4: per-leaf trust ratios expanded",
+  "stc_ef": "1.27x at fsdp=2, 1.26x at fsdp=4: the Golomb code buffers",
+  "sbc_ef": "1.27x at fsdp=2, 1.26x at fsdp=4: the Golomb code buffers",
+  "sidco_exp_ef": "1.26x at fsdp=4: the fitted selection's capacity",
+  "sidco_gpareto_ef": "1.26x at fsdp=4: the fitted selection's capacity",
+  "gtopk_ef": "1.25x at fsdp=4 (3.24 MB - state vs 2.38 MB): a hair over",
+  "topk_model_noef": "1.40x at fsdp=2: the selected pairs of every leaf",
+  "fetchsgd": ("5.6x at fsdp=2 (14.8 MB vs 2.66 MB, cols=4096): a hashed "
+               "bucket and sign per element and sketch row"),
+  "powersgd_r2_ef21": ("within 1.25x, but 2.67 MB at fsdp=2 (0.61x the "
+                       "plain step) and 2.91 MB at fsdp=4: not falling"),
+}
+# Arguments an entry needs on this MLP (the battery's sketch is sized for
+# the battery's leaves).
+_MEMORY_KWARGS = {"fetchsgd": {"cols": 4096}}
+
+
+def _memory_params():
+  return [pytest.param(n, marks=pytest.mark.xfail(strict=True,
+                                                  reason=_MEMORY_OVER[n]))
+          if n in _MEMORY_OVER else n for n in NAMES]
+
+
+@pytest.mark.parametrize("name", _memory_params())
 def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
-  """The whole compiled step next to the plain jit step of the same model:
-  gathers over the fast axes move no more than the plain step's FSDP weight
-  gathers (+4 KB; + PowerSGD's r-wide factors for whole matrices), memory
-  per device within 1.25x of it, and falling as fsdp grows from 2 to 4."""
+  """The whole compiled step of every battery entry next to the plain jit
+  step of the same model: gathers over the fast axes move no more than the
+  plain step's FSDP weight gathers (+4 KB; + PowerSGD's r-wide factors for
+  whole matrices), memory per device within 1.25x of it, and falling as
+  fsdp grows from 2 to 4. The entries measured above that are strict
+  xfails naming their figure (_MEMORY_OVER)."""
   entry = ENTRIES[name]
   temps = {}
   for fsdp in (2, 4):
@@ -280,7 +312,9 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
                          devices=jax.devices()[:2 * fsdp])
     rng = np.random.RandomState(1)
     host, specs = _mlp_params(mesh, rng, d=512, h=256)
-    tx = optax.chain(entry.make(axis_name="dcn"), optax.sgd(0.1))
+    tx = optax.chain(entry.make(axis_name="dcn",
+                                **_MEMORY_KWARGS.get(name, {})),
+                     optax.sgd(0.1))
     dp = parallel.DataParallel(_mlp_loss, tx, mesh, axis_name="dcn",
                                auto_axes=("fsdp",), donate=False)
     params, state = dp.init(_place(mesh, host, specs))
@@ -292,7 +326,9 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
     ).compile()
     ours_ops = jaxcomm.wire.collectives(ours)
     plain_ops = jaxcomm.wire.collectives(plain)
-    factors = _factor_bytes(entry.make(axis_name="dcn"), host)
+    factors = _factor_bytes(entry.make(axis_name="dcn",
+                                       **_MEMORY_KWARGS.get(name, {})),
+                            host)
     assert _fast_axis_gathers(ours_ops, 2) <= _fast_axis_gathers(
       plain_ops, 2) + 4096 + factors, (name, fsdp, ours_ops, plain_ops)
     mem = ours.memory_analysis()
