@@ -137,3 +137,80 @@ def decode(bits: jax.Array, k: int, size: int) -> jax.Array:
   gaps = (q << b) + rem
   return jnp.cumsum(gaps + 1, axis=-1) - 1
 
+
+
+def encode_many(positions: list, sizes: list) -> list:
+  """``[encode(p, size) for p, size in zip(positions, sizes)]`` with one
+  scatter for every unary section at once (one per call instead of one
+  per shape group: the code's cost in compile time)."""
+  meta, idx, offset = [], [], 0
+  for pos, size in zip(positions, sizes):
+    k = pos.shape[-1]
+    b = rice_parameter(k, size)
+    lead = pos.shape[:-1]
+    prev = jnp.concatenate(
+      [jnp.full(lead + (1,), -1, pos.dtype), pos[..., :-1]], axis=-1)
+    gaps = (pos - prev - 1).astype(jnp.uint32)
+    rem = ((gaps[..., None] >> jnp.arange(b, dtype=jnp.uint32)) & 1
+           ).astype(bool).reshape(lead + (k * b,))
+    q = (gaps >> b).astype(jnp.int32)
+    ub = k + ((size - k) >> b)
+    rows = math.prod(lead)
+    # Quotient j ends with a zero at sum_{i<=j} q_i + j of its row.
+    zeros = (jnp.cumsum(q, axis=-1) + jnp.arange(k, dtype=jnp.int32)
+             ).reshape(rows, k)
+    idx.append((zeros + offset + ub * jnp.arange(rows, dtype=jnp.int32)
+                [:, None]).reshape(-1))
+    meta.append((lead, ub, offset, rows, rem))
+    offset += rows * ub
+  if not meta:
+    return []
+  unary = jnp.ones((offset,), bool).at[jnp.concatenate(idx)].set(False)
+  return [jnp.concatenate(
+    [rem, unary[off:off + rows * ub].reshape(lead + (ub,))], axis=-1)
+    for lead, ub, off, rows, rem in meta]
+
+
+def decode_many(bits: list, ks: list, sizes: list) -> list:
+  """``[decode(b, k, size) ...]`` with one cumulative sum and one scatter
+  for every unary section at once (see :func:`encode_many`)."""
+  meta, flat, off = [], [], 0
+  for bb, k, size in zip(bits, ks, sizes):
+    b = rice_parameter(k, size)
+    lead = bb.shape[:-1]
+    rem_bits = bb[..., :k * b].reshape(lead + (k, b)).astype(jnp.int32)
+    rem = jnp.sum(rem_bits << jnp.arange(b, dtype=jnp.int32), axis=-1)
+    unary = bb[..., k * b:]
+    ub = unary.shape[-1]
+    rows = math.prod(lead)
+    flat.append(unary.reshape(-1))
+    meta.append((lead, k, b, ub, rows, off, rem))
+    off += rows * ub
+  if not meta:
+    return []
+  is_zero = ~jnp.concatenate(flat)
+  csum = jnp.cumsum(is_zero.astype(jnp.int32))
+  total_k = sum(rows * k for _, k, _, _, rows, _, _ in meta)
+  slots, vals, koff = [], [], 0
+  for _, k, _, ub, rows, off, _ in meta:
+    z = is_zero[off:off + rows * ub].reshape(rows, ub)
+    c = csum[off:off + rows * ub].reshape(rows, ub)
+    rank = c - (c[:, :1] - z[:, :1].astype(jnp.int32))[:, :1] - 1
+    keep = z & (rank < k)
+    slots.append(jnp.where(
+      keep, koff + k * jnp.arange(rows, dtype=jnp.int32)[:, None] + rank,
+      total_k).reshape(-1))
+    vals.append(jnp.broadcast_to(jnp.arange(ub, dtype=jnp.int32),
+                                 (rows, ub)).reshape(-1))
+    koff += rows * k
+  zeros_all = jnp.zeros((total_k,), jnp.int32).at[
+    jnp.concatenate(slots)].set(jnp.concatenate(vals), mode="drop")
+  out, koff = [], 0
+  for lead, k, b, _, rows, _, rem in meta:
+    zeros = zeros_all[koff:koff + rows * k].reshape(lead + (k,))
+    koff += rows * k
+    prev = jnp.concatenate([jnp.full(lead + (1,), -1, jnp.int32),
+                            zeros[..., :-1]], axis=-1)
+    gaps = ((zeros - prev - 1) << b) + rem
+    out.append(jnp.cumsum(gaps + 1, axis=-1) - 1)
+  return out

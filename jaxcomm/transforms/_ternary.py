@@ -22,6 +22,7 @@ each kept value and the mean that replaced it.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -100,38 +101,70 @@ def _scatter(layout, pos, vals, lead=()):
 def _encode(layout, sel, ratio, signs):
   """This device's message: per group ``[G, words]``, flattened and
   concatenated."""
+  coded = _golomb.encode_many([s[0] for s in sel],
+                              [g.leaf_size for g in layout.groups])
+  rows = [jnp.concatenate([neg, bits], axis=-1) if signs else bits
+          for bits, (_, _, _, neg) in zip(coded, sel)]
   parts = []
-  for g, (pos, _, mu, neg) in zip(layout.groups, sel):
-    bits = _golomb.encode(pos, g.leaf_size)
-    if signs:
-      bits = jnp.concatenate([neg, bits], axis=-1)
+  for packed, (_, _, mu, _) in zip(_pack_rows(rows), sel):
     words = jnp.concatenate(
-      [_core.to_words(mu.astype(jnp.float32))[:, None],
-       _golomb.pack_bits(bits)], axis=-1)
+      [_core.to_words(mu.astype(jnp.float32))[:, None], packed], axis=-1)
     parts.append(words.reshape(-1))
   return jnp.concatenate(parts)
+
+
+def _pack_rows(rows: list) -> list:
+  """``[pack_bits(r) for r in rows]`` (each ``bool[..., B_i]``) as one
+  packing of every row, each padded to whole words."""
+  flat, shapes = [], []
+  for r in rows:
+    w = -(-r.shape[-1] // 32)
+    pad = [(0, 0)] * (r.ndim - 1) + [(0, 32 * w - r.shape[-1])]
+    flat.append(jnp.pad(r, pad).reshape(-1))
+    shapes.append(r.shape[:-1] + (w,))
+  words = _golomb.pack_bits(jnp.concatenate(flat))
+  out, off = [], 0
+  for shape in shapes:
+    size = math.prod(shape)
+    out.append(words[off:off + size].reshape(shape))
+    off += size
+  return out
 
 
 def _decode(layout, words, ratio, signs):
   """Messages ``uint32[m, W]`` -> per group (positions, values)
   ``[m, G, k]``."""
   m = words.shape[0]
-  pos_all, val_all, off = [], [], 0
+  parts, mus, off = [], [], 0
   for g in layout.groups:
     k = num_selected(ratio, g.leaf_size)
     w = _row_words(k, g.leaf_size, signs)
     part = words[:, off:off + g.count * w].reshape(m, g.count, w)
     off += g.count * w
-    mu = _core.from_words(part[..., 0], jnp.float32)
+    mus.append(_core.from_words(part[..., 0], jnp.float32))
+    parts.append(part[..., 1:])
+  # Every row's bits in one unpacking, then cut per group.
+  every = _golomb.unpack_bits(
+    jnp.concatenate([p.reshape(-1) for p in parts]), 32 * sum(
+      p.size for p in parts))
+  codes, ks, val_all, off = [], [], [], 0
+  for g, part, mu in zip(layout.groups, parts, mus):
+    k = num_selected(ratio, g.leaf_size)
     nbits = _golomb.capacity_bits(k, g.leaf_size) + (k if signs else 0)
-    bits = _golomb.unpack_bits(part[..., 1:], nbits)
+    size = 32 * part.size
+    bits = every[off:off + size].reshape(part.shape[:-1] + (-1,))[
+      ..., :nbits]
+    off += size
     if signs:
       neg, bits = bits[..., :k], bits[..., k:]
       vals = jnp.where(neg, -mu[..., None], mu[..., None])
     else:
       vals = jnp.broadcast_to(mu[..., None], (m, g.count, k))
-    pos_all.append(_golomb.decode(bits, k, g.leaf_size))
+    codes.append(bits)
+    ks.append(k)
     val_all.append(vals)
+  pos_all = _golomb.decode_many(codes, ks,
+                                [g.leaf_size for g in layout.groups])
   return pos_all, val_all
 
 
