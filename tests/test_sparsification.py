@@ -550,6 +550,30 @@ def test_golomb_positions_round_trip_within_the_exact_capacity(size, k):
     assert coded.sum() - (coded.size - len(ref_bits)) == sum(ref_bits)
 
 
+def test_golomb_many_groups_at_once_equal_one_group_at_a_time():
+  """encode_many / decode_many (one scatter for every shape group, as STC
+  and SBC use them) give each group's encode / decode bits and positions,
+  for groups of other sizes, densities and leading shapes."""
+  from jaxcomm.collectives import _golomb
+  rng = np.random.default_rng(7)
+  cases = [((3,), 1000, 10), ((2, 4), 65536, 656), ((5,), 256, 3),
+           ((1,), 40, 40), ((2,), 300, 1)]
+  positions, sizes = [], []
+  for lead, size, k in cases:
+    rows = [np.sort(rng.choice(size, k, replace=False))
+            for _ in range(int(np.prod(lead)))]
+    positions.append(jnp.asarray(np.stack(rows).reshape(lead + (k,)),
+                                 jnp.int32))
+    sizes.append(size)
+  many = _golomb.encode_many(positions, sizes)
+  ks = [p.shape[-1] for p in positions]
+  back = _golomb.decode_many(many, ks, sizes)
+  for p, size, k, bits, got in zip(positions, sizes, ks, many, back):
+    np.testing.assert_array_equal(np.asarray(bits),
+                                  np.asarray(_golomb.encode(p, size)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(p))
+
+
 def test_golomb_capacity_is_close_to_the_papers_average():
   """For uniformly spread positions the fixed capacity costs at most 8%
   more than the paper's expected ``b* + 1 / (1 - (1 - p)^(2^b*))`` bits per
