@@ -568,7 +568,7 @@ def test_golomb_many_groups_at_once_equal_one_group_at_a_time():
   many = _golomb.encode_many(positions, sizes)
   ks = [p.shape[-1] for p in positions]
   back = _golomb.decode_many(many, ks, sizes)
-  for p, size, k, bits, got in zip(positions, sizes, ks, many, back):
+  for p, size, bits, got in zip(positions, sizes, many, back):
     np.testing.assert_array_equal(np.asarray(bits),
                                   np.asarray(_golomb.encode(p, size)))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(p))
