@@ -267,10 +267,6 @@ _MEMORY_OVER = {
            "of the device's shards: 1.40x at fsdp=2 (3.71 MB vs 2.66 MB)"),
   "terngrad": "1.59x at fsdp=2 (4.23 MB vs 2.66 MB): its uniform draws",
   "uint8_partial_buckets": "1.40x at fsdp=2: its padded partial buckets",
-  "mx_mxfp6": ("2.00x at fsdp=2 (5.31 MB vs 2.66 MB), 1.33x at fsdp=4: "
-               "FP6 rounds through a search of the value table"),
-  "mx_mxfp4_ef": ("1.79x at fsdp=2, 1.33x at fsdp=4: FP4 rounds through a "
-                  "search of the value table"),
   "atomo_s2": "1.40x at fsdp=2: the SVD's workspace",
   "adacomp_ef": "1.31x at fsdp=2, 1.28x at fsdp=4: its bin statistics",
   "onebit_lamb": "1.33x at fsdp=4: per-leaf trust ratios expanded",
