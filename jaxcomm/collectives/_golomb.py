@@ -93,56 +93,19 @@ def encode(positions: jax.Array, size: int) -> jax.Array:
     each, least significant first), then the unary quotients; unused
     trailing bits are ones.
   """
-  k = positions.shape[-1]
-  b = rice_parameter(k, size)
-  prev = jnp.concatenate(
-    [jnp.full(positions.shape[:-1] + (1,), -1, positions.dtype),
-     positions[..., :-1]], axis=-1)
-  gaps = (positions - prev - 1).astype(jnp.uint32)
-  rem = ((gaps[..., None] >> jnp.arange(b, dtype=jnp.uint32)) & 1
-         ).astype(bool).reshape(positions.shape[:-1] + (k * b,))
-  q = (gaps >> b).astype(jnp.int32)
-  unary_bits = k + ((size - k) >> b)
-  # Quotient j ends with a zero at position sum_{i<=j} q_i + j.
-  zeros = jnp.cumsum(q, axis=-1) + jnp.arange(k, dtype=jnp.int32)
-  lead = positions.shape[:-1]
-  flat_zeros = zeros.reshape(-1, k)
-  unary = jax.vmap(lambda z: jnp.ones((unary_bits,), bool).at[z].set(False))(
-    flat_zeros).reshape(lead + (unary_bits,))
-  return jnp.concatenate([rem, unary], axis=-1)
+  return encode_many([positions], [size])[0]
 
 
 def decode(bits: jax.Array, k: int, size: int) -> jax.Array:
   """Inverse of :func:`encode`: ``bool[..., capacity_bits(k, size)]`` ->
   ``int32[..., k]`` positions."""
-  b = rice_parameter(k, size)
-  lead = bits.shape[:-1]
-  rem_bits = bits[..., :k * b].reshape(lead + (k, b)).astype(jnp.int32)
-  rem = jnp.sum(rem_bits << jnp.arange(b, dtype=jnp.int32), axis=-1)
-  unary = bits[..., k * b:]
-  unary_bits = unary.shape[-1]
-
-  def zeros_of(u):
-    is_zero = ~u
-    rank = jnp.cumsum(is_zero.astype(jnp.int32)) - 1
-    slot = jnp.where(is_zero & (rank < k), rank, k)
-    return jnp.zeros((k,), jnp.int32).at[slot].set(
-      jnp.arange(unary_bits, dtype=jnp.int32), mode="drop")
-
-  zeros = jax.vmap(zeros_of)(unary.reshape(-1, unary_bits)).reshape(
-    lead + (k,))
-  prev = jnp.concatenate([jnp.full(lead + (1,), -1, jnp.int32),
-                          zeros[..., :-1]], axis=-1)
-  q = zeros - prev - 1
-  gaps = (q << b) + rem
-  return jnp.cumsum(gaps + 1, axis=-1) - 1
-
+  return decode_many([bits], [k], [size])[0]
 
 
 def encode_many(positions: list, sizes: list) -> list:
-  """``[encode(p, size) for p, size in zip(positions, sizes)]`` with one
-  scatter for every unary section at once (one per call instead of one
-  per shape group: the code's cost in compile time)."""
+  """:func:`encode` of several groups of rows (``positions[i]`` of rows of
+  ``sizes[i]``) with one scatter for every unary section at once: one per
+  call instead of one per shape group (a compressor's compile time)."""
   meta, idx, offset = [], [], 0
   for pos, size in zip(positions, sizes):
     k = pos.shape[-1]
@@ -172,8 +135,8 @@ def encode_many(positions: list, sizes: list) -> list:
 
 
 def decode_many(bits: list, ks: list, sizes: list) -> list:
-  """``[decode(b, k, size) ...]`` with one cumulative sum and one scatter
-  for every unary section at once (see :func:`encode_many`)."""
+  """:func:`decode` of several groups with one cumulative sum and one
+  scatter for every unary section at once (see :func:`encode_many`)."""
   meta, flat, off = [], [], 0
   for bb, k, size in zip(bits, ks, sizes):
     b = rice_parameter(k, size)
