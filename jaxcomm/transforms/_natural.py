@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _random
 from jaxcomm import _registry
 from jaxcomm.collectives import _quantized
 from jaxcomm.transforms._quantization import device_key
@@ -41,7 +42,7 @@ def natural_round(x: jax.Array, key: jax.Array) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   mant = bits & jnp.uint32(0x7FFFFF)
   expo = (bits >> 23) & jnp.uint32(0xFF)
-  draw = jax.random.bits(key, x.shape, jnp.uint32) >> 9
+  draw = _random.bits(key, x.shape) >> 9
   up = ((draw < mant) & (expo < 254)).astype(jnp.uint32)
   out = (bits & jnp.uint32(0x80000000)) | ((expo + up) << 23)
   return jax.lax.bitcast_convert_type(out, jnp.float32)

@@ -45,6 +45,7 @@ from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _random
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
@@ -172,7 +173,7 @@ class IntegerCodec(_codec.CodecBase):
                                 num_segments=len(sizes),
                                 indices_are_sorted=True)
     s = _core.pmax(local, ctx.axis_name)[ids][:, None]
-    u = (jax.random.uniform(device_key(ctx), xb.shape, jnp.float32)
+    u = (_random.uniform(device_key(ctx), xb.shape)
          if self.stochastic else None)
     q = self.quantize(xb, s, u)
     total = _quantized.integer_allreduce(q.ravel(), self.bound,
@@ -192,7 +193,6 @@ class IntegerCodec(_codec.CodecBase):
       block = _buckets.leaf_blocks(layout.sizes)
       if block is not None:
         return self._apply_per_leaf(x, state, ctx, block)
-    lay = bucket_layout(layout.shapes, bucket_size)
     # The bucket as [rows, b] blocks of buckets. Consecutive groups whose
     # leaves split into whole buckets of one width b (no padding, no
     # per-leaf ``prepare``) are one contiguous region of x: a free reshape,
@@ -239,14 +239,13 @@ class IntegerCodec(_codec.CodecBase):
     xbs = [cat([xbs[i] for i in blk]) for blk in blocks]
     local = cat([self.stat(xb) for xb in xbs])
     shared = _core.pmax(local, ctx.axis_name)
-    if self.stochastic:
-      noise = jax.random.uniform(device_key(ctx), (lay.padded,),
-                                 jnp.float32)
+    key = device_key(ctx) if self.stochastic else None
     codes, units, zeros, off, boff = [], [], [], 0, 0
     for xb in xbs:
       rows = xb.shape[0]
       s = shared[boff:boff + rows]
-      u = (noise[off:off + xb.size].reshape(xb.shape) if self.stochastic
+      # This bucket's slice of one flat draw over the padded buckets.
+      u = (_random.uniform(key, xb.shape, offset=off) if self.stochastic
            else None)
       codes.append(self.quantize(xb, s[:, None], u))
       units.append(self.unit(s)[:, None])
