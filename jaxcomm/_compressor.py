@@ -333,9 +333,14 @@ def compressed(
     new_res, new_u = update_memory(opts, xs, sent, u, residual, in_dense)
     new_h, new_hmean, mean = update_estimates(opts, state, g, sent, mean,
                                               in_dense)
+    # Without a residual or estimates, what was sent is checked only where
+    # the mean is not its device mean: otherwise a non-finite value sent
+    # is non-finite in the mean too, and checking it would keep a dense
+    # buffer of a sparse message alive for nothing.
+    kept = (new_res if keep_residual else new_h if estimates
+            else [] if codec.mean_of_sent else sent)
     any_bad, dense_mean = agree_finite(
-      opts, [x for x in g + [dense] if x.size], mean,
-      new_res if keep_residual else new_h if estimates else sent, dense, n,
+      opts, [x for x in g + [dense] if x.size], mean, kept, dense, n,
       exchanged=xs)
 
     keep = lambda new, old: jax.tree.map(

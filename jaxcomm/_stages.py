@@ -219,8 +219,9 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
                  dense: jax.Array, n: int, exchanged: list = ()):
   """One decision, the same on every device: did any device see a NaN or
   Inf in its gradients (``inputs``) or in what the compressor made of
-  them (``mean``, and ``kept``: the residual, or what was sent), or hand
-  the exchange values whose sum over the ``n`` devices overflows float32
+  them (``mean``, and ``kept``: the residual or estimates, or what was
+  sent where the mean is not its device mean), or hand the exchange
+  values whose sum over the ``n`` devices overflows float32
   (``exchanged``: ``|x| > max_float32 / n``)? An overflow inside the
   exchange need not show in its outputs (int8's scale became inf and every
   code 0; the residual kept the value for good), so it is caught where it
@@ -242,9 +243,8 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   for x in exchanged:
     if x.size:
       local_bad = local_bad | ~(jnp.max(jnp.abs(x)) <= limit)
-  for m, e in zip(mean, kept):
-    local_bad = local_bad | ~jnp.all(jnp.isfinite(m)) \
-      | ~jnp.all(jnp.isfinite(e))
+  for x in list(mean) + list(kept):
+    local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
   flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])
   summed = _core.psum(flat, opts.axis_name)
   dense_mean = summed[:-1]

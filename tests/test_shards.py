@@ -272,9 +272,9 @@ _MEMORY_OVER = {
   "sidco_exp_ef": "1.26x at fsdp=4: the fitted selection's capacity",
   "sidco_gpareto_ef": "1.26x at fsdp=4: the fitted selection's capacity",
   "gtopk_ef": "1.25x at fsdp=4 (3.24 MB - state vs 2.38 MB): a hair over",
-  "topk_model_noef": "1.40x at fsdp=2: the selected pairs of every leaf",
-  "fetchsgd": ("5.6x at fsdp=2 (14.8 MB vs 2.66 MB, cols=4096): a hashed "
-               "bucket and sign per element and sketch row"),
+  "fetchsgd": ("1.41x at fsdp=2, 1.23x at fsdp=4 (cols=4096; 5.6x before "
+               "hashing by chunks): the estimates' magnitudes and the "
+               "recovered update, besides the bucket"),
 }
 # Arguments an entry needs on this MLP (the battery's sketch is sized for
 # the battery's leaves).
@@ -335,9 +335,9 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
     temps[fsdp] = used
     within_plain = used - state_bytes <= base + 4096
   # Falling as fsdp grows; or, at fsdp=4, no more than the plain step's
-  # own memory (+4 KB of scalars; XLA's buffer assignment can put a step at fsdp=2 well
-  # under the plain step's, e.g. 0.61x, and then parity at 4 looks like
-  # growth).
+  # own memory (+4 KB of scalars; XLA's buffer assignment can put a step
+  # at fsdp=2 well under the plain step's, e.g. 0.61x, and then parity at
+  # 4 looks like growth).
   assert temps[4] < temps[2] or within_plain, (name, temps)
 
 

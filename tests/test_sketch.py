@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxcomm
+from jaxcomm.transforms import _sketch
 from tests import entries_sketch
 from tests import harness
 from tests import references
@@ -218,3 +219,29 @@ def test_a_sketch_narrower_than_k_is_refused_at_init():
   jaxcomm.fetchsgd(0.01, cols=31, axis_name=None).init(params)
   with pytest.raises(ValueError, match=r"cols=30 is smaller than k=31"):
     jaxcomm.fetchsgd(0.01, cols=30, axis_name=None).init(params)
+
+
+@pytest.mark.parametrize("size,chunk", [(50, 7), (64, 16), (10, 64),
+                                        (40_000, 16_384)])
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_sketch_and_unsketch_by_chunks_are_the_definition(size, chunk, rows):
+  """The sketch and every position's median estimate, computed ``chunk``
+  positions at a time (a last partial chunk, one chunk longer than the
+  bucket, an even and odd row count), equal the count sketch and the
+  median of the numpy definition."""
+  cols = 37
+  rng = np.random.RandomState(size + rows)
+  vec = rng.randn(size).astype(np.float32)
+  h, s = entries_sketch.count_sketch_hash(np.arange(size), rows, cols,
+                                          seed=3)
+  salts = _sketch._row_salts(3, rows)
+  table = jax.jit(lambda v: _sketch._sketch_rows(
+    jnp.zeros((rows, cols), jnp.float32), salts, v, chunk))(vec)
+  np.testing.assert_allclose(np.asarray(table),
+                             entries_sketch.sketch(vec, h, s, cols),
+                             rtol=1e-5, atol=1e-4)
+  tab = rng.randn(rows, cols).astype(np.float32)
+  est = jax.jit(lambda t: _sketch._unsketch(t, salts, size, chunk))(tab)
+  want = np.median(s * np.take_along_axis(tab.astype(np.float64), h,
+                                          axis=1), axis=0)
+  np.testing.assert_allclose(np.asarray(est), want, rtol=1e-6, atol=1e-6)

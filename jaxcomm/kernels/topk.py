@@ -123,13 +123,17 @@ def _check_k(k: int, length: int) -> int:
 # --------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def topk_abs_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("k", "nonnegative"))
+def topk_abs_reference(x: jax.Array, k: int, *,
+                       nonnegative: bool = False) -> tuple[jax.Array,
+                                                           jax.Array]:
   """The ``k`` entries of largest ``|x|`` via ``lax.top_k(jnp.abs(x), k)``.
 
   Args:
     x: a floating array of any shape, read flattened.
     k: how many entries (static, ``1 <= k <= x.size``).
+    nonnegative: ``x`` holds magnitudes already: ``lax.top_k(x, k)``, with
+      no ``|x|`` buffer beside ``x``.
 
   Returns:
     ``(values, indices)``: ``values = x[indices]`` (signed), ``indices``
@@ -137,7 +141,7 @@ def topk_abs_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """
   x = _flat(x)
   k = _check_k(k, x.shape[0])
-  _, idx = lax.top_k(jnp.abs(x), k)
+  _, idx = lax.top_k(x if nonnegative else jnp.abs(x), k)
   idx = idx.astype(jnp.int32)
   return x[idx], idx
 
@@ -431,7 +435,8 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   return out
 
 
-def topk_abs_groups(x: jax.Array, groups) -> list:
+def topk_abs_groups(x: jax.Array, groups, *,
+                    nonnegative: bool = False) -> list:
   """The top-k of every segment of a flat buffer, dispatched.
 
   ``groups`` as :func:`topk_abs_segments`. Where the jnp top-k is the
@@ -439,7 +444,8 @@ def topk_abs_groups(x: jax.Array, groups) -> list:
   segment, all segments are searched together
   (:func:`topk_abs_segments`); otherwise each group takes
   :func:`topk_abs` (kernel or ``lax.top_k`` by the ``auto`` table), batched
-  over its rows. Either way the result is exact.
+  over its rows. Either way the result is exact. ``nonnegative``: ``x``
+  holds magnitudes (as :func:`topk_abs`).
 
   Returns:
     Per group ``(values, indices)`` of shape ``[count, k]``, indices
@@ -454,14 +460,16 @@ def topk_abs_groups(x: jax.Array, groups) -> list:
   out = []
   for off, count, size, k in groups:
     rows = x[off:off + count * size].reshape(count, size)
-    vals, idx = jax.vmap(lambda r, k=k: topk_abs(r, k))(rows)
+    vals, idx = jax.vmap(lambda r, k=k: topk_abs(
+      r, k, nonnegative=nonnegative))(rows)
     base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
     out.append((vals, idx + base))
   return out
 
 
 def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
-             use_kernel: bool | None = None) -> tuple[jax.Array, jax.Array]:
+             use_kernel: bool | None = None,
+             nonnegative: bool = False) -> tuple[jax.Array, jax.Array]:
   """The ``k`` entries of ``x`` of largest magnitude (exact).
 
   Args:
@@ -471,6 +479,9 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
     use_kernel: ``None``: follow ``JAXCOMM_KERNELS`` (``auto``: the kernel
       on GPU/TPU when ``k <= 64``, else ``lax.top_k``); ``True``: always the
       kernel (interpreted on CPU); ``False``: always ``lax.top_k``.
+    nonnegative: ``x`` holds magnitudes already (``x >= 0``): ``lax.top_k``
+      reads it as is, with no ``|x|`` buffer beside it (the kernel and the
+      bracketed search take ``|x|`` in their own passes).
 
   Returns:
     ``(values, indices)``: signed ``x[indices]`` and ``int32`` indices in
@@ -489,7 +500,7 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
   if _dispatch.auto_bracketed_topk(jax.default_backend(), k) and \
       bracket_pays(k, math.prod(jnp.shape(x))):
     return topk_abs_bracketed(x, k)
-  return topk_abs_reference(x, k)
+  return topk_abs_reference(x, k, nonnegative=nonnegative)
 
 
 # --------------------------------------------------------------------------

@@ -28,17 +28,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.kernels import topk as _topk
 from jaxcomm.transforms._sparsification import _fmix32
 from jaxcomm.transforms._sparsification import num_selected
 
 DEFAULT_ROWS = 5
+# Positions hashed at a time (_sketch_rows, _unsketch): their buffers are
+# this long, not the bucket's length.
+_CHUNK = 16384
 _GOLDEN = 0x9E3779B9
 _MIX = 0x85EBCA6B
 
@@ -74,15 +79,81 @@ def _accumulate(table, col, sign, values):
   return table.at[row, col].add(sign * values[None, :])
 
 
-def _median_rows(est: jax.Array) -> jax.Array:
-  """Median over axis 0 (the rows): the middle value for an odd count,
-  the mean of the two middle values for an even one."""
-  rows = est.shape[0]
+def _sketch_rows(table, salts, values, chunk: int = _CHUNK):
+  """``table[r, h_r(j)] += s_r(j) values[j]`` for every row ``r`` and
+  position ``j`` of ``values``, ``chunk`` positions at a time: a chunk's
+  hashes live only while its scatters run (for the whole bucket at once,
+  they were ``rows`` index arrays the size of the bucket, plus their
+  (row, column) pairs). Positions past the end add zeros."""
+  size = values.shape[0]
+  chunk = min(chunk, size)
+  rows, cols = table.shape
+
+  def one_chunk(c, t):
+    positions = (c.astype(jnp.uint32) * np.uint32(chunk)
+                 + jnp.arange(chunk, dtype=jnp.uint32))
+    part = jnp.take(values, positions, mode="fill", fill_value=0)
+    col, sign = sketch_hash(positions, salts, cols)
+    # Row by row, each a scatter into one row (1-D indices).
+    return jnp.stack([t[r].at[col[r]].add(sign[r] * part)
+                      for r in range(rows)])
+
+  table = _vma.match_varying(table, values)
+  return jax.lax.fori_loop(0, -(-size // chunk), one_chunk, table)
+
+
+def _exchange_sort(xs: list) -> list:
+  """``xs`` (arrays of one shape) sorted element-wise by an odd-even
+  transposition network of ``min``/``max``: element-wise, so it fuses
+  with what makes the ``xs`` (no ``[rows, size]`` buffer, no sort)."""
+  xs = list(xs)
+  for rnd in range(len(xs)):
+    for i in range(rnd % 2, len(xs) - 1, 2):
+      xs[i], xs[i + 1] = (jnp.minimum(xs[i], xs[i + 1]),
+                          jnp.maximum(xs[i], xs[i + 1]))
+  return xs
+
+
+def _median_rows(est: list) -> jax.Array:
+  """Median over the rows' estimates (a list of arrays): the middle value
+  for an odd count, the mean of the two middle values for an even one."""
+  rows = len(est)
   if rows == 1:
     return est[0]
-  s = jnp.sort(est, axis=0)
+  s = _exchange_sort(est)
   mid = rows // 2
   return s[mid] if rows % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def _estimate(table, salts, positions):
+  """The median estimate ``median_r s_r(j) table[r, h_r(j)]`` of each of
+  ``positions``."""
+  col, sign = sketch_hash(positions.astype(jnp.uint32), salts,
+                          table.shape[1])
+  return _median_rows([sign[r] * table[r][col[r]]
+                       for r in range(table.shape[0])])
+
+
+def _unsketch(table, salts, size, chunk: int = _CHUNK,
+              magnitude: bool = False):
+  """Every position's median estimate (:func:`_estimate`; its ``|.|`` with
+  ``magnitude``) for ``j < size``, ``chunk`` positions at a time: a
+  chunk's ``rows`` gathered estimates live only while its median is taken
+  (for the whole bucket at once they were ``rows`` buffers the size of the
+  bucket). The last chunk ends at ``size`` (it overlaps the one before,
+  rewriting the same values)."""
+  chunk = min(chunk, size)
+
+  def one_chunk(c, est):
+    start = jnp.minimum(c * chunk, size - chunk)
+    part = _estimate(table, salts,
+                     start + jnp.arange(chunk, dtype=jnp.int32))
+    if magnitude:
+      part = jnp.abs(part)
+    return jax.lax.dynamic_update_slice(est, part, (start,))
+
+  est = _vma.match_varying(jnp.zeros((size,), jnp.float32), table)
+  return jax.lax.fori_loop(0, -(-size // chunk), one_chunk, est)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +209,8 @@ class FetchSGDCodec(_codec.CodecBase):
     size = ctx.layout.size
     k = self._k_of(ctx.layout)
     salts = _row_salts(self.seed, rows)
-    col, sign = sketch_hash(jnp.arange(size, dtype=jnp.uint32), salts, cols)
     # This device's sketch, then the mean sketch: the one all-reduce.
-    local = _accumulate(jnp.zeros((rows, cols), jnp.float32), col, sign, x)
+    local = _sketch_rows(jnp.zeros((rows, cols), jnp.float32), salts, x)
     sketch = _core.psum(local, ctx.axis_name) / ctx.num_devices
     extra = ()
     if lr_schedule is not None:
@@ -156,9 +226,14 @@ class FetchSGDCodec(_codec.CodecBase):
     s_u = self.momentum * s_u + sketch
     s_e = s_e + s_u
     # Unsketch: every coordinate's median estimate, then the top-k.
-    est = _median_rows(sign * jnp.take_along_axis(s_e, col, axis=1))
-    ((vals, idx),) = _topk.topk_abs_groups(est, [(0, 1, size, k)])
-    vals, idx = vals.reshape(-1), idx.reshape(-1)
+    # The top-k of the estimates' magnitudes, then the k signed estimates
+    # again (the same arithmetic): no signed copy of the estimates beside
+    # their magnitudes.
+    mag = _unsketch(s_e, salts, size, magnitude=True)
+    ((_, idx),) = _topk.topk_abs_groups(mag, [(0, 1, size, k)],
+                                        nonnegative=True)
+    idx = idx.reshape(-1)
+    vals = _estimate(s_e, salts, idx)
     delta = jnp.zeros((size,), jnp.float32).at[idx].set(vals)
     # Take the extracted mass out of the error sketch (S_e -= S(delta)) and
     # zero the momentum sketch in the cells the extracted coordinates hash
