@@ -265,16 +265,7 @@ def _fast_axis_gathers(ops, data_group):
 _MEMORY_OVER = {
   "uint8_partial_buckets": "1.40x at fsdp=2: its padded partial buckets",
   "atomo_s2": "1.40x at fsdp=2: the SVD's workspace",
-  "adacomp_ef": "1.31x at fsdp=2, 1.28x at fsdp=4: its bin statistics",
   "onebit_lamb": "1.33x at fsdp=4: per-leaf trust ratios expanded",
-  "stc_ef": "1.27x at fsdp=2, 1.26x at fsdp=4: the Golomb code buffers",
-  "sbc_ef": "1.27x at fsdp=2, 1.26x at fsdp=4: the Golomb code buffers",
-  "sidco_exp_ef": "1.26x at fsdp=4: the fitted selection's capacity",
-  "sidco_gpareto_ef": "1.26x at fsdp=4: the fitted selection's capacity",
-  "gtopk_ef": "1.25x at fsdp=4 (3.24 MB - state vs 2.38 MB): a hair over",
-  "fetchsgd": ("1.41x at fsdp=2, 1.23x at fsdp=4 (cols=4096; 5.6x before "
-               "hashing by chunks): the estimates' magnitudes and the "
-               "recovered update, besides the bucket"),
 }
 # Arguments an entry needs on this MLP (the battery's sketch is sized for
 # the battery's leaves).

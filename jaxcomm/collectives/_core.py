@@ -253,6 +253,31 @@ def pvary(x, axis_name: AxisName):
   return jax.tree.map(one, x)
 
 
+def zeros_after(size: int, after: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """``jnp.zeros((size,), dtype)`` made from ``after`` (e.g. a scatter's
+  indices): the dense buffer a scatter fills is not allocated before the
+  scatter can run.
+
+  XLA treats a broadcast of zeros as free to schedule anywhere, and on CPU
+  it put the copy a scatter loop starts from at the top of the step: a
+  dense buffer per scatter lived through the backward pass, the step's
+  peak. Here the zero is computed from ``after[0]`` (``|i| * 0`` for an
+  integer, ``float(x != x) * 0`` for a float: +0 either way, and not folded
+  by the compiler, which keeps float products by zero and float
+  self-comparisons), so the buffer exists only once ``after`` does.
+  ``lax.optimization_barrier`` did not hold: XLA removes it before it
+  schedules.
+  """
+  if after.size == 0:
+    return jnp.zeros((size,), dtype)
+  first = after.reshape(-1)[0]
+  if jnp.issubdtype(first.dtype, jnp.integer):
+    zero = jnp.abs(first).astype(dtype) * jnp.zeros((), dtype)
+  else:
+    zero = (first != first).astype(dtype) * jnp.zeros((), dtype)
+  return jnp.broadcast_to(zero, (size,))
+
+
 def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,
                dtype=jnp.float32) -> list[jax.Array]:
   """One psum for many leaves (tensor fusion): flatten, concat, psum, split.

@@ -115,8 +115,9 @@ def sparse_psum(values: jax.Array, indices: jax.Array, size: int,
   capacity = values.shape[0]
   words = _core.all_gather(pack_pairs(values, indices, size), axis_name)
   vals, idx = unpack_pairs(words, capacity, size)
-  return jnp.zeros((size,), jnp.float32).at[idx.reshape(-1)].add(
-    vals.reshape(-1), mode="drop")
+  idx = idx.reshape(-1)
+  return _core.zeros_after(size, idx).at[idx].add(vals.reshape(-1),
+                                                  mode="drop")
 
 
 def sparse_psum_wire(capacity: int, size: int, n: int) -> list:
@@ -210,8 +211,9 @@ def sparse_psum_quantized(values: jax.Array, indices: jax.Array,
   gidx = _core.from_words(words[..., num_rows + n_code:], index_dtype(size))
   gidx = gidx[..., :capacity].astype(jnp.int32)
   vals = dequantize_values(got, jnp.take(scales, rows, axis=-1), bits)
-  total = jnp.zeros((size,), jnp.float32).at[gidx.reshape(-1)].add(
-    vals.reshape(-1), mode="drop")
+  gidx = gidx.reshape(-1)
+  total = _core.zeros_after(size, gidx).at[gidx].add(vals.reshape(-1),
+                                                     mode="drop")
   return total, own
 
 

@@ -166,9 +166,10 @@ class DemoCodec(_codec.CodecBase):
                              ctx.axis_name)
     all_vals, all_idx = _sparse.unpack_pairs(words, plan.capacity,
                                              plan.bound)
-    total = jnp.zeros((size,), jnp.float32).at[
-      (base + all_idx).reshape(-1)].add(all_vals.reshape(-1))
-    own = jnp.zeros((size,), jnp.float32).at[base + idx].add(vals)
+    all_idx = (base + all_idx).reshape(-1)
+    total = _core.zeros_after(size, all_idx).at[all_idx].add(
+      all_vals.reshape(-1))
+    own = _core.zeros_after(size, idx).at[base + idx].add(vals)
     mean = _inverse(total / ctx.num_devices, plan.groups)
     sent = _inverse(own, plan.groups)
     return _codec.CodecResult(mean=mean, sent=sent, state=state)

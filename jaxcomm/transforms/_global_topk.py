@@ -11,6 +11,7 @@ from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
 from jaxcomm.transforms._sparsification import _checked_codec
 from jaxcomm.transforms._sparsification import _local_topk
@@ -47,9 +48,10 @@ class GtopkCodec(_codec.CodecBase):
     ks = [num_selected(ratio, s.size) for s in segs for _ in range(s.count)]
     g_val, g_idx, delivered = _sparse.gtopk_psum(gv, gi, bounds, ks,
                                                  ctx.axis_name)
-    zeros = jnp.zeros((total,), jnp.float32)
-    summed = zeros.at[g_idx].set(g_val, mode="drop")
-    sent = zeros.at[gi].set(jnp.where(delivered, gv, 0.0), mode="drop")
+    summed = _core.zeros_after(total, g_idx).at[g_idx].set(g_val,
+                                                           mode="drop")
+    sent = _core.zeros_after(total, gi).at[gi].set(
+      jnp.where(delivered, gv, 0.0), mode="drop")
     return _codec.CodecResult(mean=summed / ctx.num_devices, sent=sent,
                               state=state)
 

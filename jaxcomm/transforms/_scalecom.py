@@ -82,9 +82,9 @@ class ScaleComCodec(_codec.CodecBase):
     idx = _core.psum(jnp.where(lead, idx, 0), ctx.axis_name)
     vals = x[idx]
     summed = _core.psum(vals, ctx.axis_name)
-    zeros = jnp.zeros((ctx.layout.size,), jnp.float32)
-    mean = zeros.at[idx].set(summed / ctx.num_devices)
-    chosen = zeros.at[idx].set(vals)
+    mean = _core.zeros_after(ctx.layout.size, idx).at[idx].set(
+      summed / ctx.num_devices)
+    chosen = _core.zeros_after(ctx.layout.size, idx).at[idx].set(vals)
     if not self.filtered:
       return _codec.CodecResult(mean=mean, sent=chosen, state=state)
     # Low-pass filter: m_t = (1 - beta) m_{t-1} + beta (x - C(x)); sent is

@@ -152,7 +152,7 @@ def _unsketch(table, salts, size, chunk: int = _CHUNK,
       part = jnp.abs(part)
     return jax.lax.dynamic_update_slice(est, part, (start,))
 
-  est = _vma.match_varying(jnp.zeros((size,), jnp.float32), table)
+  est = _vma.match_varying(_core.zeros_after(size, table), table)
   return jax.lax.fori_loop(0, -(-size // chunk), one_chunk, est)
 
 
@@ -234,7 +234,7 @@ class FetchSGDCodec(_codec.CodecBase):
                                         nonnegative=True)
     idx = idx.reshape(-1)
     vals = _estimate(s_e, salts, idx)
-    delta = jnp.zeros((size,), jnp.float32).at[idx].set(vals)
+    delta = _core.zeros_after(size, idx).at[idx].set(vals)
     # Take the extracted mass out of the error sketch (S_e -= S(delta)) and
     # zero the momentum sketch in the cells the extracted coordinates hash
     # to (momentum factor masking in sketch space).

@@ -114,7 +114,7 @@ def _sparse_exchange(gv, gi, ctx):
   (``layout.size``: unused slot); returns flat (mean, sent)."""
   total = ctx.layout.size
   summed = _sparse.sparse_psum(gv, gi, total, ctx.axis_name)
-  sent = jnp.zeros((total,), jnp.float32).at[gi].set(gv, mode="drop")
+  sent = _core.zeros_after(total, gi).at[gi].set(gv, mode="drop")
   return summed / ctx.num_devices, sent
 
 
@@ -175,7 +175,7 @@ class TopkCodec(_codec.CodecBase):
         vals, idx, jnp.asarray(rows), sum(s.count for s in segs),
         ctx.layout.size, self.value_bits, ctx.axis_name)
       mean = total / ctx.num_devices
-      sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+      sent = _core.zeros_after(ctx.layout.size, idx).at[idx].set(
         own, mode="drop")
     return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
@@ -207,14 +207,14 @@ class GossipTopkCodec(TopkCodec):
   def message(self, x, ctx):
     vals, idx = _local_topk(x, _segments(ctx.layout, self.granularity),
                             self.ratio)
-    sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+    sent = _core.zeros_after(ctx.layout.size, idx).at[idx].set(
       vals, mode="drop")
     return _sparse.pack_pairs(vals, idx, ctx.layout.size), sent
 
   def decode(self, words, ctx):
     k = _num_pairs(_segments(ctx.layout, self.granularity), self.ratio)
     vals, idx = _sparse.unpack_pairs(words, k, ctx.layout.size)
-    return jnp.zeros((ctx.layout.size,), jnp.float32).at[idx].set(
+    return _core.zeros_after(ctx.layout.size, idx).at[idx].set(
       vals, mode="drop")
 
 
@@ -419,13 +419,13 @@ class RandomkCodec(_codec.CodecBase):
   def message(self, x, ctx):
     gi = self._indices(ctx)  # from the shared key: the same on every device
     vals = x[gi]
-    sent = jnp.zeros((ctx.layout.size,), jnp.float32).at[gi].set(vals)
+    sent = _core.zeros_after(ctx.layout.size, gi).at[gi].set(vals)
     return _core.to_words(vals), sent
 
   def decode(self, words, ctx):
     vals = _core.from_words(words, jnp.float32)
-    return jnp.zeros((ctx.layout.size,), jnp.float32).at[
-      self._indices(ctx)].set(vals)
+    gi = self._indices(ctx)
+    return _core.zeros_after(ctx.layout.size, gi).at[gi].set(vals)
 
 
 @_registry.method(

@@ -94,8 +94,9 @@ def _scatter(layout, pos, vals, lead=()):
     base = g.offset + g.leaf_size * jnp.arange(g.count, dtype=jnp.int32)
     flat_idx.append((p + base[:, None]).reshape(-1))
     flat_val.append(v.reshape(-1))
-  return jnp.zeros((layout.size,), jnp.float32).at[
-    jnp.concatenate(flat_idx)].add(jnp.concatenate(flat_val))
+  idx = jnp.concatenate(flat_idx)
+  return _core.zeros_after(layout.size, idx).at[idx].add(
+    jnp.concatenate(flat_val))
 
 
 def _encode(layout, sel, ratio, signs):
