@@ -263,7 +263,6 @@ def _fast_axis_gathers(ops, data_group):
 # Entries whose compiled step is measured above 1.25x the plain step's
 # memory on this MLP (state excluded), with what is materialized.
 _MEMORY_OVER = {
-  "uint8_partial_buckets": "1.40x at fsdp=2: its padded partial buckets",
   "atomo_s2": "1.40x at fsdp=2: the SVD's workspace",
   "onebit_lamb": "1.33x at fsdp=4: per-leaf trust ratios expanded",
 }

@@ -75,6 +75,20 @@ def device_key(ctx: _compressor.Context) -> jax.Array:
 # ----------------------------------------------- shared-scale quantizers --
 
 
+def _pad_rows(v, extra: int, *, edge: bool):
+  """``v`` (``[count, d]``) with ``extra`` columns more: zeros, or with
+  ``edge`` copies of each row's last value (``jnp.pad``'s modes). The edge
+  copies are a select over a zero pad, both element-wise, so the compiler
+  fuses them into what reads the padded rows; ``jnp.pad(mode="edge")`` is
+  a concatenate, which it kept as one more buffer of the bucket's size
+  (uint8 with partial buckets: 1.40x the plain FSDP step's memory)."""
+  padded = jnp.pad(v, ((0, 0), (0, extra)))
+  if not edge:
+    return padded
+  col = jax.lax.broadcasted_iota(jnp.int32, padded.shape, 1)
+  return jnp.where(col >= v.shape[1], v[:, -1:], padded)
+
+
 class _Layout(NamedTuple):
   """Bucket layout of the compressed leaves (static)."""
 
@@ -198,7 +212,6 @@ class IntegerCodec(_codec.CodecBase):
     # per-leaf ``prepare``) are one contiguous region of x: a free reshape,
     # with no copy in and none out. A group that pads its last bucket (or
     # that ``prepare`` transforms per leaf) is [G, d] -> padded -> [G c, b].
-    mode = "edge" if self.asymmetric else "constant"
     parts = []   # (offset, size, b, padded: (count, d, c) | None)
     for g in layout.groups:
       d = g.leaf_size
@@ -224,7 +237,7 @@ class IntegerCodec(_codec.CodecBase):
       if self.prepares:
         v = self.prepare(v)
       if b * c != d:
-        v = jnp.pad(v, ((0, 0), (0, b * c - d)), mode=mode)
+        v = _pad_rows(v, b * c - d, edge=self.asymmetric)
       xbs.append(v.reshape(count * c, b))
     # Consecutive parts with the same bucket width are one [N, b] block:
     # the statistics, the quantizer and the decoder run once per block.
