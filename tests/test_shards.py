@@ -264,7 +264,6 @@ def _fast_axis_gathers(ops, data_group):
 # memory on this MLP (state excluded), with what is materialized.
 _MEMORY_OVER = {
   "atomo_s2": "1.40x at fsdp=2: the SVD's workspace",
-  "onebit_lamb": "1.33x at fsdp=4: per-leaf trust ratios expanded",
 }
 # Arguments an entry needs on this MLP (the battery's sketch is sized for
 # the battery's leaves).

@@ -261,21 +261,38 @@ def zeros_after(size: int, after: jax.Array, dtype=jnp.float32) -> jax.Array:
   XLA treats a broadcast of zeros as free to schedule anywhere, and on CPU
   it put the copy a scatter loop starts from at the top of the step: a
   dense buffer per scatter lived through the backward pass, the step's
-  peak. Here the zero is computed from ``after[0]`` (``|i| * 0`` for an
-  integer, ``float(x != x) * 0`` for a float: +0 either way, and not folded
-  by the compiler, which keeps float products by zero and float
-  self-comparisons), so the buffer exists only once ``after`` does.
+  peak. Here the zero is ``|float(a) * 0|`` of ``a = after[0]`` (of
+  ``a != a`` for a float ``after``): +0 for any value, and not folded by
+  the compiler, which keeps float products by zero and float
+  self-comparisons, so the buffer exists only once ``after`` does.
   ``lax.optimization_barrier`` did not hold: XLA removes it before it
   schedules.
   """
   if after.size == 0:
     return jnp.zeros((size,), dtype)
   first = after.reshape(-1)[0]
-  if jnp.issubdtype(first.dtype, jnp.integer):
-    zero = jnp.abs(first).astype(dtype) * jnp.zeros((), dtype)
-  else:
-    zero = (first != first).astype(dtype) * jnp.zeros((), dtype)
-  return jnp.broadcast_to(zero, (size,))
+  if not jnp.issubdtype(first.dtype, jnp.integer):
+    first = first != first
+  zero = jnp.abs(first.astype(jnp.float32) * jnp.float32(0.0))
+  return jnp.broadcast_to(zero.astype(dtype), (size,))
+
+
+def after(x: jax.Array, dep: jax.Array) -> jax.Array:
+  """``x``, computed only once the float array ``dep`` exists: ``x`` where
+  ``dep``'s first value is a number, NaN where it is NaN (a NaN there
+  makes the step non-finite anyway).
+
+  XLA computes a value that depends only on the step's inputs (e.g. the
+  params flattened into a buffer) as early as it can, and on CPU such a
+  buffer lived through the backward pass, the step's peak. A select on a
+  float self-comparison is not folded by the compiler, so this ties ``x``
+  to ``dep``; ``lax.optimization_barrier`` did not hold (XLA removes it
+  before it schedules).
+  """
+  if dep.size == 0:
+    return x
+  first = dep.reshape(-1)[0]
+  return jnp.where(first != first, jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,

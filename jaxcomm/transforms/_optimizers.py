@@ -38,8 +38,9 @@ from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _policy
 from jaxcomm import _registry
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
-from jaxcomm.kernels import topk as _topk
+from jaxcomm.kernels import threshold as _threshold
 from jaxcomm.transforms import _signs
 
 
@@ -122,18 +123,32 @@ class _Flat(NamedTuple):
     return jax.tree.unflatten(treedef, out)
 
   def segments(self) -> jax.Array:
-    """The leaf of each position (built once, see ``topk.segment_ids``)."""
+    """The leaf of each position (built once, see ``segment_ids``), in the
+    narrowest integer type that holds the leaf count (int8 below 128
+    leaves: a quarter of int32's memory per position)."""
     if not self.index:
       return jnp.zeros((0,), jnp.int32)
-    return _topk.segment_ids(self.bounds)
+    return _threshold.segment_ids(self.bounds,
+                                  _threshold.narrowest_ids(len(self.index)))
+
+  def _reduce(self, scatter, x, ids, init) -> jax.Array:
+    # lax's scatter takes the ids in their own type (jax.ops.segment_sum
+    # converts them to int32: one more array of the buffer's length).
+    dims = jax.lax.ScatterDimensionNumbers(
+      update_window_dims=(), inserted_window_dims=(0,),
+      scatter_dims_to_operand_dims=(0,))
+    out = jnp.full((len(self.index),), init, x.dtype)
+    return scatter(_vma.match_varying(out, x), ids[:, None], x, dims,
+                   indices_are_sorted=True, mode="drop")
 
   def leaf_sum(self, x, ids) -> jax.Array:
-    return jax.ops.segment_sum(x, ids, num_segments=len(self.index),
-                               indices_are_sorted=True)
+    return self._reduce(jax.lax.scatter_add, x, ids, 0.0)
 
   def leaf_max(self, x, ids) -> jax.Array:
-    return jax.ops.segment_max(x, ids, num_segments=len(self.index),
-                               indices_are_sorted=True)
+    return self._reduce(jax.lax.scatter_max, x, ids, -jnp.inf)
+
+  def expand(self, v, ids) -> jax.Array:
+    return v[ids]
 
 
 def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
@@ -486,7 +501,8 @@ def onebit_lamb(
     bad = ph.bad | (warm & ~jnp.all(jnp.isfinite(nu)))
     nu_count = state.nu_count + warm.astype(jnp.int32)
     c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
-    p = flat.flatten(params)
+    # The params' buffer once the momentum is exchanged, not before.
+    p = _core.after(flat.flatten(params), ph.mu)
     d = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)       # Adam's direction
     u = d + weight_decay * p
     # Per-leaf (layer) norms and maxima: segment reductions of the buffer.
@@ -512,7 +528,8 @@ def onebit_lamb(
     fac = jnp.clip(fac, state.factor * (1.0 - factor_threshold),
                    state.factor * (1.0 + factor_threshold))
     scale = jnp.where(warm, ratio, state.coeff * fac)
-    step = -_learning_rate(learning_rate, ph.count) * scale[ids] * u
+    step = (-_learning_rate(learning_rate, ph.count) * flat.expand(scale, ids)
+            * u)
     new = OneBitLambState(
       mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
       nu_count=jnp.where(bad, state.nu_count, nu_count),
