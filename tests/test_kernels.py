@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm import kernels
 from jaxcomm.kernels import _dispatch
 from jaxcomm.kernels import bitpack
-from jaxcomm.kernels import threshold
+from jaxcomm.kernels import threshold as threshold_kernels
 from jaxcomm.kernels import topk
 
 LENGTHS = (1, 31, 32, 33, 1000, 4097)
@@ -367,8 +367,9 @@ def test_segment_ids_and_bad_bounds():
   # Narrower ids: the same values in the type narrowest_ids picks.
   for segments, dtype in ((6, np.int8), (128, np.int8), (129, np.int16),
                           (40_000, np.int32)):
-    assert threshold.narrowest_ids(segments) == dtype, segments
-  ids = topk.segment_ids(bounds, threshold.narrowest_ids(len(bounds) - 1))
+    assert threshold_kernels.narrowest_ids(segments) == dtype, segments
+  narrow = threshold_kernels.narrowest_ids(len(bounds) - 1)
+  ids = topk.segment_ids(bounds, narrow)
   assert ids.dtype == np.int8
   np.testing.assert_array_equal(np.asarray(ids), want)
   many = tuple(range(0, 3 * 200 + 1, 3))   # 200 segments of 3
