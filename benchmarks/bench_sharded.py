@@ -13,6 +13,14 @@ what the compressors cost in compute, not what a slow link would save.
 
   python -m benchmarks.bench_sharded --steps 5 \
       --out docs/benchmarks/sharded.md
+
+With ``--memory``: every registered compressor (train.py's defaults) on
+the same LM at fsdp=2 and fsdp=4, its compiled step's memory per device
+without its optimizer state (what the state holds is the residual the
+method keeps by definition) against the plain step's at the same fsdp:
+
+  python -m benchmarks.bench_sharded --memory \
+      --out docs/benchmarks/sharded_memory.md
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from benchmarks import _common  # noqa: E402
 from jaxcomm import parallel  # noqa: E402
 from jaxcomm import wire  # noqa: E402
 from models import transformer  # noqa: E402
+from trainer import config  # noqa: E402
 
 CONFIG = dict(vocab_size=128, d_model=256, num_heads=8, num_layers=2,
               d_ff=1024, max_len=64)
@@ -69,12 +78,76 @@ def _memory(compiled) -> int:
   return int(m.temp_size_in_bytes + m.argument_size_in_bytes)
 
 
+def _memory_table(batch, only=None) -> str:
+  """The ``--memory`` table: per registered compressor, compiled memory
+  per device without its state, over the plain step's, fsdp 2 and 4."""
+  names = [n for n in config.available_compressors()
+           if only is None or n in only]
+  cols, plain = {}, {}
+  for fsdp in (2, 4):
+    mesh = jax.make_mesh((2, fsdp), ("dcn", "fsdp"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:2 * fsdp])
+    loss_fn, placed, specs = _model(mesh)
+    on_mesh = jax.device_put(batch, NamedSharding(mesh, P(("dcn", "fsdp"))))
+
+    def step(p, b, loss_fn=loss_fn):
+      loss, g = jax.value_and_grad(loss_fn)(p, b)
+      return jax.tree.map(lambda a, d: a - 0.01 * d, p, g), loss
+    plain[fsdp] = _memory(jax.jit(step).lower(placed, on_mesh).compile())
+    for name in names:
+      comp, _, _ = config.build_compressor(name, axis_name="dcn")
+      tx = optax.chain(comp, optax.sgd(0.01))
+      dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
+                                 auto_axes=("fsdp",), donate=False)
+      params, state = dp.init(placed)
+      c = dp.lower(params, state, dp.shard_batch(batch)).compile()
+      state_bytes = sum(x.addressable_shards[0].data.nbytes
+                        for x in jax.tree.leaves(state))
+      cols.setdefault(name, {})[fsdp] = (_memory(c) - state_bytes,
+                                         state_bytes)
+      print(f"  fsdp={fsdp} {name}: {cols[name][fsdp][0] / 1e6:.2f} MB",
+            file=sys.stderr, flush=True)
+  lines = [
+    "`python -m benchmarks.bench_sharded --memory`", "",
+    f"Transformer LM ({CONFIG}), mesh (dcn=2, fsdp) of CPU devices, jax "
+    f"{jax.__version__}; each compressor with train.py's defaults, then "
+    "SGD. Memory per device: the compiled step's arguments and "
+    "temporaries less its optimizer state, over the plain jit step's "
+    f"(fsdp=2: {plain[2] / 1e6:.2f} MB, fsdp=4: {plain[4] / 1e6:.2f} MB).",
+    "",
+    "| compressor | fsdp=2 (MB) | vs plain | fsdp=4 (MB) | vs plain | "
+    "state at fsdp=4 (MB) |",
+    "|---|---:|---:|---:|---:|---:|"]
+  for name in sorted(cols, key=lambda n: -cols[n][4][0] / plain[4]):
+    (m2, _), (m4, s4) = cols[name][2], cols[name][4]
+    lines.append(f"| {name} | {m2 / 1e6:.2f} | {m2 / plain[2]:.2f}x | "
+                 f"{m4 / 1e6:.2f} | {m4 / plain[4]:.2f}x | {s4 / 1e6:.2f} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--memory", action="store_true",
+                  help="the memory table of every registered compressor")
+  ap.add_argument("--only", default=None,
+                  help="with --memory: comma-separated compressor names")
   args = ap.parse_args(argv)
+  if args.memory:
+    rng = np.random.RandomState(0)
+    tok = rng.randint(0, CONFIG["vocab_size"],
+                      size=(args.batch, CONFIG["max_len"] + 1)).astype(
+                        np.int32)
+    text = _memory_table({"x": tok[:, :-1], "y": tok[:, 1:]},
+                         args.only.split(",") if args.only else None)
+    print(text)
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(text + "\n")
+    return
   mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   loss_fn, placed, specs = _model(mesh)
