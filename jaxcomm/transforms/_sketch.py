@@ -79,14 +79,14 @@ def _accumulate(table, col, sign, values):
   return table.at[row, col].add(sign * values[None, :])
 
 
-def _sketch_rows(table, salts, values, chunk: int = _CHUNK):
+def _sketch_rows(table, salts, values, chunk: int | None = None):
   """``table[r, h_r(j)] += s_r(j) values[j]`` for every row ``r`` and
   position ``j`` of ``values``, ``chunk`` positions at a time: a chunk's
   hashes live only while its scatters run (for the whole bucket at once,
   they were ``rows`` index arrays the size of the bucket, plus their
   (row, column) pairs). Positions past the end add zeros."""
   size = values.shape[0]
-  chunk = min(chunk, size)
+  chunk = min(_CHUNK if chunk is None else chunk, size)
   rows, cols = table.shape
 
   def one_chunk(c, t):
@@ -134,7 +134,7 @@ def _estimate(table, salts, positions):
                        for r in range(table.shape[0])])
 
 
-def _unsketch(table, salts, size, chunk: int = _CHUNK,
+def _unsketch(table, salts, size, chunk: int | None = None,
               magnitude: bool = False):
   """Every position's median estimate (:func:`_estimate`; its ``|.|`` with
   ``magnitude``) for ``j < size``, ``chunk`` positions at a time: a
@@ -142,7 +142,7 @@ def _unsketch(table, salts, size, chunk: int = _CHUNK,
   (for the whole bucket at once they were ``rows`` buffers the size of the
   bucket). The last chunk ends at ``size`` (it overlaps the one before,
   rewriting the same values)."""
-  chunk = min(chunk, size)
+  chunk = min(_CHUNK if chunk is None else chunk, size)
 
   def one_chunk(c, est):
     start = jnp.minimum(c * chunk, size - chunk)
