@@ -260,35 +260,19 @@ def _fast_axis_gathers(ops, data_group):
              and o.group != data_group)
 
 
-# Entries whose compiled step is measured above 1.25x the plain step's
-# memory on this MLP (state excluded), with why: strict xfails.
-_MEMORY_OVER = {
-  "atomo_s2": ("1.40x at fsdp=2 (1.00x at 4): on CPU its SVDs run one "
-               "matrix per call through lax.map, whose output buffers XLA "
-               "allocates at the top of the step; the two alternatives "
-               "measured fit (1.20x, 1.00x) but slowed ATOMO's update by "
-               "27% and 38% (_lowrank._per_matrix)"),
-}
 # Arguments an entry needs on this MLP (the battery's sketch is sized for
 # the battery's leaves).
 _MEMORY_KWARGS = {"fetchsgd": {"cols": 4096}}
 
 
-def _memory_params():
-  return [pytest.param(n, marks=pytest.mark.xfail(strict=True,
-                                                  reason=_MEMORY_OVER[n]))
-          if n in _MEMORY_OVER else n for n in NAMES]
-
-
-@pytest.mark.parametrize("name", _memory_params())
+@pytest.mark.parametrize("name", NAMES)
 def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
   """The whole compiled step of every battery entry next to the plain jit
   step of the same model: gathers over the fast axes move no more than the
   plain step's FSDP weight gathers (+4 KB; + PowerSGD's r-wide factors for
   whole matrices), memory per device within 1.25x of it, and falling as
   fsdp grows from 2 to 4 (a step at fsdp=4 within 4 KB of the plain
-  step's own memory counts as falling). An entry measured above that is a
-  strict xfail naming its figure (_MEMORY_OVER)."""
+  step's own memory counts as falling)."""
   entry = ENTRIES[name]
   temps = {}
   for fsdp in (2, 4):

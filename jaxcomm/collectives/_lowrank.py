@@ -118,13 +118,13 @@ def _per_matrix(fn, *xs):
   same size for any batch. Other backends keep the batched call.
 
   ``lax.map``'s output buffers start as zeros that XLA allocates at the
-  top of the step, alive through the backward pass (ATOMO on the sharded
-  MLP's two blocks: 1.40x the plain FSDP step's memory at fsdp=2). Two
-  alternatives were measured on ATOMO's update on ResNet-18 shapes, in one
-  process, round-robin, median of 7: ``lax.map`` 578 ms; a ``fori_loop``
-  writing into buffers made from the input (1.20x memory) 737 ms; the
-  calls written out for batches up to 4 (1.00x memory) 800 ms. On this
-  CPU-only path ``lax.map`` stays.
+  top of the step, alive through the backward pass, so ``fn`` should
+  return what its caller needs and no more (ATOMO samples its atoms inside
+  ``fn``: stacked whole U and V factors were 1.40x the plain FSDP step's
+  memory at fsdp=2). Two alternatives were measured on ATOMO's update on
+  ResNet-18 shapes, in one process, round-robin, median of 7: ``lax.map``
+  578 ms; a ``fori_loop`` writing into buffers made from the input 737
+  ms; the calls written out for batches up to 4, 800 ms.
   """
   batch = xs[0].shape[:-2]
   if jax.default_backend() != "cpu" or math.prod(batch) <= 1:

@@ -109,18 +109,28 @@ class AtomoCodec(_codec.CodecBase):
     layout = ctx.layout
     key = jax.random.fold_in(ctx.key, ctx.device_index)
     msgs, sent = [], []
-    for g, mats in zip(layout.groups, layout.matrices(x, matrix_shape)):
-      u, sigma, vh = _lowrank._per_matrix(  # pylint: disable=protected-access
-        lambda a: jnp.linalg.svd(a, full_matrices=False), mats)
+
+    def svd_sample(a, uni):
+      """The sampled atoms of matrices ``a`` (``[..., r, c]``): ``su``
+      ``[..., s, r]`` (scaled) and ``sv`` ``[..., s, c]``. One function
+      from the SVD to the sample, so that on CPU, where it runs one matrix
+      at a time, the loop's outputs are the atoms and not whole U and V
+      factors (their stacked buffers were 1.40x the plain FSDP step's
+      memory)."""
+      u, sigma, vh = jnp.linalg.svd(a, full_matrices=False)
       p = water_filling(sigma, budget)
+      idx, valid, scale = _sample(sigma, p, uni, budget)
+      su = jnp.take_along_axis(u, idx[..., None, :], axis=-1)  # [.., r, s]
+      su = jnp.swapaxes(su, -1, -2) * scale[..., None]          # [.., s, r]
+      sv = jnp.take_along_axis(vh, idx[..., :, None], axis=-2)  # [.., s, c]
+      return su, jnp.where(valid[..., None], sv, 0.0)
+
+    for g, mats in zip(layout.groups, layout.matrices(x, matrix_shape)):
       uni = jax.vmap(lambda j: jax.random.uniform(
         jax.random.fold_in(key, j), (), jnp.float32))(
           jnp.asarray(g.leaves, jnp.int32))
-      idx, valid, scale = _sample(sigma, p, uni, budget)
-      su = jnp.take_along_axis(u, idx[:, None, :], axis=2)     # [G, r, s]
-      su = jnp.swapaxes(su, 1, 2) * scale[..., None]          # [G, s, r]
-      sv = jnp.take_along_axis(vh, idx[:, :, None], axis=1)    # [G, s, c]
-      sv = jnp.where(valid[..., None], sv, 0.0)
+      su, sv = _lowrank._per_matrix(  # pylint: disable=protected-access
+        svd_sample, mats, uni.reshape(mats.shape[:-2]))
       msgs += [su.reshape(-1), sv.reshape(-1)]
       sent.append(jnp.einsum("gsr,gsc->grc", su, sv))
     return jnp.concatenate(msgs), layout.join_any(sent)
