@@ -406,9 +406,11 @@ class RandomkCodec(_codec.CodecBase):
     gi = self._indices(ctx)
     vals = x[gi]
     summed = _core.psum(vals, ctx.axis_name)
-    zeros = jnp.zeros((ctx.layout.size,), jnp.float32)
-    mean = zeros.at[gi].set(summed / ctx.num_devices)
-    sent = zeros.at[gi].set(vals)
+    # The indices come from the shared key, known at the top of the step:
+    # the zeros hang on the values, which come late.
+    size = ctx.layout.size
+    mean = _core.zeros_after(size, summed).at[gi].set(summed / ctx.num_devices)
+    sent = _core.zeros_after(size, vals).at[gi].set(vals)
     return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(self, layout, n):
