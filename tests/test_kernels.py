@@ -231,6 +231,29 @@ def test_topk_abs_matches_numpy(length, k):
                                   err_msg=name)
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_topk_abs_of_magnitudes(use_kernel):
+  """``nonnegative=True`` (magnitudes read as they are) selects what the
+  signed input selects, lower index first among ties, under jit and on the
+  kernel path (interpreted)."""
+  x = _signal(5000, seed=3)
+  mag = np.abs(x)
+  expected = _np_topk(x, 50)
+  f = jax.jit(lambda m: topk.topk_abs(m, 50, nonnegative=True,
+                                      use_kernel=use_kernel,
+                                      interpret=use_kernel))
+  values, indices = f(mag)
+  np.testing.assert_array_equal(np.asarray(indices), expected)
+  np.testing.assert_array_equal(np.asarray(values), mag[expected])
+  ((gv, gi),) = topk.topk_abs_groups(mag, [(1000, 2, 2000, 50)],
+                                     nonnegative=True)
+  for row in range(2):
+    seg = mag[1000 + 2000 * row:1000 + 2000 * (row + 1)]
+    want = 1000 + 2000 * row + _np_topk(seg, 50)
+    np.testing.assert_array_equal(np.asarray(gi[row]), want)
+    np.testing.assert_array_equal(np.asarray(gv[row]), mag[want])
+
+
 @pytest.mark.parametrize("length,k", ((300, 40), (5000, 64)))
 def test_topk_abs_ties(length, k):
   # Few distinct magnitudes: many ties at the k-th value.
