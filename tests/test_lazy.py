@@ -80,3 +80,35 @@ def test_bad_arguments_are_named():
     jaxcomm.lag(-0.5)
   with pytest.raises(ValueError, match="error_feedback"):
     jaxcomm.lag(1.0, error_feedback=False)
+
+
+@pytest.mark.parametrize("bad", ["nan_on_one", "huge_everywhere"])
+def test_a_skipped_first_step_does_not_stop_the_first_send(mesh, bad):
+  """Step 0 is non-finite (a NaN on device 3, or 1e38 everywhere: the
+  device sum overflows) and skipped; the first *taken* step must send
+  whole, as the first step does in the paper's reference. Before, the
+  rule read the step counter (which counts the skipped step): the trigger
+  then compared ``|g|^2`` with itself and no leaf ever moved again. The
+  run after the skip equals the numpy reference started at that step."""
+  from tests import entries_lazy
+  seq = harness.make_grads(5, 4)
+  bad_g = {k: np.array(v, np.float32) for k, v in seq[0].items()}
+  for k in bad_g:
+    if bad == "nan_on_one":
+      bad_g[k][3] = np.nan
+    else:
+      bad_g[k][:] = 1e38
+  bad_g = {k: jnp.asarray(v) for k, v in bad_g.items()}
+  # zeta >= 1: at a first step the trigger compares |g|^2 with zeta |g|^2
+  # and cannot fire by itself.
+  zeta = 2.0
+  updates, codec = _run(mesh, [bad_g] + seq, zeta=zeta)
+  assert not np.all(np.isfinite(np.asarray(updates[0]["w"])))
+  ref, _, _ = entries_lazy._lag_run(zeta)(
+      [{k: np.asarray(v) for k, v in g.items()} for g in seq], harness.N)
+  for u, r in zip(updates[1:], ref):
+    for k in ("conv", "w", "b"):
+      np.testing.assert_allclose(np.asarray(u[k]), r[k], rtol=1e-5,
+                                 atol=1e-5)
+  # The first taken step sent on every device.
+  assert np.all(np.asarray(codec.sent_steps) >= 1)

@@ -37,7 +37,8 @@ class LagState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class LagCodec(_codec.CodecBase):
   """LAG's trigger on EF21's input: a device sends ``x = g - h`` only when
-  ``|x|^2 > zeta |g - g_prev|^2`` (or at the first step).
+  ``|x|^2 > zeta |g - g_prev|^2`` (or at the first step taken: a skipped
+  non-finite step does not count).
 
   Attributes:
     zeta: the trigger constant, ``>= 0``.
@@ -55,7 +56,12 @@ class LagCodec(_codec.CodecBase):
     # EF21's input: x = g - h (h the device's last sent gradient).
     g = ctx.grad
     moved = jnp.sum(jnp.square(g - state.previous))
-    send = (jnp.sum(jnp.square(x)) > self.zeta * moved) | (ctx.step == 0)
+    # Every device sends at its first *taken* step: sent_steps is 0 until
+    # then (a skipped non-finite step leaves the state as it was), where
+    # ctx.step also counts skipped steps and would leave the trigger
+    # comparing |g|^2 with zeta |g|^2 for good.
+    send = ((jnp.sum(jnp.square(x)) > self.zeta * moved)
+            | (state.sent_steps == 0))
     senders = _core.psum(send.astype(jnp.int32), ctx.axis_name)
     sent = jnp.where(send, x, jnp.zeros_like(x))
 
@@ -106,7 +112,8 @@ def lag(zeta: float = 1.0, *, axis_name="data", error_feedback="ef21",
   with the step-size history folded into one constant. It runs on EF21's
   estimates (``error_feedback="ef21"``, the only mode offered): ``h_i``
   per device, ``h = mean_i h_i`` everywhere, and a device that sends adds
-  ``g_i - h_i`` to both. Every device sends at the first step.
+  ``g_i - h_i`` to both. Every device sends at the first step taken (a
+  non-finite step skipped before it does not count).
 
   What moves: one 4-byte all-reduce of the number of senders, then, only
   if some device sends, one float32 all-reduce of the bucket (a device that
