@@ -12,6 +12,7 @@ from jaxcomm.collectives._core import check_axis
 from jaxcomm.collectives._core import check_local
 from jaxcomm.collectives._core import from_words
 from jaxcomm.collectives._core import fused_psum
+from jaxcomm.collectives._core import pack_fields
 from jaxcomm.collectives._core import padded_length
 from jaxcomm.collectives._core import pmax
 from jaxcomm.collectives._core import ppermute
@@ -19,6 +20,7 @@ from jaxcomm.collectives._core import psum
 from jaxcomm.collectives._core import pvary
 from jaxcomm.collectives._core import scatter_gather_sum
 from jaxcomm.collectives._core import to_words
+from jaxcomm.collectives._core import unpack_fields
 from jaxcomm.collectives._core import varying_axes
 from jaxcomm.collectives._gossip import gossip_average
 from jaxcomm.collectives._gossip import gossip_messages

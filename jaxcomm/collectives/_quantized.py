@@ -70,8 +70,10 @@ def pack_codes(u: jax.Array, bits: int) -> jax.Array:
   """Packs unsigned codes (< ``2**bits``) ``32 / bits`` to a ``uint32`` word.
 
   Code ``k`` of word ``i`` sits at bits ``[k * bits, (k + 1) * bits)`` of
-  word ``i`` and holds element ``i * (32 / bits) + k`` (little-endian, as
-  :func:`jaxcomm.kernels.bitpack.pack_signs`).
+  word ``i`` and holds element ``k * q + i`` (``q`` words): fields are
+  contiguous slices, packed along a major direction so that the TPU
+  compiler's (8, 128) tiles stay full (:func:`jaxcomm.collectives.
+  pack_fields`).
 
   Args:
     u: ``uint32[..., m]`` with ``m`` a multiple of ``32 / bits``.
@@ -80,28 +82,17 @@ def pack_codes(u: jax.Array, bits: int) -> jax.Array:
   Returns:
     ``uint32[..., m * bits / 32]``.
   """
-  per = WORD_BITS // bits
-  u = jnp.asarray(u, jnp.uint32)
-  m = u.shape[-1]
-  if m % per:
-    raise ValueError(f"pack_codes: last axis {m} must be a multiple of {per}")
-  if per == 1:
-    return u
-  u = u.reshape(u.shape[:-1] + (m // per, per))
-  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
-  # Disjoint bit fields: the sum is the bitwise OR.
-  return jnp.sum(u << shifts, axis=-1, dtype=jnp.uint32)
+  if WORD_BITS % bits:
+    raise ValueError(f"pack_codes: bits must divide 32, got {bits}")
+  if u.shape[-1] % (WORD_BITS // bits):
+    raise ValueError(f"pack_codes: last axis {u.shape[-1]} must be a "
+                     f"multiple of {WORD_BITS // bits}")
+  return _core.pack_fields(u, bits)
 
 
 def unpack_codes(w: jax.Array, bits: int, m: int) -> jax.Array:
   """Inverse of :func:`pack_codes`: ``uint32[..., m]`` codes."""
-  per = WORD_BITS // bits
-  if per == 1:
-    return w[..., :m]
-  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
-  mask = jnp.uint32((1 << bits) - 1)
-  u = (w[..., None] >> shifts) & mask
-  return u.reshape(w.shape[:-1] + (-1,))[..., :m]
+  return _core.unpack_fields(w, bits, m)
 
 
 class Plan(NamedTuple):

@@ -155,17 +155,12 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
   n = codes.shape[-1]
   c = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1)
               + [(0, _core.padded_length(n, per) - n)])
-  c = c.reshape(c.shape[:-1] + (-1, per))
-  shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)
-  return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)
+  return _core.pack_fields(c, bits)
 
 
 def unpack_codes(words: jax.Array, count: int, bits: int) -> jax.Array:
   """Inverse of :func:`pack_codes`: the first ``count`` codes."""
-  per = 32 // bits
-  shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)
-  c = (words[..., None] >> shifts) & jnp.uint32(2 ** bits - 1)
-  return c.reshape(c.shape[:-2] + (-1,))[..., :count]
+  return _core.unpack_fields(words, bits, count)
 
 
 def quantized_message_words(capacity: int, size: int, rows: int,
