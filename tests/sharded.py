@@ -45,8 +45,10 @@ MESHES = {
 @functools.lru_cache(maxsize=None)
 def mesh_of(name):
   shape, _ = MESHES[name]
+  size = int(np.prod(list(shape.values())))
   return jax.make_mesh(tuple(shape.values()), tuple(shape),
-                       axis_types=(AUTO,) * len(shape))
+                       axis_types=(AUTO,) * len(shape),
+                       devices=jax.devices()[:size])
 
 
 def auto_axes(mesh) -> tuple:

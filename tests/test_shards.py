@@ -147,6 +147,33 @@ def test_tensor_names_are_registered():
   assert set(TENSOR_NAMES) <= set(NAMES)
 
 
+# A pod's config run on one host: auto axes of size 1. A leaf no spec
+# splits over such an axis still gets its (single) copy there.
+_SIZE_ONE = {
+  name: (shape, sharded.MESHES["dcn2_fsdp4"][1])
+  for name, shape in (("dcn2_fsdp1", {"dcn": 2, "fsdp": 1}),
+                      ("dcn2_fsdp1_tensor1", {"dcn": 2, "fsdp": 1,
+                                              "tensor": 1}),
+                      ("dcn2_fsdp4_tensor1", {"dcn": 2, "fsdp": 4,
+                                              "tensor": 1}))}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(_SIZE_ONE))
+@pytest.mark.parametrize("name", ["topk_ef", "powersgd_r2"])
+def test_size_one_auto_axis_matches_numpy_reference(name, mesh_name,
+                                                    monkeypatch):
+  """(dcn=2, fsdp=1) is the plain 2-device step: each leaf whole, the
+  battery's numpy reference with the two slices as its devices; a size-1
+  tensor axis beside fsdp=4 changes nothing. Every leaf, the replicated
+  bias included, keeps its shape."""
+  monkeypatch.setitem(sharded.MESHES, mesh_name, _SIZE_ONE[mesh_name])
+  _check(name, mesh_name)
+  grads = harness.make_grads(seed=1, steps=1, n=2)
+  updates, _, _ = sharded.device_run(_tx(name), mesh_name, grads)
+  for k, x in harness.battery_params().items():
+    assert updates[0][k].shape == x.shape, (k, updates[0][k].shape)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_bytes_cross_the_data_axis_only_and_equal_the_claim(name):
   """From the compiled update: what crosses ``dcn`` (groups of 2) is the

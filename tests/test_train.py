@@ -651,6 +651,22 @@ def test_mesh_powersgd_counts_the_whole_matrix_exchange(tmp_path):
   assert np.isfinite(r["eval_loss"])
 
 
+def test_mesh_with_a_size_one_model_axis_is_the_plain_step(tmp_path):
+  """--mesh dcn=2,fsdp=1 (a pod's config on one host): the same params as
+  the plain 2-device run without --mesh, the replicated leaves included."""
+  flags = _LM + ["--compressor", "topk", "--compressor-args", "ratio=0.05",
+                 "--steps", 3, "--lr", 0.01, "--checkpoint-every", 0,
+                 "--num-devices", 2]
+  mesh = _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=1", name="mesh")
+  plain = _run(tmp_path, *flags, name="plain")
+  for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(jax.device_get(mesh["params"])),
+      jax.tree.leaves(jax.device_get(plain["params"])), strict=True):
+    assert a.shape == b.shape, (jax.tree_util.keystr(path), a.shape)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("flags,match", [
   (["--mesh", "dcn=2,fsdp=2"], "holds 4 devices, --num-devices 8"),
   (["--mesh", "dcn=2"], "name the data axis and at least one model axis"),
@@ -677,7 +693,8 @@ def test_mesh_checkpoint_refuses_another_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("mesh,devices", [("dcn=2,fsdp=2", 4),
-                                          ("dcn=4,fsdp=2", 8)])
+                                          ("dcn=4,fsdp=2", 8),
+                                          ("dcn=2,fsdp=1", 2)])
 def test_mesh_checkpoint_resumes_on_another_fsdp_size(mesh, devices,
                                                       tmp_path):
   """A (dcn=2, fsdp=4) checkpoint resumed with fsdp=2 (and also 4 slices):

@@ -195,10 +195,11 @@ def expand(tree, specs, mesh, auto_axes):
   every update stays one value per leaf.
   """
   def one(x, sp):
-    k = _copies(sp, mesh, auto_axes)
-    if k == 1:
+    # An axis of size 1 still gets its (single) copy: expand_specs names
+    # it, whatever its size.
+    if not missing_axes(sp, auto_axes):
       return x
-    shape = (k,) + tuple(np.shape(x))
+    shape = (_copies(sp, mesh, auto_axes),) + tuple(np.shape(x))
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(shape, x.dtype)
     if isinstance(x, jax.core.Tracer):
@@ -233,7 +234,7 @@ def contract(tree, specs, mesh, auto_axes):
   leaf averaged (exactly their common value where they agree, as after a
   dense mean; the first for non-floating leaves)."""
   def one(x, sp):
-    if _copies(sp, mesh, auto_axes) == 1:
+    if not missing_axes(sp, auto_axes):
       return x
     # Reductions over the copies' axis only (all-reduces over the auto
     # axes; reading one copy, x[0], would gather them): where the largest
