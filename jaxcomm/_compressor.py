@@ -53,6 +53,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomm import _buckets
@@ -340,8 +341,9 @@ def compressed(
     kept = (new_res if keep_residual else new_h if estimates
             else [] if codec.mean_of_sent else sent)
     any_bad, dense_mean = agree_finite(
-      opts, [x for x in g + [dense] if x.size], mean, kept, dense, n,
-      exchanged=xs)
+      opts, [x for x in g + [dense] if x.size],
+      list(mean) + _narrow_casts(layouts, mean, [leaves[i] for i in comp]),
+      kept, dense, n, exchanged=xs)
 
     keep = lambda new, old: jax.tree.map(
       lambda a, b: jnp.where(any_bad, b, a), new, old)
@@ -387,6 +389,29 @@ def compressed(
 
   return optax.GradientTransformationExtraArgs(
     _Init(init_fn, spec), update_fn)
+
+
+def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
+  """What the float32 means become in the leaves' own narrower dtypes
+  (float16, bfloat16, float8): per bucket and dtype, each leaf's largest
+  ``|mean|`` cast to it (a cast is monotone, so the leaf's update is finite
+  iff this is). A mean finite in float32 can round to inf in the leaf's
+  dtype (FetchSGD's and ATOMO's decoded values exceed the gradients'); the
+  finite check must see that, or the update leaves inf with the step
+  counted as taken. One reduction per group and one cast per narrow dtype
+  per bucket; nothing for float32 leaves."""
+  out = []
+  for lay, m in zip(layouts, mean):
+    dtypes = [jnp.dtype(comp_leaves[j].dtype) for j in lay.leaves]
+    narrow = sorted({d for d in dtypes if jnp.finfo(d).bits < 32}, key=str)
+    if not narrow:
+      continue
+    peak = lay.reduce(lambda v: jnp.max(jnp.abs(v), axis=-1), m)
+    for d in narrow:
+      mask = np.array([x == d for x in dtypes])
+      out.append((peak if mask.all() else
+                  jnp.where(mask, peak, 0.0)).astype(d))
+  return out
 
 
 def _check_state(state, layouts, keep_residual, use_momentum, estimates,

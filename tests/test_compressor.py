@@ -454,3 +454,54 @@ def test_agree_finite_stage_sees_inputs_and_outputs():
   bad, _ = _compressor.agree_finite(_opts(), ok, ok, ok,
                                     jnp.array([3e38, 3e38]), 1)
   assert not bool(bad)
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.fetchsgd(0.1, cols=64, axis_name=None),
+  lambda: jaxcomm.atomo(2, error_feedback=True, axis_name=None),
+], ids=["fetchsgd", "atomo"])
+def test_an_update_that_overflows_the_leaf_dtype_is_a_skipped_step(make):
+  """float16 leaves, gradients up to 3e4: the codec decodes in float32,
+  and its mean can exceed float16's range (65504). The step is taken iff
+  numpy's float16 of the float32 run's update is finite, and then equals
+  it; the first step where it is not is counted in ``nonfinite_steps``,
+  its update is NaN (for ``apply_if_finite``) and the residual and codec
+  state stay as they were. Before, the cast came after the finite check:
+  the update left as inf with ``nonfinite_steps`` 0 (and the residual
+  moved on)."""
+  rng = np.random.RandomState(0)
+  grads = [(rng.normal(size=(16, 16)) * s).clip(-6e4, 6e4).astype(
+    np.float16) for s in (1e3, 1e3, 3e4, 3e4)]
+  runs = {}
+  for dt in (jnp.float32, jnp.float16):
+    tx = make()
+    params = {"w": jnp.zeros((16, 16), dt)}
+    state, step = tx.init(params), jax.jit(tx.update)
+    out = []
+    for g in grads:
+      u, new = step({"w": jnp.asarray(g, dt)}, state, params)
+      out.append((np.asarray(u["w"]), state, new))
+      state = new
+    runs[dt] = out
+  overflowed = False
+  for (u32, _, _), (u16, before, after) in zip(runs[jnp.float32],
+                                               runs[jnp.float16]):
+    want = u32.astype(np.float16)
+    count = int(jaxcomm.compress_states(after)[0].stats.nonfinite_steps)
+    with np.errstate(over="ignore"):
+      finite = np.all(np.isfinite(want))
+    if finite:
+      assert count == 0
+      np.testing.assert_allclose(u16.astype(np.float32),
+                                 want.astype(np.float32), rtol=2e-3)
+      continue
+    assert count == 1
+    assert np.all(np.isnan(u16.astype(np.float32)))
+    kept = lambda s: jax.tree.leaves(
+      (s.residual, s.momentum, s.codec, s.estimate, s.estimate_mean))
+    for a, b in zip(kept(jaxcomm.compress_states(after)[0]),
+                    kept(jaxcomm.compress_states(before)[0])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    overflowed = True
+    break   # the float32 run took the step: the two part here
+  assert overflowed, "the gradients did not overflow float16"
