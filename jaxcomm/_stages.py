@@ -4,6 +4,8 @@ residual out, and the one non-finite decision."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 from typing import Callable
@@ -23,6 +25,41 @@ from jaxcomm.collectives import _core
 # agree_finite; the update then keeps or rolls back the state and splits
 # the averaged buckets into the leaves.
 
+
+
+# The data axes of the step tx.update runs in, set at trace time by
+# jaxcomm.parallel (block mode's update, the update on shards, the layout
+# probe): every other manual axis holds blocks of the same model.
+_STEP_DATA_AXES: contextvars.ContextVar = contextvars.ContextVar(
+  "jaxcomm_step_data_axes", default=None)
+
+
+@contextlib.contextmanager
+def one_model(data_axes):
+  """Within: ``tx.update`` runs in a step whose data axes are
+  ``data_axes``; every other manual mesh axis (FSDP, tensor) splits one
+  model into blocks, so the non-finite decision (:func:`agree_finite`)
+  covers them too: a step is skipped on every block or on none."""
+  names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+  token = _STEP_DATA_AXES.set(names)
+  try:
+    yield
+  finally:
+    _STEP_DATA_AXES.reset(token)
+
+
+def model_axes(axis_name) -> tuple:
+  """The manual mesh axes here that hold blocks of one model: those not
+  among the step's data axes (:func:`one_model`) nor ``axis_name``; empty
+  outside such a step."""
+  data = _STEP_DATA_AXES.get()
+  if data is None:
+    return ()
+  mesh = jax.sharding.get_abstract_mesh()
+  own = set(data) | set(_core._names(axis_name))
+  manual = jax.sharding.AxisType.Manual
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == manual and a not in own)
 
 
 def safe_norm(xs) -> jax.Array:
@@ -231,7 +268,9 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   no extra collective). Dense leaves are divided by ``n`` first, so the
   sum does not overflow where the mean would not; a mean that still
   overflows is seen alike on every device (the psum's result is
-  replicated) and counts too.
+  replicated) and counts too. Inside a step over a sharded model
+  (:func:`one_model`) the decision is also taken over the model axes, so
+  that every block of the model skips the step, or none.
 
   Returns:
     ``(any_bad, dense_mean)``.
@@ -249,4 +288,12 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   summed = _core.psum(flat, opts.axis_name)
   dense_mean = summed[:-1]
   any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
+  model = model_axes(opts.axis_name)
+  if model:
+    # One model's blocks lie on the model axes: a block that is bad makes
+    # every block skip (one scalar all-reduce over the fast axes).
+    flag = any_bad.astype(jnp.float32)
+    if _core.vma_typed(model[0]):
+      flag = _vma.mark_varying(flag, model)
+    any_bad = _core.pmax(flag, model) > 0
   return any_bad, dense_mean

@@ -4,12 +4,16 @@ Each test here reproduces a case that once passed silently (a wrong leaf
 compressed, a run that could not resume) and checks what a user expects.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm import parallel
 
 
 def test_policy_mask_is_matched_by_path_not_position():
@@ -354,3 +358,93 @@ def test_step_settings_beyond_int32_counters_are_named(make, name):
 def test_pod_mesh_refuses_one_name_for_both_axes():
   with pytest.raises(ValueError, match="slow_axis and fast_axis must differ"):
     jaxcomm.parallel.make_pod_mesh(2, slow_axis="x", fast_axis="x")
+
+
+# ------------------------------------- one non-finite decision per model --
+
+def _fsdp_mesh():
+  return jax.make_mesh((2, 4), ("dcn", "fsdp"), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["apply_if_finite",
+                                                      "bare"])
+def test_nan_in_one_fsdp_block_skips_the_whole_sharded_model(guard):
+  """(dcn=2, fsdp=4) with auto_axes=("fsdp",), top-k between slices, a
+  NaN in one fsdp block of one slice's gradient: every block of the model
+  skips the step (params unchanged, with apply_if_finite after the
+  compressor) or every block's update is NaN (without), and the skip is
+  counted once on every device's row. Once each block decided alone: the
+  other blocks took the step, and the count read [1, 0, 0, 0] per
+  slice."""
+  mesh = _fsdp_mesh()
+
+  def loss_fn(p, batch):
+    # Whole arrays: slice s's gradient of w is batch["g"][s], of b its
+    # last (finite) row.
+    return (jnp.sum(p["w"] * batch["g"][0])
+            + jnp.sum(p["b"] * batch["g"][0, -1]))
+
+  rng = np.random.RandomState(0)
+  g = rng.randn(2, 64, 16).astype(np.float32)
+  g[0, :16] = np.nan                  # fsdp block 0 of w, slice 0
+  w0 = rng.randn(64, 16).astype(np.float32)
+  params = {"w": jax.device_put(w0, NamedSharding(mesh, P("fsdp", None))),
+            "b": jax.device_put(np.ones(16, np.float32),
+                                NamedSharding(mesh, P()))}
+  inner = optax.sgd(1.0)
+  tx = optax.chain(jaxcomm.topk(0.25, axis_name="dcn"),
+                   optax.apply_if_finite(inner, 5) if guard else inner)
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
+                             auto_axes=("fsdp",), batch_axes=("dcn",),
+                             donate=False)
+  p, s = dp.init(params)
+  p, s, _ = dp.step(p, s, {"g": g})
+  w, b = np.asarray(p["w"]), np.asarray(p["b"])
+  if guard:
+    np.testing.assert_array_equal(w, w0)
+    np.testing.assert_array_equal(b, np.ones(16))
+    skipped = np.asarray(jax.device_get(s[1].notfinite_count))
+    assert np.all(skipped == 1), skipped
+  else:
+    for block in range(4):
+      assert np.all(np.isnan(w[16 * block:16 * (block + 1)])), block
+    assert np.all(np.isnan(b))
+  count = np.asarray(jax.device_get(
+    jaxcomm.compress_states(s)[0].stats.nonfinite_steps))
+  assert np.all(count == 1), count
+
+
+def test_nan_in_one_model_block_skips_every_block_in_block_mode():
+  """Block mode (every mesh axis manual, loss on the device's blocks) on
+  (dcn=2, fsdp=4): a NaN in the gradient of fsdp block 0 on slice 0 makes
+  every block skip the step alike, counted once on every row; the next,
+  finite step moves every block by the plain mean gradient."""
+  mesh = _fsdp_mesh()
+
+  def loss_fn(p, batch):
+    # Gradient of w: batch[0, 1] everywhere, NaN on block 0 where the
+    # slice's batch[0, 0] says so.
+    bad = (batch[0, 0] > 0) & (jax.lax.axis_index("fsdp") == 0)
+    part = (jnp.where(bad, jnp.nan, 1.0) * jnp.sum(p["w"])
+            + jnp.sum(p["b"])) * batch[0, 1]
+    return jax.lax.psum(part, "fsdp")
+
+  w0 = np.zeros((64, 16), np.float32)
+  params = {"w": jax.device_put(w0, NamedSharding(mesh, P("fsdp", None))),
+            "b": jax.device_put(np.zeros(16, np.float32),
+                                NamedSharding(mesh, P("fsdp")))}
+  tx = optax.chain(jaxcomm.mean_gradients(axis_name="dcn"),
+                   optax.apply_if_finite(optax.sgd(1.0), 5))
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
+                             donate=False)
+  p, s = dp.init(params)
+  nan_step = np.array([[1.0, 2.0], [0.0, 4.0]], np.float32)
+  p, s, _ = dp.step(p, s, nan_step)
+  np.testing.assert_array_equal(np.asarray(p["w"]), w0)
+  np.testing.assert_array_equal(np.asarray(p["b"]), np.zeros(16))
+  count = np.asarray(jaxcomm.compress_states(s)[0].stats.nonfinite_steps)
+  assert np.all(count == 1), count
+  p, s, _ = dp.step(p, s, np.array([[0.0, 2.0], [0.0, 4.0]], np.float32))
+  np.testing.assert_allclose(np.asarray(p["w"]), np.full((64, 16), -3.0))
+  np.testing.assert_allclose(np.asarray(p["b"]), np.full(16, -3.0))

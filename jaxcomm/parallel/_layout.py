@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _codec
+from jaxcomm import _stages
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.parallel._placement import _data_size
@@ -400,7 +401,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
         params = jax.tree.map(lambda g: g[0], params)
         extra = {"value": _core.pvary(jnp.zeros([], jnp.float32), axis_name)}
       params = own(params, copies)
-      with _codec.block_splits(splits):
+      with _codec.block_splits(splits), _stages.one_model(axis_name):
         updates, new_state = tx.update(grads, state, params, **extra)
       found[:] = [watched & _core.varying_axes(x)
                   for x in jax.tree.leaves(new_state)]

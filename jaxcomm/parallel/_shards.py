@@ -17,6 +17,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _codec
+from jaxcomm import _stages
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel._placement import _data_size
 from jaxcomm.transforms import _local_engine
@@ -122,7 +123,7 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
     local = _layout.to_local(state, layout)
     params = _layout.own(params, copies)
     splits = _layout.shard_splits(specs, jax.sharding.get_abstract_mesh())
-    with _codec.block_splits(splits):
+    with _codec.block_splits(splits), _stages.one_model(axis_name):
       updates, new = tx.update(_layout.own(grads, copies), local, params,
                                **extra)
     new_params = _local_engine.apply_updates(params, updates, new)

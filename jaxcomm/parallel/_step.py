@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _checks
+from jaxcomm import _stages
 from jaxcomm.collectives import _core
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel import _placement
@@ -233,7 +234,7 @@ class DataParallel:
       p_spec = P(axis) if per_device else P()
       manual = {"axis_names": set(_layout._names(axis))}
     else:
-      update = functools.partial(_update_here, self.tx, layout)
+      update = functools.partial(_update_here, self.tx, layout, axis)
       specs = _layout.state_specs(layout, axis)
       p_spec = jax.tree.map(
         lambda sp: _layout._with_data(sp, axis) if per_device else sp,
@@ -369,11 +370,13 @@ def _call_loss(loss_fn, params, batch, kwargs, *, with_state: bool,
   return loss, (aux, new_model_state)
 
 
-def _update_here(tx, layout, grads, state, params, **value):
-  """Block mode's update: ``tx.update`` on the arrays this device holds,
-  the updates applied; state in and out as the step's in_specs give it."""
+def _update_here(tx, layout, axis, grads, state, params, **value):
+  """Block mode's update: ``tx.update`` on the arrays this device holds
+  (every mesh axis but the data axes ``axis`` splitting one model), the
+  updates applied; state in and out as the step's in_specs give it."""
   local = _layout.to_local(state, layout)
-  updates, new_local = tx.update(grads, local, params, **value)
+  with _stages.one_model(axis):
+    updates, new_local = tx.update(grads, local, params, **value)
   new_params = _local_engine.apply_updates(params, updates, new_local)
   return new_params, _layout.to_global(new_local, layout)
 
