@@ -590,3 +590,25 @@ def test_muloco_bad_bits_are_named():
     jaxcomm.muloco(optax.sgd(0.1), 2, bits=3)
   with pytest.raises(ValueError, match="bits"):
     jaxcomm.muloco(optax.sgd(0.1), 2, bits=True)
+
+
+@pytest.mark.parametrize("period", [1, 2])
+def test_diloco_keeps_the_imaginary_part_of_a_complex_pseudo_gradient(
+    period):
+  """Outer and inner SGD at rate 1 on p = 1+2j with a constant gradient
+  g = 1+1j, one worker: after each sync the params are
+  p - (steps taken) g, plain SGD's closed form. The pseudo-gradient was
+  formed in float32 and lost its imaginary part (2j where SGD gives 1j)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  tx = jaxcomm.diloco(optax.sgd(1.0), optax.sgd(1.0), period,
+                      axis_name=None)
+  p0 = np.complex64(1 + 2j)
+  g = {"z": jnp.full((3,), 1 + 1j, jnp.complex64)}
+  p = {"z": jnp.full((3,), p0, jnp.complex64)}
+  s = tx.init(p)
+  for t in range(1, 2 * period + 1):
+    u, s = tx.update(g, s, p)
+    p = jaxcomm.apply_updates(p, u, s)
+    assert p["z"].dtype == jnp.complex64
+    np.testing.assert_allclose(np.asarray(p["z"]),
+                               np.full(3, p0 - t * (1 + 1j)), atol=1e-6)

@@ -121,8 +121,11 @@ def diloco(inner: optax.GradientTransformation,
 
   def make_sync(f):
     def sync(xs, anchors, outer_s, comp_s, sched):
-      delta = [(a.astype(jnp.float32) - x.astype(jnp.float32)).astype(
-        x.dtype) for a, x in zip(anchors, xs)]
+      # In float32 at least, complex leaves complex (a float32 cast
+      # dropped their imaginary part).
+      delta = [(a.astype(w) - x.astype(w)).astype(x.dtype)
+               for a, x in zip(anchors, xs)
+               for w in [jnp.promote_types(x.dtype, jnp.float32)]]
       if compressor is not None:
         mean, c = compressor.update(delta, comp_s[f], anchors)
         comp_s = tuple(c if k == f else s for k, s in enumerate(comp_s))
