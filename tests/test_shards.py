@@ -387,6 +387,30 @@ def test_params_sharded_over_the_data_axis_are_refused(pod):
     dp.init(_place(pod, host, bad))
 
 
+def test_host_params_with_auto_axes_are_refused_with_the_fix(pod):
+  """Host params carry no sharding: read as replicated, top-k would run on
+  whole leaves, each updated as 4 averaged copies. Refused, naming the
+  fix (place them with a NamedSharding)."""
+  host, _ = _mlp_params(pod, np.random.RandomState(0))
+  dp = _dp(pod, auto_axes=("fsdp",))
+  with pytest.raises(ValueError, match=r"auto_axes: \{'fsdp': 4\} split no "
+                     r"params leaf.*not placed on this mesh.*device_put"):
+    dp.init(host)
+
+
+def test_auto_axis_that_splits_no_leaf_is_refused():
+  """Placed params, but the tensor axis splits none of them: every leaf
+  would be 2 averaged copies there. Refused by name."""
+  mesh = sharded.mesh_of("dcn2_fsdp2_tensor2")
+  host, _ = _mlp_params(sharded.mesh_of("dcn2_fsdp4"),
+                        np.random.RandomState(0))
+  specs = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}
+  dp = _dp(mesh, auto_axes=("fsdp", "tensor"))
+  with pytest.raises(ValueError, match=r"\{'tensor': 2\} split no params "
+                     r"leaf.*names it"):
+    dp.init(_place(mesh, host, specs))
+
+
 # ------------------------------------------------------- local updates --
 
 def test_diloco_equals_per_slice_plain_steps_then_the_average():

@@ -673,6 +673,7 @@ def test_mesh_with_a_size_one_model_axis_is_the_plain_step(tmp_path):
   (["--mesh", "dcn=2,dcn=4"], "named twice"),
   (["--mesh", "dcn=2,fsdp=x"], "size of 'fsdp' must be an integer"),
   (["--mesh", "dcn=2,fsdp=4", "--slices", 2], "does not combine"),
+  (["--mesh", "dcn=2,foo=4"], r"\{'foo': 4\} split no params leaf"),
 ])
 def test_mesh_refuses_what_it_cannot_run(flags, match, tmp_path):
   with pytest.raises(ValueError, match=match):

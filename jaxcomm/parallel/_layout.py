@@ -351,6 +351,7 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   copies = None
   specs_in = specs
   if auto_axes:
+    _check_auto_axes_split(params, specs, mesh, auto_axes)
     copies = copied(specs, auto_axes)
     params = expand(_abstract(params), specs, mesh, auto_axes)
     specs = expand_specs(specs, auto_axes)
@@ -442,6 +443,42 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       "A tx without any averaging transform needs one first (e.g. "
       "jaxcomm.mean_gradients()).")
   return jax.tree.unflatten(treedef, [as_layout(a) for a in per_device])
+
+
+def _check_auto_axes_split(params, specs, mesh, auto_axes) -> None:
+  """Refuses auto axes (of more than one device) that split no params
+  leaf: every leaf would be replicated over them and updated as that many
+  averaged copies, the work of one device done on each. Host params
+  (never placed with a NamedSharding on ``mesh``) are the common cause."""
+  used = set()
+  for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
+    used |= _spec_axes(sp)
+  idle = [a for a in auto_axes if mesh.shape[a] > 1 and a not in used]
+  if not idle:
+    return
+  unplaced = [
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_leaves_with_path(params)
+    if not (isinstance(getattr(x, "sharding", None), NamedSharding)
+            and tuple(x.sharding.mesh.axis_names) == tuple(
+              mesh.axis_names))]
+  sizes = {a: int(mesh.shape[a]) for a in idle}
+  if unplaced and not used & set(auto_axes):
+    cause = (
+      f"the params are not placed on this mesh ({', '.join(unplaced[:3])}"
+      f"{', ...' if len(unplaced) > 3 else ''} are host or single-device "
+      "arrays, read as replicated): place them first, e.g. jax.device_put("
+      "params, shardings) with NamedSharding(mesh, P('fsdp', None)) for a "
+      "weight split by rows (from your logical axis rules)")
+  else:
+    cause = (
+      "no params leaf's NamedSharding names it: split some leaves over it "
+      "(NamedSharding(mesh, P(..., axis, ...))), or drop it from the mesh")
+  raise ValueError(
+    f"auto_axes: {sizes} split no params leaf, so every leaf would be "
+    f"updated as {int(np.prod(list(sizes.values())))} averaged copies; "
+    f"{cause}. To average over such an axis as data parallelism, make it a "
+    "data axis instead (axis_name=(..., axis)).")
 
 
 def state_specs(layout, axis_name: str = "data", *, auto_axes=()):
