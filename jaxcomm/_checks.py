@@ -64,6 +64,10 @@ def number(name: str, value, lo: float | None = None, hi: float | None = None,
   (injected hyperparameters)."""
   if isinstance(value, jax.core.Tracer):
     return value
+  # float("1") is 1.0: a string (or bool) is refused here, not deep inside
+  # the first traced step.
+  if isinstance(value, (str, bytes, bool)):
+    raise ValueError(f"{name} must be a number, got {value!r}")
   try:
     v = float(value)
   except (TypeError, ValueError):
@@ -105,6 +109,25 @@ def ratio(name: str, value) -> float:
   if not 0.0 < r <= 1.0:   # also refuses NaN
     raise ValueError(f"{name} must be in (0, 1], got {value!r}")
   return r
+
+
+def selects_one(name: str, ratio: float, sizes: Sequence[int],
+                codec: str, unit: str = "leaf") -> None:
+  """Refuses a fraction ``ratio`` whose ``k = ratio * L`` is below 1 for
+  every ``L`` in ``sizes`` (each compressed leaf, or bucket): the floor
+  ``k = max(1, ceil(ratio * L))`` would then send one element per leaf
+  (STC, SBC) or, for a threshold, none (SIDCo), whatever the ratio. Not
+  refused where some leaf keeps ``k >= 1`` (the others get the floor), nor
+  without compressed leaves."""
+  sizes = [int(s) for s in sizes]
+  if not sizes:
+    return
+  big = max(sizes)
+  if ratio * big < 1:
+    raise ValueError(
+      f"{codec}: {name}={ratio!r} keeps fewer than one element of every "
+      f"compressed {unit} (the largest has {big}: {name} * {big} = "
+      f"{ratio * big:.3g}); use {name} >= 1/{big} = {1 / big:.3g}")
 
 
 def choice(name: str, value, options: Sequence) -> Any:

@@ -282,6 +282,9 @@ def compressed(
 
   def init_fn(params):
     layouts = spec.layouts(params)
+    check = getattr(codec, "check_layouts", None)
+    if check is not None:
+      check(layouts)
     zeros = tuple(jnp.zeros((lay.size,), jnp.float32) for lay in layouts)
     return CompressState(
       count=jnp.zeros([], jnp.int32),

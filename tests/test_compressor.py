@@ -505,3 +505,34 @@ def test_an_update_that_overflows_the_leaf_dtype_is_a_skipped_step(make):
     overflowed = True
     break   # the float32 run took the step: the two part here
   assert overflowed, "the gradients did not overflow float16"
+
+
+@pytest.mark.parametrize("name,arg", [("stc", "ratio"), ("sbc", "ratio"),
+                                      ("sidco", "ratio"),
+                                      ("fetchsgd", "k_ratio")])
+def test_a_ratio_that_keeps_less_than_one_element_everywhere_is_refused(
+    name, arg):
+  """The battery's compressed leaves have 1152 and 3072 elements (one
+  bucket of 4224; FetchSGD takes k per bucket): ``k = ratio * L`` is below
+  1 on every one iff ``ratio < 1 / 3072`` (``1 / 4224``). Such a ratio was
+  accepted (1e-30: STC and SBC sent one element per leaf, SIDCo and
+  FetchSGD nothing); it is refused at init, naming the argument, and the
+  smallest ratio keeping one element of the largest is accepted."""
+  params = harness.battery_params()
+  big = 4224 if name == "fetchsgd" else 3072
+  extra = {"cols": 64} if name == "fetchsgd" else {}
+
+  def init(r):
+    return getattr(jaxcomm, name)(r, axis_name=None, **extra).init(params)
+  for r in (1e-30, 0.999 / big):
+    with pytest.raises(ValueError, match=rf"{arg}={r!r}.*fewer than one"):
+      init(r)
+  init(1.0 / big)
+
+
+@pytest.mark.parametrize("value", ["1", True])
+def test_a_number_given_as_a_string_or_bool_is_refused_by_name(value):
+  """lag(zeta="1") was accepted (float("1") passed the check) and failed
+  inside the first traced step."""
+  with pytest.raises(ValueError, match="zeta must be a number"):
+    jaxcomm.lag(zeta=value)

@@ -139,6 +139,10 @@ class SidcoCodec(_codec.CodecBase):
   def name(self):
     return f"sidco({self.ratio})"
 
+  def check_layouts(self, layouts):
+    _checks.selects_one("ratio", self.ratio,
+                        [s for lay in layouts for s in lay.sizes], "sidco")
+
   def _select_pairs(self, x, layout):
     vals, gi, _ = select(x, layout, self.ratio, self.stages,
                          self.first_ratio, self.distribution,
@@ -189,7 +193,8 @@ def sidco(ratio: float, *, distribution: str = "exponential",
   function).
 
   Args:
-    ratio: the target density, in ``(0, 1]`` (static).
+    ratio: the target density, in ``(0, 1]`` (static); one below ``1 /
+      L`` for every leaf is refused at init.
     distribution: ``"exponential"`` (SIDCo-E) or ``"gpareto"``
       (SIDCo-GP).
     stages: fitting stages, at least 1 (static; default 3).

@@ -185,6 +185,11 @@ class FetchSGDCodec(_codec.CodecBase):
   name = "fetchsgd"
   mean_of_sent = False
 
+  def check_layouts(self, layouts):
+    # k is taken per bucket.
+    _checks.selects_one("k_ratio", self.k_ratio,
+                        [lay.size for lay in layouts], "fetchsgd", "bucket")
+
   def _k_of(self, layout) -> int:
     return num_selected(self.k_ratio, layout.size)
 
@@ -323,7 +328,8 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
 
   Args:
     k_ratio: fraction of each bucket's coordinates extracted per step, in
-      ``(0, 1]`` (static).
+      ``(0, 1]`` (static); one keeping less than one element of every
+      bucket is refused at init.
     cols: columns of the sketch (static), ``>= 1``; the bucket's ``k`` must
       not exceed it (refused at ``init``, naming ``cols``).
     rows: rows of the sketch (static), ``>= 1``; None: 5.

@@ -199,6 +199,11 @@ class TernaryCodec(_codec.CodecBase):
   def _signs(self) -> bool:
     return self.variant == "stc"
 
+  def check_layouts(self, layouts):
+    _checks.selects_one("ratio", self.ratio,
+                        [s for lay in layouts for s in lay.sizes],
+                        self.variant)
+
   def _local(self, x, layout):
     sel = _SELECT[self.variant](x, layout, self.ratio)
     sent = _scatter(layout, [s[0] for s in sel], [s[1] for s in sel])
@@ -252,7 +257,7 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
 
   Args:
     ratio: fraction of each leaf's coordinates kept, in ``(0, 1]``
-      (static).
+      (static); one below ``1 / L`` for every leaf is refused at init.
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep what was not sent (the paper's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -300,7 +305,7 @@ def sbc(ratio: float, *, axis_name="data", error_feedback: bool = True,
 
   Args:
     ratio: fraction of each leaf's coordinates kept, in ``(0, 1]``
-      (static).
+      (static); one below ``1 / L`` for every leaf is refused at init.
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep what was not sent.
     policy: a :class:`jaxcomm.LeafPolicy`.
