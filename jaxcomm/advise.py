@@ -294,6 +294,14 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
     if fsdp.name in {a.name for a in axes}:
       raise ValueError(f"fsdp: {fsdp.name!r} is also a data axis in axes; "
                        "the FSDP axis is a model axis of its own")
+    dims = [int(d) for x in jax.tree.leaves(params) for d in x.shape]
+    if specs is None and not any(d % fsdp.size == 0 for d in dims):
+      # Every leaf would stay whole on every device: no FSDP to price.
+      raise ValueError(
+        f"fsdp: size {fsdp.size} (--fsdp) divides no dimension of any leaf "
+        f"(the largest is {max(dims, default=0)}): every leaf would be "
+        "priced unsplit; give a size that divides the weights' dimensions,"
+        " or specs naming the axis")
     whole = wire.dense_payload(params)
     # The plain FSDP step's own traffic: weights gathered, gradient
     # reduce-scattered, over the FSDP axis, every step.

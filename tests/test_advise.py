@@ -286,3 +286,21 @@ def test_fsdp_bad_arguments_are_named():
     advise.advise(_P, _axes(), specs={"w": None})
   rows = advise.advise(_P, _axes(), fsdp=fsdp)
   assert not {"dense, flat", "dense, sharded"} & {r.name for r in rows}
+
+
+@pytest.mark.parametrize("size", [3, 4096])
+def test_an_fsdp_size_that_splits_no_leaf_is_refused(size, capsys):
+  """Neither 3 nor 4096 divides 512 or 256: every leaf would stay whole
+  (priced as if unsplit, without a word). Refused by name, in the library
+  and on the command line; 4 (which divides both) is priced, and a leaf it
+  does not divide (a bias of 7) is replicated beside the split weight."""
+  link = wire.CostModel.link(800.0, 5.0)
+  with pytest.raises(ValueError, match=rf"fsdp: size {size} .*divides no"):
+    advise.advise(_P, _axes(), fsdp=advise.Axis("fsdp", size, link))
+  with pytest.raises(SystemExit):
+    advise.main(["--shapes", "512x256,256", "--hosts", "2", "--slow-gbit",
+                 "1", "--fsdp", str(size)])
+  assert "--fsdp" in capsys.readouterr().err
+  params = dict(_P, b=jax.ShapeDtypeStruct((7,), jnp.float32))
+  assert advise.advise(params, _axes(), fsdp=advise.Axis("fsdp", 4, link))
+  assert advise.fsdp_shards(params, 4)["b"].shape == (7,)
