@@ -794,3 +794,33 @@ def test_lag_run_counts_only_the_steps_that_send(zeta, tmp_path):
     assert r["sent_fraction"] == pytest.approx(1 / steps)
   assert r["bytes_per_step"] == pytest.approx(sum(per_step) / steps)
   assert "of steps" in train.summary_line(r)
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_few_steps(
+    tmp_path, capsys):
+  """Into a log (stderr not a terminal, as under ``make train > log
+  2>&1``) the tqdm bar wrote a carriage-return redraw per step (about
+  1,500 in a run). There the progress is one plain line every ceil(40 /
+  20) = 2 steps: 20 lines for 40 steps, the last at step 40, no '\\r'."""
+  argv = [a for a in TINY if a != "--no-progress"] + [
+    "--progress", "--out-dir", str(tmp_path / "run"), "--steps", "40",
+    "--log-every", "10"]
+  train.main(argv)
+  err = capsys.readouterr().err
+  assert "\r" not in err
+  lines = [line for line in err.splitlines() if ": step " in line]
+  assert [int(line.split(": step ")[1].split("/")[0]) for line in lines] \
+    == list(range(2, 41, 2))
+  assert lines[-1].split(": step ")[1].startswith("40/40 loss=")
+  from trainer import progress  # pylint: disable=import-outside-toplevel
+
+  class Tty(__import__("io").StringIO):
+    def isatty(self):
+      return True
+  # On a terminal it is still the bar (tqdm redraws with '\r').
+  tty = Tty()
+  bar = progress.Progress(10, 0, "x", tty)
+  for _ in range(10):
+    bar.update(1)
+  bar.close()
+  assert "\r" in tty.getvalue()

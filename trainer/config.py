@@ -442,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="held-out examples per evaluation")
   g.add_argument("--log-every", type=int, default=d.log_every,
                  help="a metrics.jsonl line every this many steps")
-  _add_bool(g, "progress", d.progress, "tqdm progress bar")
+  _add_bool(g, "progress", d.progress, "tqdm progress bar on a terminal; "
+            "off one, a plain line every few steps")
   _add_bool(g, "plot", d.plot, "write curves.png")
   g.add_argument("--platform", default=d.platform,
                  choices=("cpu", "default"),

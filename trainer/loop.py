@@ -27,6 +27,7 @@ import models
 from jaxcomm import parallel
 from jaxcomm import wire
 from models import data as mdata
+from trainer import progress
 from trainer.checkpoints import CheckpointError
 from trainer.checkpoints import Checkpoints
 from trainer.checkpoints import atomic_write
@@ -484,9 +485,8 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
   nproc, pid = jax.process_count(), jax.process_index()
   bar = None
   if cfg.progress and main_proc and stop > start:
-    from tqdm import tqdm
-    bar = tqdm(total=stop, initial=start, desc=f"{canon} n={n}",
-               dynamic_ncols=True, file=sys.stderr)
+    # A bar on a terminal, a plain line every few steps in a log file.
+    bar = progress.Progress(stop, start, f"{canon} n={n}", sys.stderr)
   if bytes_at is not None:
     cum_bytes = sum(bytes_at(s) for s in range(start))
   else:  # adacomm: what the run logged so far
@@ -534,9 +534,9 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
           log.flush()
         history.append(last)
         if bar is not None:
-          bar.set_postfix_str(
+          bar.set_postfix(
             f"loss={last['loss']:.3f} {rate:.1f} steps/s "
-            f"{_fmt_bytes(last['bytes_per_step'])}/step", refresh=False)
+            f"{_fmt_bytes(last['bytes_per_step'])}/step")
       if bar is not None:
         bar.update(1)
       if not math.isfinite(last.get("loss", 0.0)):
