@@ -14,6 +14,7 @@ from typing import NamedTuple
 from typing import Protocol
 
 import jax
+import numpy as np
 
 from jaxcomm import _buckets
 from jaxcomm import _policy
@@ -269,8 +270,22 @@ class Spec:
   axis_name: Any
   start_step: int
 
-  def paths(self, params) -> list[str]:
-    return self.policy.plan(params, self.codec.accepts)
+  def paths(self, params, splits=None) -> list[str]:
+    """Per leaf of ``params``: compressed, dense or skipped. Inside a
+    sharded step (``splits``, default :func:`block_splits`'s) a codec
+    with ``decision_shape`` (PowerSGD of whole matrices) decides on the
+    whole leaf a block belongs to, so that every model-axis size
+    compresses the same leaves."""
+    leaves = jax.tree.leaves(params)
+    if splits is None:
+      splits = current_splits(len(leaves))
+    decide = getattr(self.codec, "decision_shape", None)
+    shapes = None
+    if splits is not None and decide is not None and \
+        len(splits) == len(leaves):
+      shapes = [decide(tuple(np.shape(x)), tuple(sp))
+                for x, sp in zip(leaves, splits)]
+    return self.policy.plan(params, self.codec.accepts, shapes)
 
   def layouts(self, params, splits=None) -> tuple[_buckets.Layout, ...]:
     """The buckets of the compressed leaves of ``params``.
@@ -281,12 +296,12 @@ class Spec:
     :func:`block_splits` sets inside a sharded step, if any).
     """
     leaves = jax.tree.leaves(params)
-    paths = self.paths(params)
+    if splits is None:
+      splits = current_splits(len(leaves))
+    paths = self.paths(params, splits)
     comp = _policy.select(leaves, paths, _policy.COMPRESS)
     out = _buckets.plan([tuple(l.shape) for l in comp],
                         self.policy.bucket_bytes)
-    if splits is None:
-      splits = current_splits(len(leaves))
     if splits is None:
       return out
     if len(splits) != len(leaves):
@@ -323,7 +338,7 @@ class Spec:
         how each leaf is split (see :meth:`layouts`).
     """
     leaves = jax.tree.leaves(params)
-    paths = self.paths(params)
+    paths = self.paths(params, splits)
     out = []
     dense_phase = self.start_step > 0 and (step is None
                                            or step < self.start_step)

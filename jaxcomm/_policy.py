@@ -86,23 +86,33 @@ class LeafPolicy:
     _checks.integer("min_ndim", self.min_ndim, 0)
     _buckets.check_bucket_bytes(self.bucket_bytes)
 
-  def plan(self, grads, accepts: Callable[[tuple[int, ...]], bool]
-           ) -> list[str]:
-    """The path of each leaf of ``grads`` in ``jax.tree.leaves`` order."""
+  def plan(self, grads, accepts: Callable[[tuple[int, ...]], bool],
+           shapes=None) -> list[str]:
+    """The path of each leaf of ``grads`` in ``jax.tree.leaves`` order.
+
+    ``shapes``: per leaf, the shape to decide on instead of the leaf's own
+    (None: its own); a compressor of whole matrices decides on the whole
+    leaf a sharded step's block belongs to."""
     leaves, treedef = jax.tree.flatten(grads)
+    if shapes is None:
+      shapes = [None] * len(leaves)
     if self.mask is None:
       mask = [True] * len(leaves)
     else:
       m = self.mask(grads) if callable(self.mask) else self.mask
       mask = _mask_by_path(m, grads)
     out = []
-    for leaf, keep in zip(leaves, mask):
+    for leaf, keep, shape in zip(leaves, mask, shapes):
+      shape = tuple(leaf.shape) if shape is None else tuple(shape)
+      size = 1
+      for d in shape:
+        size *= int(d)
       if is_complex(leaf):
         out.append(DENSE)
       elif not is_float(leaf):
         out.append(SKIP)
-      elif (keep and leaf.size >= max(self.min_size, 1)
-            and leaf.ndim >= self.min_ndim and accepts(tuple(leaf.shape))):
+      elif (keep and size >= max(self.min_size, 1)
+            and len(shape) >= self.min_ndim and accepts(shape)):
         out.append(COMPRESS)
       else:
         out.append(DENSE)

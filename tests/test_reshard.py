@@ -173,6 +173,49 @@ def test_onebit_server_error_total_is_kept_and_powersgd_q_restarts():
     np.testing.assert_array_equal(q, q0)
 
 
+@pytest.mark.parametrize("fsdp", [4, 2, 1])
+def test_powersgd_compresses_the_same_leaves_at_every_fsdp_size(fsdp):
+  """PowerSGD decides compress-or-dense on the whole matrix, as it takes
+  its low rank: at rank 4 both w (32x64) and v (64x64) pass PyTorch's rule
+  (n + m) r 2 < n m, whatever blocks fsdp cuts (w's 8x64 blocks at fsdp=4
+  alone would not; they were sent dense there, compressed at fsdp=2 and
+  1). So each device's residual holds 1/fsdp of both."""
+  w0, _ = _data(1)
+  rank = 4
+  want = sum(x.size for x in w0.values() if x.ndim == 2
+             and (x.shape[0] + x.shape[1]) * rank * 2 < x.size)
+  assert want == 32 * 64 + 64 * 64
+  tx = optax.chain(jaxcomm.powersgd(rank, axis_name="dcn"), optax.sgd(0.1))
+  _, _, _, s = _setup(tx, fsdp, w0)
+  res = jax.device_get(s)[0].residual
+  assert sum(np.shape(r)[-1] for r in res) * fsdp == want
+
+
+def test_powersgd_state_moves_from_fsdp_4_to_2():
+  """The same state tree on both sizes: a checkpoint of fsdp=4 is re-cut
+  for fsdp=2 (the residual's total per slice kept), and the run goes
+  on."""
+  comp = jaxcomm.powersgd(4, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, batches = _data(4)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  p, s = _train(dp4, p, s, batches[:2])
+  host = jax.device_get(s)
+  mesh, dp2, _, state, _ = _reshard(tx, [comp], host, dp4.layout, 4, 2,
+                                    jax.device_get(p))
+  _, _, _, fresh = _setup(tx, 2, w0)
+  assert jax.tree.structure(state) == jax.tree.structure(
+    jax.device_get(fresh))
+  for old, new in zip(_slice_residuals(host[0].residual[0], 4),
+                      _slice_residuals(state[0].residual[0], 2)):
+    for a, b in zip(old, new):
+      np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+  p2 = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
+        for k, v in jax.device_get(p).items()}
+  p2, _ = _train(dp2, p2, _place(state, dp2.layout, mesh), batches[2:])
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p2))
+
+
 def test_what_cannot_be_recut_is_named():
   comp = jaxcomm.topk(0.05, axis_name="dcn")
   tx = optax.chain(comp, optax.sgd(0.1))

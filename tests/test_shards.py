@@ -576,19 +576,21 @@ def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
 
 # ------------------------------------ PowerSGD of whole matrices (FSDP) --
 
-@pytest.mark.parametrize("spec", [P(None, "fsdp"), P("fsdp", None)],
-                         ids=["columns", "rows"])
-def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
+@pytest.mark.parametrize("spec,shape,rank", [
+  (P(None, "fsdp"), (40, 64), 2), (P("fsdp", None), (64, 40), 2),
+  (P("fsdp", None), (64, 16), 4)], ids=["columns", "rows", "thin_blocks"])
+def test_powersgd_whole_matrix_equals_the_whole_reference(spec, shape, rank):
   """PowerSGD inside the sharded step, its matrix split by columns (or
   rows) over fsdp=4: three steps with error feedback give the updates and
   per-slice residuals of PowerSGD on the whole matrix with the two slices
   as its devices (numpy, tests/entries_powersgd.py), and across dcn a
   device sends (n + m) r / 4 factor values, read from the HLO, fewer than
-  its block's own pair of factors."""
+  its block's own pair of factors. Whether to compress is decided on the
+  whole matrix too: a 64x16 matrix at rank 4 is worth compressing, its
+  16x16 blocks alone are not (once sent dense at fsdp=4 only)."""
   from tests.entries_powersgd import numpy_powersgd  # noqa: PLC0415
   mesh = sharded.mesh_of("dcn2_fsdp4")
   rng = np.random.RandomState(5)
-  shape = (40, 64) if spec == P(None, "fsdp") else (64, 40)
   targets = [[rng.randn(*shape).astype(np.float32) for _ in range(2)]
              for _ in range(3)]
 
@@ -599,7 +601,7 @@ def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
       t.astype(jnp.int32), s.astype(jnp.int32)]
     return jnp.sum(p["w"] * g)
 
-  comp = jaxcomm.powersgd(2, axis_name="dcn")
+  comp = jaxcomm.powersgd(rank, axis_name="dcn")
   tx = optax.chain(comp, optax.sgd(1.0))
   dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
                              auto_axes=("fsdp",), donate=False)
@@ -608,7 +610,8 @@ def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
                          NamedSharding(mesh, spec))})
   key = jax.random.PRNGKey(0)
   q = np.asarray(jax.random.normal(jax.random.fold_in(key, 0),
-                                   (shape[1], 2), jnp.float32), np.float64)
+                                   (shape[1], rank), jnp.float32),
+                 np.float64)
   res = [np.zeros(shape) for _ in range(2)]
   prev = np.zeros(shape)
   for t in range(3):
@@ -617,7 +620,7 @@ def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
     params, state, _ = dp.step(params, state, dp.shard_batch(batch))
     jax.block_until_ready(params)
     ms = [targets[t][s].astype(np.float64) + res[s] for s in range(2)]
-    mean, sent, q_new = numpy_powersgd(ms, q, 2)
+    mean, sent, q_new = numpy_powersgd(ms, q, rank)
     q = q_new
     res = [m - x for m, x in zip(ms, sent)]
     got = -np.asarray(params["w"], np.float64) - prev
@@ -645,5 +648,5 @@ def test_powersgd_whole_matrix_equals_the_whole_reference(spec):
   per_block = (n + m // 4) if spec[0] is None else (n // 4 + m)
   # The two factor all-reduces, plus the finite flag (4 bytes) and the
   # non-finite step count (4 bytes) every compressor's step carries.
-  assert across == 4 * 2 * factors + 8, (across, ops)
+  assert across == 4 * rank * factors + 8, (across, ops)
   assert factors < per_block

@@ -366,7 +366,20 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
   local_abs = jax.tree.map(
     lambda x, sp: jax.ShapeDtypeStruct(_local_shape(x.shape, sp, mesh),
                                        x.dtype), params_abs, specs)
-  state_abs = jax.eval_shape(tx.init, own(local_abs, copies))
+  # With auto_axes the step runs tx.update inside update_on_shards, which
+  # tells compressors how each leaf is split: the probe does the same.
+  splits = shard_splits(specs_in, mesh) if auto_axes else None
+  if splits is None:
+    state_abs = jax.eval_shape(tx.init, own(local_abs, copies))
+  else:
+    # As init_state runs it: on each device's shards, told the splits
+    # (PowerSGD decides on whole matrices and reads its model-axis index).
+    def init_block(p):
+      with _codec.block_splits(splits):
+        return tx.init(own(p, copies))
+    state_abs = jax.eval_shape(jax.shard_map(
+      init_block, mesh=mesh, in_specs=(specs,), out_specs=P(),
+      check_vma=False), params_abs)
   leaves, treedef = jax.tree.flatten(state_abs)
   per_device = [frozenset()] * len(leaves)
   grads_abs = jax.tree.map(
@@ -386,9 +399,6 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     kept = frozenset(a for a in watched if a in axes)
     return True if kept == frozenset(names) else (kept or False)
 
-  # With auto_axes the step runs tx.update inside update_on_shards, which
-  # tells compressors how each leaf is split: the probe does the same.
-  splits = shard_splits(specs_in, mesh) if auto_axes else None
   drift = []
   for _ in range(len(leaves) + 1):
     found = []

@@ -77,6 +77,16 @@ class _Geometry:
         out[i] //= int(np.prod([self.model[a] for a in _names(e)]))
     return tuple(out)
 
+  def splits(self) -> tuple:
+    """Per params leaf, how a block is cut from it (what
+    ``update_on_shards`` tells compressors: ``Layout.splits``)."""
+    out = []
+    for sp in self.specs:
+      out.append(tuple(
+        (i, _names(e), int(np.prod([self.model[a] for a in _names(e)])))
+        for i, e in enumerate(tuple(sp)) if e is not None))
+    return tuple(out)
+
   def local_params(self):
     return jax.tree.unflatten(self.treedef, [
       jax.ShapeDtypeStruct(self.local_shape(j), self.dtypes[j])
@@ -345,7 +355,7 @@ class _Resharder:
     out = []
     for geo in (self.old, self.new):
       local = geo.local_params()
-      paths = spec.paths(local)
+      paths = spec.paths(local, geo.splits())
       comp = _policy.select(list(range(len(geo.shapes))), paths,
                             _policy.COMPRESS)
       out.append((local, comp))
@@ -366,7 +376,9 @@ class _Resharder:
     per_leaf = {j: {} for j in comp}
     coords = geo.coords(axes)
     for r, c in enumerate(coords):
-      parts = spec.leaves_of([np.asarray(buf)[r] for buf in buffers], local)
+      with _codec.block_splits(geo.splits()):
+        parts = spec.leaves_of([np.asarray(buf)[r] for buf in buffers],
+                               local)
       d = 0 if owned else int(c.get(geo.data, 0))
       key = _model_key(c, geo)
       for j, part in zip(comp, parts):
@@ -377,7 +389,7 @@ class _Resharder:
 
   def _from_leaves(self, spec, whole, templates, geo, local, comp, axes,
                    owned):
-    layouts = spec.layouts(local)
+    layouts = spec.layouts(local, geo.splits())
     out = [np.zeros_like(np.asarray(t)) for t in templates]
     for r, c in enumerate(geo.coords(axes)):
       d = 0 if owned else int(c.get(geo.data, 0))

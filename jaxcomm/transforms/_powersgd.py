@@ -233,6 +233,19 @@ class PowerSGDCodec(_codec.CodecBase):
       return False
     return (n + m) * rank * self.min_compression_rate < n * m
 
+  def decision_shape(self, shape, split):
+    """Inside a sharded step, the whole matrix's shape for a block split
+    along one dimension (``sharded="whole"``): the leaf policy and
+    :meth:`accepts` decide on it, as the low rank is taken of it, so a
+    leaf is compressed or dense alike at every model-axis size. None (the
+    block's own) otherwise."""
+    if self.sharded != "whole" or len(split) != 1:
+      return None
+    dim, _, size = split[0]
+    whole = list(shape)
+    whole[dim] *= int(size)
+    return tuple(whole)
+
   def init(self, layout):
     key = jax.random.PRNGKey(self.seed)
     return PowerSGDState(
