@@ -216,6 +216,32 @@ def test_powersgd_state_moves_from_fsdp_4_to_2():
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p2))
 
 
+def test_resize_state_checks_rows_against_the_model_sizes():
+  """A (dcn=2, fsdp=4) state has 8 rows per residual: read with
+  model_axes={"fsdp": 2} it passed as 4 slices of 2 blocks, and rows of
+  different fsdp blocks were averaged as if they were slices. Refused,
+  naming the rows and the sizes; with the true sizes each block's two
+  slice rows are averaged (numpy)."""
+  comp = jaxcomm.topk(0.05, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, batches = _data(2)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  _, s = _train(dp4, p, s, batches)
+  host = jax.device_get(s)
+  with pytest.raises(ValueError, match=r"has 8 rows, but data_size=2 x "
+                     r"model_axes=\{'fsdp': 2\} gives 4"):
+    parallel.resize_state(host, dp4.layout, 1, axis_name="dcn",
+                          model_axes={"fsdp": 2}, data_size=2)
+  with pytest.raises(ValueError, match="(pass data_size=|has 8 rows)"):
+    parallel.resize_state(host, dp4.layout, 1, axis_name="dcn",
+                          model_axes={"fsdp": 2})
+  one = parallel.resize_state(host, dp4.layout, 1, axis_name="dcn",
+                              model_axes={"fsdp": 4}, data_size=2)
+  rows = np.asarray(host[0].residual[0], np.float64)
+  np.testing.assert_allclose(
+    one[0].residual[0], rows.reshape((2, 4, -1)).mean(axis=0), rtol=1e-6)
+
+
 def test_what_cannot_be_recut_is_named():
   comp = jaxcomm.topk(0.05, axis_name="dcn")
   tx = optax.chain(comp, optax.sgd(0.1))

@@ -428,7 +428,7 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
     resize = {}
     if mesh_shape is not None:
       old_n, new_n = old_data, mesh_shape[data_axis]
-      resize = {"axis_name": data_axis,
+      resize = {"axis_name": data_axis, "data_size": old_n,
                 "model_axes": {a: mesh_shape[a] for a in auto}}
     if recut:
       host_state = _recut_state(host_state, dp, opt_state, comp, local_tx,
@@ -688,7 +688,8 @@ def _recut_state(host_state, dp, fresh, comp, local_tx, params, data_axis,
   if old_n != dp.mesh.shape[data_axis]:
     template = parallel.resize_state(template, dp.layout, old_n,
                                      axis_name=data_axis,
-                                     model_axes=new_model)
+                                     model_axes=new_model,
+                                     data_size=dp.mesh.shape[data_axis])
   try:
     state, restarted = parallel.reshard_state(
       host_state, dp.layout, template, dp.layout, params=params,

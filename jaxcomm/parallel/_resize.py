@@ -147,7 +147,7 @@ def _check_restored_structure(state, layout, got, want) -> None:
 
 
 def resize_state(state, layout, num_devices: int, *, axis_name="data",
-                 model_axes=None):
+                 model_axes=None, data_size=None):
   """Moves a laid-out state (host arrays) to ``num_devices`` devices.
 
   What the state still owes the *averaged* update is kept: compressors
@@ -173,15 +173,30 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
       ``auto_axes``): their rows are ``(data, *model axes sorted)``, and
       each block's rows are resized over the data axis alone. The model
       axes must keep their sizes (a block's state has its block's shape).
+    data_size: the data-axis size the state was laid out for (default:
+      read from a leaf laid out over the data axis alone). With
+      ``model_axes`` every such leaf must have ``data_size`` times the
+      model sizes rows; a state with no data-only leaf needs it given.
+
+  Raises:
+    ValueError: naming what does not fit (a leaf's rows that are not the
+      data size times the model sizes, sizes that do not divide).
   """
   num_devices = _checks.integer("num_devices", num_devices, 1)
+  if data_size is not None:
+    data_size = _checks.integer("data_size", data_size, 1)
   model_axes = dict(model_axes or {})
+  for a, size in model_axes.items():
+    _checks.integer(f"model_axes[{a!r}]", size, 1)
   _check_state_tree(state, layout, "resize_state")
   leaves, treedef = jax.tree.flatten(state)
   per_device = jax.tree.leaves(layout)
   additive = _kinds(state)
   if not (len(leaves) == len(per_device) == len(additive)):
     raise ValueError("layout does not match the state's tree structure")
+  if model_axes:
+    data_size = _check_rows(leaves, per_device, axis_name, model_axes,
+                            data_size)
   out = []
   for x, dev, add in zip(leaves, per_device, additive):
     x = np.asarray(x)
@@ -213,6 +228,47 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
     else:
       out.append(_resize_rows(x, num_devices, add))
   return jax.tree.unflatten(treedef, out)
+
+
+def _check_rows(leaves, per_device, axis_name, model_axes, data_size):
+  """Checks that every per-device leaf has (data size) x (its model
+  axes' sizes) rows; returns the data size (given, or read from a leaf
+  over the data axis alone)."""
+  named = []
+  for x, dev in zip(leaves, per_device):
+    if not dev:
+      continue
+    axes = ({axis_name} if dev is True else set(dev))
+    model = sorted(a for a in axes if a != axis_name)
+    if any(a not in model_axes for a in model):
+      continue   # named below, with the axes to give
+    blocks = int(np.prod([model_axes[a] for a in model]))
+    named.append((int(np.shape(x)[0]), axis_name in axes, blocks, model))
+  if data_size is None:
+    alone = {rows for rows, data, _, model in named if data and not model}
+    if len(alone) > 1:
+      raise ValueError(
+        f"resize_state: leaves over the data axis {axis_name!r} alone have "
+        f"{sorted(alone)} rows; they must agree (one data size)")
+    if not alone:
+      if any(model for _, _, _, model in named):
+        raise ValueError(
+          "resize_state: with model_axes, pass data_size= (the data-axis "
+          f"size the state was laid out for): no leaf lies over "
+          f"{axis_name!r} alone to read it from, and a leaf's rows "
+          f"(data x {dict(model_axes)}) cannot tell the two apart")
+      return None
+    data_size = alone.pop()
+  for rows, data, blocks, model in named:
+    want = (data_size if data else 1) * blocks
+    if rows != want:
+      raise ValueError(
+        f"resize_state: a state leaf laid out over "
+        f"{([axis_name] if data else []) + model} has {rows} rows, but "
+        f"data_size={data_size} x model_axes={dict(model_axes)} gives "
+        f"{want}: the state was laid out for other model-axis sizes (re-cut "
+        "it with reshard_state first) or another data size")
+  return data_size
 
 
 def _resize_rows(x: np.ndarray, new: int, add) -> np.ndarray:
