@@ -242,6 +242,61 @@ def test_resize_state_checks_rows_against_the_model_sizes():
     one[0].residual[0], rows.reshape((2, 4, -1)).mean(axis=0), rtol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def topk_states():
+  """A top-k state on (dcn=2, fsdp=4) and a fresh one on fsdp=2."""
+  comp = jaxcomm.topk(0.05, axis_name="dcn")
+  tx = optax.chain(comp, optax.sgd(0.1))
+  w0, _ = _data(1)
+  _, dp4, p, s = _setup(tx, 4, w0)
+  _, dp2, _, fresh = _setup(tx, 2, w0)
+  return (comp, jax.device_get(s), dp4.layout, jax.device_get(fresh),
+          dp2.layout, jax.device_get(p))
+
+
+_ROWS = r"has {} rows, but data_size={} x model_axes=\{{'fsdp': {}\}}"
+
+
+@pytest.mark.parametrize("case,match", [
+  ("wrong_fsdp", _ROWS.format(8, 2, 2)),
+  ("wrong_data", _ROWS.format(8, 4, 4)),
+  ("fewer_slices", _ROWS.format(8, 1, 4)),
+  ("rows_short", _ROWS.format(5, 2, 4)),
+  ("other_policy", r"holds buckets of \[1536\] elements, but "
+   r"compressors\[0\].* plans \[\]"),
+  ("other_buckets", r"plans \[1024, 512\]"),
+  ("template_of_fsdp_4", r"\(template\).*has 8 rows.*'fsdp': 2"),
+])
+def test_malformed_reshard_inputs_are_named(topk_states, case, match):
+  """What does not fit is named: a state of another fsdp or data size
+  than old_axes/data_size say, rows cut short, a compressor with another
+  leaf policy or bucket size, a template of other sizes (once a raw
+  "cannot reshape", an IndexError, a broadcast error, or accepted)."""
+  comp, host, layout, fresh, layout2, ph = topk_states
+  kw = dict(params=ph, specs=SPECS, axis_name="dcn", data_size=2,
+            old_axes={"fsdp": 4}, new_axes={"fsdp": 2}, compressors=[comp])
+  state, template, t_layout = host, fresh, layout2
+  if case == "wrong_fsdp":
+    kw["old_axes"] = {"fsdp": 2}
+  elif case == "wrong_data":
+    kw["data_size"] = 4
+  elif case == "fewer_slices":
+    kw["data_size"] = 1
+  elif case == "rows_short":
+    res = np.asarray(host[0].residual[0])[:5]
+    state = (host[0]._replace(residual=(res,)), host[1])
+  elif case == "other_policy":
+    kw["compressors"] = [jaxcomm.topk(
+      0.05, axis_name="dcn", policy=jaxcomm.LeafPolicy(min_size=3000))]
+  elif case == "other_buckets":
+    kw["compressors"] = [jaxcomm.topk(
+      0.05, axis_name="dcn", policy=jaxcomm.LeafPolicy(bucket_bytes=4096))]
+  elif case == "template_of_fsdp_4":
+    template, t_layout = host, layout
+  with pytest.raises(ValueError, match=match):
+    parallel.reshard_state(state, layout, template, t_layout, **kw)
+
+
 def test_what_cannot_be_recut_is_named():
   comp = jaxcomm.topk(0.05, axis_name="dcn")
   tx = optax.chain(comp, optax.sgd(0.1))

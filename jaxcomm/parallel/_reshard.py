@@ -35,10 +35,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _per_device
 from jaxcomm import _policy
 from jaxcomm.collectives import _signs
+from jaxcomm.parallel._resize import _check_rows
 from jaxcomm.parallel._resize import _check_state_tree
 
 _BUFFERS = ("residual", "momentum", "estimate", "estimate_mean")
@@ -185,6 +187,18 @@ def reshard_state(state, layout, template, template_layout, *, params,
     raise ValueError(f"old_axes {dict(old_axes)} and new_axes "
                      f"{dict(new_axes)} must name the same model axes")
   _check_state_tree(state, layout, "reshard_state")
+  _check_state_tree(template, template_layout, "reshard_state (template)")
+  data_size = _checks.integer("data_size", data_size, 1)
+  for name, axes in (("old_axes", old_axes), ("new_axes", new_axes)):
+    for a, size in dict(axes).items():
+      _checks.integer(f"{name}[{a!r}]", size, 1)
+  _check_rows(jax.tree.leaves(state), jax.tree.leaves(layout), axis_name,
+              dict(old_axes), data_size, "reshard_state (state)",
+              "pass the old_axes it was saved with")
+  _check_rows(jax.tree.leaves(template), jax.tree.leaves(template_layout),
+              axis_name, dict(new_axes), data_size,
+              "reshard_state (template)",
+              "build the template on new_axes, with data_size slices")
   old = _Geometry(params, specs, axis_name, data_size, old_axes)
   new = _Geometry(params, specs, axis_name, data_size, new_axes)
   specs_of = [_codec.spec_of(c) for c in compressors]
@@ -413,8 +427,21 @@ class _Resharder:
         out[bi][r] = vec.astype(out[bi].dtype)
     return tuple(out)
 
+  def _check_widths(self, spec, geo, local, bufs, path, which):
+    want = [lay.size for lay in spec.layouts(local, geo.splits())]
+    got = [int(np.shape(b)[-1]) for b in bufs]
+    if got != want:
+      raise ValueError(
+        f"{path}: the {which} holds buckets of {got} elements, but "
+        f"compressors[{self.used - 1}] ({spec.codec.name}) on these params "
+        f"split over {geo.model} plans {want}: it was made with another "
+        "leaf policy, bucket size or compressor, or for other params or "
+        "model-axis sizes; pass the compressor and sizes it was made with")
+
   def buffers(self, spec, xv, bv, tv, tbv, path, owned=False):
     (l_old, c_old), (l_new, c_new) = self._plans(spec, path)
+    self._check_widths(spec, self.old, l_old, xv, path, "state")
+    self._check_widths(spec, self.new, l_new, tv, path, "template")
     axes_old = self.row_axes(bv[0])
     axes_new = self.row_axes(tbv[0])
     whole = self._to_leaves(spec, xv, self.old, l_old, c_old, axes_old,

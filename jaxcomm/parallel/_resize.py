@@ -196,7 +196,7 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
     raise ValueError("layout does not match the state's tree structure")
   if model_axes:
     data_size = _check_rows(leaves, per_device, axis_name, model_axes,
-                            data_size)
+                            data_size, "resize_state")
   out = []
   for x, dev, add in zip(leaves, per_device, additive):
     x = np.asarray(x)
@@ -230,7 +230,8 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
   return jax.tree.unflatten(treedef, out)
 
 
-def _check_rows(leaves, per_device, axis_name, model_axes, data_size):
+def _check_rows(leaves, per_device, axis_name, model_axes, data_size,
+                who: str, fix: str = "re-cut it with reshard_state first"):
   """Checks that every per-device leaf has (data size) x (its model
   axes' sizes) rows; returns the data size (given, or read from a leaf
   over the data axis alone)."""
@@ -248,12 +249,12 @@ def _check_rows(leaves, per_device, axis_name, model_axes, data_size):
     alone = {rows for rows, data, _, model in named if data and not model}
     if len(alone) > 1:
       raise ValueError(
-        f"resize_state: leaves over the data axis {axis_name!r} alone have "
+        f"{who}: leaves over the data axis {axis_name!r} alone have "
         f"{sorted(alone)} rows; they must agree (one data size)")
     if not alone:
       if any(model for _, _, _, model in named):
         raise ValueError(
-          "resize_state: with model_axes, pass data_size= (the data-axis "
+          f"{who}: with model_axes, pass data_size= (the data-axis "
           f"size the state was laid out for): no leaf lies over "
           f"{axis_name!r} alone to read it from, and a leaf's rows "
           f"(data x {dict(model_axes)}) cannot tell the two apart")
@@ -263,11 +264,11 @@ def _check_rows(leaves, per_device, axis_name, model_axes, data_size):
     want = (data_size if data else 1) * blocks
     if rows != want:
       raise ValueError(
-        f"resize_state: a state leaf laid out over "
+        f"{who}: a state leaf laid out over "
         f"{([axis_name] if data else []) + model} has {rows} rows, but "
         f"data_size={data_size} x model_axes={dict(model_axes)} gives "
-        f"{want}: the state was laid out for other model-axis sizes (re-cut "
-        "it with reshard_state first) or another data size")
+        f"{want}: the state was laid out for other model-axis sizes ({fix})"
+        " or another data size")
   return data_size
 
 
