@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.collectives import _core
+from jaxcomm.kernels import _dispatch
 
 ORTHOGONALIZATIONS = ("gram_schmidt", "householder", "cholesky")
 
@@ -127,7 +128,7 @@ def _per_matrix(fn, *xs):
   ms; the calls written out for batches up to 4, 800 ms.
   """
   batch = xs[0].shape[:-2]
-  if jax.default_backend() != "cpu" or math.prod(batch) <= 1:
+  if _dispatch.platform() != "cpu" or math.prod(batch) <= 1:
     return fn(*xs)
   flat = tuple(x.reshape((-1,) + x.shape[len(batch):]) for x in xs)
   out = jax.lax.map(lambda a: fn(*a), flat)

@@ -190,9 +190,9 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
                  axis=0)                                        # [c]
   sum_off = n * offset
   packed = pack_codes((mine + sum_off).astype(jnp.uint32), p.sum_bits)
-  total = _core.all_gather(packed, axis_name, tiled=True)
-  vals = unpack_codes(total, p.sum_bits, n * c).astype(jnp.int32) - sum_off
-  return vals[:length]
+  total = _core.all_gather(packed, axis_name, tiled=True).reshape(n, -1)
+  vals = unpack_codes(total, p.sum_bits, c).astype(jnp.int32) - sum_off
+  return vals.reshape(-1)[:length]
 
 
 # ------------------------------------------------ requantized allreduce --

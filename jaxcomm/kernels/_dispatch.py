@@ -79,9 +79,28 @@ def auto_bracketed_topk(backend: str, k: int | None = None) -> bool:
   return backend == "gpu" and (k is None or int(k) >= BRACKETED_TOPK_MIN_K)
 
 
+def platform() -> str:
+  """The platform the program being traced is compiled for.
+
+  The devices of the mesh in context (inside ``jax.shard_map`` over a
+  concrete mesh, under ``jax.set_mesh``, or in a nested shard_map over
+  ``get_abstract_mesh()``): ``"tpu"`` when the step is compiled for a TPU
+  topology on a host whose ``jax.default_backend()`` is ``"cpu"``
+  (``jax.experimental.topologies``). Outside any mesh, the default
+  backend.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device",
+                   None)
+  name = getattr(device, "platform", None)
+  if name in ("cuda", "rocm"):
+    name = "gpu"
+  return name or jax.default_backend()
+
+
 def resolve(op: str, use_kernel: bool | None, interpret: bool, *,
             k: int | None = None) -> tuple[bool, bool]:
-  """Returns ``(run_kernel, interpret)`` for ``op`` on the default backend.
+  """Returns ``(run_kernel, interpret)`` for ``op`` on the platform the
+  step is compiled for (:func:`platform`).
 
   Args:
     op: one of :data:`OPS`.
@@ -92,7 +111,7 @@ def resolve(op: str, use_kernel: bool | None, interpret: bool, *,
     k: the size the ``auto`` choice depends on (top-k's ``k``).
   """
   current = mode()            # validated even when use_kernel is explicit
-  backend = jax.default_backend()
+  backend = platform()
   if use_kernel is None:
     if current == "always":
       use_kernel = True

@@ -87,7 +87,7 @@ def _compiler_params(platform: str | None, interpret: bool):
   """Backend compiler params: Triton on GPU, Mosaic defaults elsewhere."""
   if interpret:
     return None
-  platform = platform or jax.default_backend()
+  platform = platform or _dispatch.platform()
   if platform in ("gpu", "cuda", "rocm"):
     from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams()

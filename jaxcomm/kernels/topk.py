@@ -456,7 +456,7 @@ def topk_abs_groups(x: jax.Array, groups, *,
     positions in ``x``.
   """
   x = _flat(x)
-  backend = jax.default_backend()
+  backend = _dispatch.platform()
   if _dispatch.mode() != "always" and any(
       _dispatch.auto_bracketed_topk(backend, k) and bracket_pays(k, size)
       for _, _, size, k in groups):
@@ -501,7 +501,7 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
                                             k=k)
   if run_kernel:
     return topk_abs_pallas(x, k, interpret=interpret)
-  if _dispatch.auto_bracketed_topk(jax.default_backend(), k) and \
+  if _dispatch.auto_bracketed_topk(_dispatch.platform(), k) and \
       bracket_pays(k, math.prod(jnp.shape(x))):
     return topk_abs_bracketed(x, k)
   return topk_abs_reference(x, k, nonnegative=nonnegative)

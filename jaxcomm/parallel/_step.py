@@ -155,8 +155,27 @@ class DataParallel:
     return _placement._data_size(self.mesh, self.axis_name)
 
   def init(self, params):
-    """Replicated params and the laid-out optimizer state."""
+    """Replicated params and the laid-out optimizer state.
+
+    ``params`` may be abstract (``jax.ShapeDtypeStruct`` leaves, with a
+    ``NamedSharding`` on ``mesh`` for a sharded model): then nothing is
+    allocated, and the params and state come back abstract, each with the
+    sharding the step takes, for :meth:`lower` to compile the step ahead
+    of time, on any mesh (a compile-only TPU topology included:
+    :mod:`jaxcomm.aot`).
+    """
     _layout._check_nnx_params(params, "DataParallel.init")
+    if _is_abstract(params):
+      return self._init_abstract(params)
+    self._layout_for(params)
+    state = _layout.init_state(self.tx, params, self.mesh, self.axis_name,
+                               self.layout, specs=self.param_specs,
+                               auto_axes=self.auto_axes)
+    return jax.tree.map(self._place_initial, params,
+                        self._param_shardings()), state
+
+  def _layout_for(self, params):
+    """Sets param_specs, per_device_params and layout for ``params``."""
     _check_differentiable(params)
     self.param_specs = _layout.param_specs(params, self.mesh, self.axis_name)
     block = jax.tree.map(
@@ -168,11 +187,42 @@ class DataParallel:
       self.tx, params, self.mesh, self.axis_name,
       per_device_params=self.per_device_params, specs=self.param_specs,
       auto_axes=self.auto_axes)
-    state = _layout.init_state(self.tx, params, self.mesh, self.axis_name,
-                               self.layout, specs=self.param_specs,
-                               auto_axes=self.auto_axes)
-    return jax.tree.map(self._place_initial, params,
-                        self._param_shardings()), state
+
+  def _init_abstract(self, params):
+    """:meth:`init` for abstract params: shapes, dtypes and shardings."""
+    leaves = jax.tree.leaves(params)
+    if not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+      raise ValueError(
+        "DataParallel.init: params mix abstract (jax.ShapeDtypeStruct) and "
+        "concrete leaves; pass all of one kind")
+    self._layout_for(params)
+    specs, mesh, axis = self.param_specs, self.mesh, self.axis_name
+    state = jax.eval_shape(
+      lambda p: _layout.init_state(self.tx, p, mesh, axis, self.layout,
+                                   specs=specs, auto_axes=self.auto_axes),
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   params))
+    state_specs = _layout.state_specs(self.layout, axis)
+    state = jax.tree.map(
+      lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=NamedSharding(mesh, sp)),
+      state, state_specs, is_leaf=lambda x: isinstance(x, P))
+    n = self.num_devices
+    lead = (n,) if self.per_device_params else ()
+    params = jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype,
+                                         sharding=sh),
+      params, self._param_shardings())
+    return params, state
+
+  def abstract_batch(self, batch):
+    """A batch's abstract inputs (shapes and dtypes of the global batch)
+    with the sharding :meth:`step` gives it: for :meth:`lower` ahead of
+    time."""
+    sharding = NamedSharding(self.mesh, P(self.batch_axes))
+    return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                     sharding=sharding), batch)
 
   def _place_initial(self, x, sharding):
     """One params leaf as the step's input: per device (a leading axis of
@@ -274,6 +324,11 @@ class DataParallel:
   def _place_inputs(self, batch, model_state):
     """Host (or single-device) batch and model state as global arrays:
     the batch split over the data axes, the model state replicated."""
+    if _is_abstract(batch):
+      batch = self.abstract_batch(batch) if any(
+        getattr(x, "sharding", None) is None
+        for x in jax.tree.leaves(batch)) else batch
+      return batch, model_state
     if self.num_devices > 1:
       if not _on_mesh(batch):
         batch = self.shard_batch(batch)
@@ -310,7 +365,10 @@ class DataParallel:
     return fn(*args)
 
   def lower(self, params, state, batch, *, model_state=None, rng=None):
-    """The lowered step (for :func:`jaxcomm.wire.report`)."""
+    """The lowered step (for :func:`jaxcomm.wire.report`); ``.compile()``
+    it for the compiled program. Takes concrete inputs or abstract ones
+    (:meth:`init` of abstract params, :meth:`abstract_batch`): nothing is
+    allocated then, and the mesh may be a compile-only topology."""
     fn, args = self._prepare(params, state, batch, model_state, rng)
     return fn.lower(*args)
 
@@ -339,6 +397,11 @@ def _check_not_donated(**trees) -> None:
         "donates params, state and model_state by default): pass the "
         "ones that step returned, or build DataParallel(..., "
         "donate=False)")
+
+
+def _is_abstract(tree) -> bool:
+  """Whether any leaf is a ``jax.ShapeDtypeStruct`` (ahead of time)."""
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def _on_mesh(tree) -> bool:

@@ -1,0 +1,462 @@
+"""Ahead of time: a step compiled for any mesh, a TPU pod's included, and
+what the compiled program says about it.
+
+``libtpu`` (``pip install "jax[tpu]==<jax version>"``) compiles for TPU
+topologies on a machine without a TPU (``jax.experimental.topologies``):
+nothing is allocated or run, so a 1B-parameter model costs compile time
+only. With :meth:`jaxcomm.parallel.DataParallel.init` of abstract params
+(``jax.ShapeDtypeStruct`` leaves with shardings) the step lowers for such
+a mesh, and :func:`analyze` reads from the compiled program:
+
+* memory per chip (the TPU compiler's buffer assignment: arguments,
+  outputs, temporaries) and whether it fits the chip's HBM;
+* what each chip hands the cross-slice (megascale) runtime: the ``send``
+  ops with ``is_host_transfer=true``, their shapes and transfer types;
+* the bytes that cross slices per chip, by :mod:`jaxcomm.wire`'s
+  convention (ring algorithms: an all-reduce sends ``2 (n-1)/n`` of its
+  operand, an all-gather ``(n-1)`` times the chip's piece, an all-to-all
+  or reduce-scatter ``(n-1)/n`` of its operand, a one-to-one send all of
+  it); an all-to-all's handed operand holds the chip's own chunk, which
+  does not cross;
+* the compiler's estimated step time (``cost_analysis()["optimal_seconds"]``)
+  and that estimate plus the crossing bytes over a DCN bandwidth;
+* the Mosaic kernels in it (``tpu_custom_call``).
+
+Command line (from the repository root, for its models)::
+
+  python -m jaxcomm.aot --topology v5p:2x2x1 --slices 4 \\
+      --model transformer --size 1b --compressor int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# HBM per chip, bytes (public TPU documentation).
+HBM = {"v4": 32 << 30, "v5e": 16 << 30, "v5litepod": 16 << 30,
+       "v5p": 95 << 30, "v6e": 32 << 30}
+# Megascale transfer type -> wire.py's collective kind.
+TRANSFER_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                  "ALL_TO_ALL": "all-to-all",
+                  "REDUCE_SCATTER": "reduce-scatter",
+                  "ONE_TO_ONE": "collective-permute"}
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+             "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+             "s4": 0.5, "u4": 0.5}
+_SEND = re.compile(
+  r"=\s*\((?P<dtype>\w+)\[(?P<dims>[\d,]*)\](?:\{[^}]*\})?,\s*u32\[\],"
+  r"\s*token\[\]\)"
+  r"\s*send\((?P<rest>.*)$")
+
+
+def topology_devices(topology: str, slices: int = 1) -> np.ndarray:
+  """The compile-only devices of ``slices`` slices of a TPU ``topology``
+  (e.g. ``"v5e:2x2"``, ``"v5p:2x2x1"``, ``"v6e:2x2"``), slice-major.
+
+  Raises:
+    ValueError: naming the argument when libtpu is missing or the
+      topology is unknown.
+  """
+  if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
+    raise ValueError(f"slices must be a positive int, got {slices!r}")
+  if not isinstance(topology, str) or ":" not in topology:
+    raise ValueError(
+      f"topology must name a TPU generation and its chips, e.g. 'v5e:2x2' "
+      f"or 'v5p:2x2x1', got {topology!r}")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  try:
+    desc = topologies.get_topology_desc(
+      topology_name=topology, platform="tpu", num_slices=slices)
+  except Exception as e:  # libtpu absent, or a name it does not know
+    raise ValueError(
+      f"topology {topology!r} x {slices} slices cannot be compiled for "
+      f"here ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it "
+      "needs libtpu: pip install \"jax[tpu]==" + jax.__version__ + "\""
+    ) from e
+  return np.array(desc.devices)
+
+
+def slice_mesh(topology: str, slices: int, axes: Sequence[str] = (
+    "dcn", "fsdp")) -> Mesh:
+  """A mesh of ``slices`` compile-only TPU slices: the first axis across
+  slices, the second over each slice's chips (further axes of size 1),
+  every axis Auto."""
+  devs = topology_devices(topology, slices)
+  axes = tuple(axes)
+  if len(axes) < 2:
+    raise ValueError(f"axes must name at least two axes, got {axes!r}")
+  shape = (slices, devs.size // slices) + (1,) * (len(axes) - 2)
+  return Mesh(devs.reshape(shape), axes,
+              axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def generation(mesh: Mesh) -> str:
+  """The TPU generation of ``mesh`` (a key of :data:`HBM`), or the device
+  kind."""
+  kind = mesh.devices.flat[0].device_kind.lower()
+  for name, key in (("v6", "v6e"), ("v5p", "v5p"), ("v5 lite", "v5e"),
+                    ("v5e", "v5e"), ("v4", "v4")):
+    if name in kind:
+      return key
+  return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One cross-slice send of the compiled program.
+
+  Attributes:
+    kind: ``jaxcomm.wire`` kind (``all-reduce``, ``all-gather``, ...).
+    handed: bytes the chip hands the cross-slice runtime.
+    shape: the send's shape and dtype as the HLO prints them.
+  """
+  kind: str
+  handed: float
+  shape: str
+
+  def crossing(self, slices: int) -> float:
+    """Bytes that leave the chip's slice for this transfer (the module
+    docstring's convention)."""
+    n = slices
+    if n <= 1:
+      return 0.0
+    if self.kind == "all-reduce":
+      return 2 * (n - 1) / n * self.handed
+    if self.kind == "all-gather":
+      return (n - 1) * self.handed
+    if self.kind in ("all-to-all", "reduce-scatter"):
+      return (n - 1) / n * self.handed
+    return float(self.handed)
+
+
+def transfers(compiled_or_text: Any) -> list[Transfer]:
+  """The cross-slice sends (``is_host_transfer=true``) of a compiled
+  step (or its HLO text)."""
+  text = (compiled_or_text if isinstance(compiled_or_text, str)
+          else compiled_or_text.as_text())
+  out = []
+  for line in text.splitlines():
+    if " send(" not in line or "is_host_transfer=true" not in line:
+      continue
+    m = _SEND.search(line)
+    if not m:
+      raise ValueError(f"unparsed cross-slice send: {line.strip()[:200]}")
+    dims = [int(d) for d in m["dims"].split(",") if d]
+    size = int(np.prod(dims)) * _ITEMSIZE[m["dtype"]]
+    t = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+    kind = TRANSFER_KINDS.get(t.group(1) if t else "", "collective-permute")
+    out.append(Transfer(kind, float(size), f"{m['dtype']}[{m['dims']}]"))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+  """What a compiled step says, per chip (bytes unless named).
+
+  Attributes:
+    compile_seconds: wall time of ``.compile()``.
+    argument, output, alias, temp: the compiler's buffer assignment.
+    hbm: the chip's HBM (0 when unknown).
+    transfers: the cross-slice sends.
+    slices: the number of slices.
+    optimal_seconds: the compiler's estimated step time (None if absent).
+    mosaic: Pallas kernels compiled by Mosaic (``tpu_custom_call``).
+    unknown_cost_ops: ops the compiler's estimate leaves out (it reports
+      each as -1 s; ``optimal_seconds`` is the estimate of the rest).
+  """
+  compile_seconds: float
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  hbm: int
+  transfers: tuple
+  slices: int
+  optimal_seconds: float | None
+  mosaic: int
+  unknown_cost_ops: int = 0
+
+  @property
+  def peak(self) -> int:
+    """Arguments, outputs not aliased to them, and temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+  @property
+  def fits(self) -> bool | None:
+    return None if not self.hbm else self.peak <= self.hbm
+
+  @property
+  def handed(self) -> float:
+    return sum(t.handed for t in self.transfers)
+
+  @property
+  def crossing(self) -> float:
+    return sum(t.crossing(self.slices) for t in self.transfers)
+
+  def step_seconds(self, dcn_gbit_per_s: float) -> float | None:
+    """The compiler's estimate plus the crossing bytes over a DCN link of
+    ``dcn_gbit_per_s`` per chip (no overlap assumed)."""
+    if self.optimal_seconds is None:
+      return None
+    return self.optimal_seconds + self.crossing * 8 / (dcn_gbit_per_s * 1e9)
+
+
+def analyze(compiled, compile_seconds: float = 0.0, *, slices: int,
+            hbm: int = 0) -> Figures:
+  """:class:`Figures` of a compiled step on ``slices`` slices."""
+  m = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  text = compiled.as_text()
+  optimal = (cost or {}).get("optimal_seconds")
+  unknown = 0
+  if optimal is not None and optimal < 0:
+    # The TPU compiler counts an op it cannot cost (some custom calls) as
+    # -1 s: 2 such calls in the plain MLP step at dim 512 gave -0.99991,
+    # one at dim 256 gave +2.4e-5. The estimate is the rest.
+    unknown = -math.floor(optimal)
+    optimal = optimal + unknown
+  return Figures(
+    unknown_cost_ops=int(unknown),
+    compile_seconds=float(compile_seconds),
+    argument=int(m.argument_size_in_bytes),
+    output=int(m.output_size_in_bytes),
+    alias=int(m.alias_size_in_bytes), temp=int(m.temp_size_in_bytes),
+    hbm=int(hbm), transfers=tuple(transfers(text)), slices=int(slices),
+    optimal_seconds=None if optimal is None else float(optimal),
+    mosaic=len(re.findall(r'custom_call_target="tpu_custom_call"', text)))
+
+
+def compile_lowered(lowered) -> tuple[Any, float]:
+  """``(lowered.compile(), seconds)``."""
+  t = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - t
+
+
+def plain_step(loss_fn, learning_rate: float = 0.1):
+  """The plain jit step a sharded trainer writes: the gradient of the loss
+  on whole arrays, SGD, XLA's own reductions (the baseline every compiled
+  jaxcomm step is compared with)."""
+  def step(params, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+  return jax.jit(step, donate_argnums=0)
+
+
+# ------------------------------------------------------------ the models --
+
+# The transformer LM at named sizes (``models.transformer.TransformerLM``):
+# d_model, heads, layers, d_ff, vocab, sequence, global batch.
+SIZES = {
+  "small": dict(d_model=512, num_heads=8, num_layers=4, d_ff=2048,
+                vocab_size=8192, max_len=512, batch=16),
+  "124m": dict(d_model=768, num_heads=12, num_layers=12, d_ff=3072,
+               vocab_size=50304, max_len=1024, batch=16),
+  "350m": dict(d_model=1024, num_heads=16, num_layers=24, d_ff=4096,
+               vocab_size=50304, max_len=1024, batch=16),
+  "1b": dict(d_model=2048, num_heads=16, num_layers=18, d_ff=8192,
+             vocab_size=50304, max_len=1024, batch=16),
+}
+
+
+def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",)):
+  """The repository's transformer LM at ``size`` (:data:`SIZES`), abstract:
+  ``(loss_fn, params, batch)`` with ``params`` ``jax.ShapeDtypeStruct``
+  leaves sharded over ``mesh``'s model axes by the model's logical rules,
+  and a token batch split over all of ``mesh``'s axes. Needs the
+  repository's ``models`` package (run from the repository root)."""
+  if size not in SIZES:
+    raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+  try:
+    tmod = importlib.import_module("models.transformer")
+  except ImportError as e:
+    raise ValueError(
+      "model 'transformer' needs the repository's models package: run "
+      "from the repository root") from e
+  from flax import nnx
+  import optax
+  cfg = dict(SIZES[size])
+  batch_size = cfg.pop("batch")
+  model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
+                                                    rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  model_axes = [a for a in mesh.axis_names if a not in data_axes]
+  specs = tmod.partition_specs(params, model_axes)
+  params = jax.tree.map(
+    lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=NamedSharding(mesh, sp)),
+    params, specs, is_leaf=lambda x: isinstance(x, P))
+
+  def loss_fn(p, batch):
+    logits = nnx.merge(graphdef, p)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+  tokens = jax.ShapeDtypeStruct(
+    (batch_size, cfg["max_len"]), jnp.int32,
+    sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))))
+  return loss_fn, params, {"x": tokens, "y": tokens}
+
+
+def mlp(mesh: Mesh, dim: int = 1024, batch: int = 64, model_axis="fsdp"):
+  """A two-layer MLP of ``8 dim^2 + dim`` params, abstract: ``w1 (dim, 4
+  dim)`` split over ``model_axis`` by rows, ``w2`` by columns, a replicated
+  bias; ``(loss_fn, params, batch)``."""
+  sh = lambda *s: NamedSharding(mesh, P(*s))
+  params = {
+    "w1": jax.ShapeDtypeStruct((dim, 4 * dim), jnp.float32,
+                               sharding=sh(model_axis, None)),
+    "w2": jax.ShapeDtypeStruct((4 * dim, dim), jnp.float32,
+                               sharding=sh(None, model_axis)),
+    "b": jax.ShapeDtypeStruct((dim,), jnp.float32, sharding=sh())}
+  data = jax.ShapeDtypeStruct((batch, dim), jnp.float32,
+                              sharding=sh(tuple(mesh.axis_names), None))
+
+  def loss_fn(p, b):
+    h = jax.nn.gelu(b["x"] @ p["w1"]) @ p["w2"] + p["b"]
+    return jnp.mean((h - b["y"]) ** 2)
+
+  return loss_fn, params, {"x": data, "y": data}
+
+
+# ----------------------------------------------------------- the command --
+
+def _fmt_bytes(b: float) -> str:
+  return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def compile_method(loss_fn, params, batch, mesh, tx, *, data_axis="dcn",
+                   auto_axes=("fsdp",)):
+  """``(compiled, seconds, state)``: ``tx``'s :class:`~jaxcomm.parallel.
+  DataParallel` step on abstract ``params`` and ``batch``, compiled for
+  ``mesh``."""
+  from jaxcomm import parallel
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name=data_axis,
+                             auto_axes=auto_axes)
+  p, state = dp.init(params)
+  compiled, secs = compile_lowered(dp.lower(p, state, batch))
+  return compiled, secs, state
+
+
+def state_bytes_per_chip(state) -> int:
+  """Bytes of an abstract state's shards on one chip."""
+  total = 0
+  for x in jax.tree.leaves(state):
+    shape = x.sharding.shard_shape(x.shape)
+    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _report(name, fig: Figures, base: Figures | None, gbps):
+  ratio = (lambda a, b: f" ({a / b:.2f}x)" if base and b else "")
+  lines = [
+    f"{name}:",
+    f"  compile             {fig.compile_seconds:8.1f} s"
+    + (ratio(fig.compile_seconds, base.compile_seconds) if base else ""),
+    f"  memory per chip     arguments {_fmt_bytes(fig.argument)}, "
+    f"temporaries {_fmt_bytes(fig.temp)}"
+    + (ratio(fig.temp, base.temp) if base else "")
+    + f", peak {_fmt_bytes(fig.peak)}"
+    + ("" if fig.fits is None else
+       f" of {_fmt_bytes(fig.hbm)} HBM: "
+       + ("fits" if fig.fits else "DOES NOT FIT")),
+    f"  across slices       handed {_fmt_bytes(fig.handed)}, crossing "
+    f"{_fmt_bytes(fig.crossing)}"
+    + (ratio(fig.crossing, base.crossing) if base else "")
+    + f" in {len(fig.transfers)} sends ("
+    + ", ".join(sorted({t.kind for t in fig.transfers})) + ")",
+    f"  Mosaic kernels      {fig.mosaic}",
+  ]
+  if fig.optimal_seconds is not None:
+    est = ", ".join(f"{g:g} Gbit/s {fig.step_seconds(g) * 1e3:.2f} ms"
+                    for g in gbps)
+    lines.append(f"  estimated step      compute {fig.optimal_seconds * 1e3:.2f}"
+                 f" ms; + crossing bytes at {est}"
+                 + (f" ({fig.unknown_cost_ops} ops of unknown cost left "
+                    "out)" if fig.unknown_cost_ops else ""))
+  print("\n".join(lines), flush=True)
+
+
+def main(argv=None) -> int:
+  from jaxcomm import registry
+  import optax
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxcomm.aot",
+    description="Compile a jaxcomm step ahead of time for TPU slices (no "
+    "TPU needed) and print per-chip memory, bytes across slices, compile "
+    "time and the compiler's step-time estimate, next to the plain jit "
+    "step.")
+  parser.add_argument("--topology", default="v5e:2x2",
+                      help="one slice, e.g. v5e:2x2, v5p:2x2x1, v6e:2x2")
+  parser.add_argument("--slices", type=int, default=2)
+  parser.add_argument("--model", default="transformer",
+                      choices=("transformer", "mlp"))
+  parser.add_argument("--size", default="small",
+                      help=f"transformer: {', '.join(SIZES)}; mlp: dim")
+  parser.add_argument("--compressor", action="append", default=None,
+                      help="a registered method (repeatable; default "
+                      "topk); args as name:key=value,...")
+  parser.add_argument("--dcn-gbps", type=float, action="append",
+                      default=None, help="DCN Gbit/s per chip for the "
+                      "estimate (repeatable; default 25 and 100)")
+  args = parser.parse_args(argv)
+  mesh = slice_mesh(args.topology, args.slices)
+  if args.model == "transformer":
+    loss_fn, params, batch = transformer(mesh, args.size)
+  else:
+    try:
+      dim = int(args.size) if args.size != "small" else 1024
+    except ValueError:
+      parser.error(f"--size for mlp is an int dim, got {args.size!r}")
+    loss_fn, params, batch = mlp(mesh, dim)
+  gen = generation(mesh)
+  hbm = HBM.get(gen, 0)
+  nparams = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  print(f"{args.topology} x {args.slices} slices ({mesh.devices.size} chips, "
+        f"{gen}), {args.model} {args.size}: {nparams / 1e6:.1f}M params, "
+        f"jax {jax.__version__}", flush=True)
+  gbps = args.dcn_gbps or [25.0, 100.0]
+  compiled, secs = compile_lowered(
+    plain_step(loss_fn).lower(params, batch))
+  base = analyze(compiled, secs, slices=args.slices, hbm=hbm)
+  _report("plain jit step", base, None, gbps)
+  for spec in args.compressor or ["topk"]:
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for kv in filter(None, rest.split(",")):
+      k, _, v = kv.partition("=")
+      try:
+        kwargs[k] = float(v) if "." in v or "e" in v else int(v)
+      except ValueError:
+        kwargs[k] = v
+    tx = optax.chain(registry.get(name).make(**kwargs, axis_name="dcn"),
+                     optax.sgd(0.1))
+    compiled, secs, state = compile_method(loss_fn, params, batch, mesh, tx)
+    fig = analyze(compiled, secs, slices=args.slices, hbm=hbm)
+    _report(f"{name} (state {_fmt_bytes(state_bytes_per_chip(state))} "
+            "per chip)", fig, base, gbps)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
