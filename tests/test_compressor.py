@@ -507,20 +507,24 @@ def test_an_update_that_overflows_the_leaf_dtype_is_a_skipped_step(make):
   assert overflowed, "the gradients did not overflow float16"
 
 
-@pytest.mark.parametrize("name,arg", [("stc", "ratio"), ("sbc", "ratio"),
-                                      ("sidco", "ratio"),
-                                      ("fetchsgd", "k_ratio")])
+@pytest.mark.parametrize("name,arg,extra", [
+    ("stc", "ratio", {}), ("sbc", "ratio", {}), ("sidco", "ratio", {}),
+    ("fetchsgd", "k_ratio", {"cols": 64}), ("topk", "ratio", {}),
+    ("topk", "ratio", {"granularity": "model"}),
+    ("topk", "ratio", {"value_bits": 4}), ("randomk", "ratio", {}),
+    ("randomk", "ratio", {"granularity": "model"})])
 def test_a_ratio_that_keeps_less_than_one_element_everywhere_is_refused(
-    name, arg):
+    name, arg, extra):
   """The battery's compressed leaves have 1152 and 3072 elements (one
-  bucket of 4224; FetchSGD takes k per bucket): ``k = ratio * L`` is below
-  1 on every one iff ``ratio < 1 / 3072`` (``1 / 4224``). Such a ratio was
-  accepted (1e-30: STC and SBC sent one element per leaf, SIDCo and
-  FetchSGD nothing); it is refused at init, naming the argument, and the
-  smallest ratio keeping one element of the largest is accepted."""
+  bucket of 4224; FetchSGD and ``granularity="model"`` take k per bucket):
+  ``k = ratio * L`` is below 1 on every one iff ``ratio < 1 / 3072``
+  (``1 / 4224``). Such a ratio was accepted (1e-30: STC, SBC, top-k and
+  random-k sent one element per leaf, SIDCo and FetchSGD nothing); it is
+  refused at init, naming the argument, and the smallest ratio keeping one
+  element of the largest is accepted."""
   params = harness.battery_params()
-  big = 4224 if name == "fetchsgd" else 3072
-  extra = {"cols": 64} if name == "fetchsgd" else {}
+  per_bucket = name == "fetchsgd" or extra.get("granularity") == "model"
+  big = 4224 if per_bucket else 3072
 
   def init(r):
     return getattr(jaxcomm, name)(r, axis_name=None, **extra).init(params)

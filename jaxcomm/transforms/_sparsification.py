@@ -99,6 +99,19 @@ def _segments(layout, granularity: str = "leaf") -> list[_Segs]:
           for g in layout.groups]
 
 
+def _check_selects_one(name):
+  """``check_layouts`` of top-k and random-k: refuses a ratio keeping
+  fewer than one element of every segment (leaf, or bucket with
+  ``granularity="model"``), which the floor ``k = 1`` would hide."""
+  def check(self, layouts):
+    if self.granularity == "model":
+      sizes, unit = [lay.size for lay in layouts], "bucket"
+    else:
+      sizes, unit = [s for lay in layouts for s in lay.sizes], "leaf"
+    _checks.selects_one("ratio", self.ratio, sizes, name, unit)
+  return check
+
+
 def _num_pairs(segs, ratio) -> int:
   return sum(s.count * num_selected(ratio, s.size) for s in segs)
 
@@ -163,6 +176,8 @@ class TopkCodec(_codec.CodecBase):
   def name(self):
     return f"topk({self.ratio})" if self.value_bits is None else (
       f"topk({self.ratio}, {self.value_bits}-bit)")
+
+  check_layouts = _check_selects_one("topk")
 
   def apply(self, x, state, ctx):
     segs = _segments(ctx.layout, self.granularity)
@@ -245,7 +260,9 @@ def topk(ratio: float, *, granularity: str = "leaf",
   default) what was not sent is kept and added to the next gradient.
 
   Args:
-    ratio: fraction of coordinates sent, in ``(0, 1]`` (static).
+    ratio: fraction of coordinates sent, in ``(0, 1]`` (static); one
+      below ``1 / L`` for every leaf (bucket, with ``granularity=
+      "model"``) is refused at init.
     granularity: ``"leaf"`` (k per leaf) or ``"model"`` (one k over all
       compressed leaves flattened together).
     value_bits: None (values in float32) or 1, 2, 4, 8: each selected value
@@ -396,6 +413,8 @@ class RandomkCodec(_codec.CodecBase):
   def name(self):
     return f"randomk({self.ratio})"
 
+  check_layouts = _check_selects_one("randomk")
+
   def _indices(self, ctx):
     segs = _segments(ctx.layout, self.granularity)
     rows = [(s.offset + r * s.size, s.size, s.ids[r])
@@ -453,7 +472,9 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
   the unsent coordinates are sent later, as in Stich et al.
 
   Args:
-    ratio: fraction of coordinates sent, in ``(0, 1]`` (static).
+    ratio: fraction of coordinates sent, in ``(0, 1]`` (static); one
+      below ``1 / L`` for every leaf (bucket, with ``granularity=
+      "model"``) is refused at init.
     granularity: ``"leaf"`` or ``"model"`` (as :func:`topk`).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent coordinates.
