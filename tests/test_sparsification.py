@@ -550,6 +550,30 @@ def test_golomb_positions_round_trip_within_the_exact_capacity(size, k):
     assert coded.sum() - (coded.size - len(ref_bits)) == sum(ref_bits)
 
 
+@pytest.mark.parametrize("size,k", [(1000, 10), (37, 5), (100_000, 100),
+                                    (4096, 2000)])
+def test_golomb_padding_positions_round_trip_within_the_capacity(size, k):
+  """STC's rows: ``m >= 1`` positions in the leaf, then ``k - m`` padding
+  positions ``size, size + 1, ...`` past it (its selected zeros). The
+  worst cases (one position, at the end or at the start of the leaf;
+  ``k - 1`` in the leaf) fit ``capacity_bits(k, size, k - 1)`` and come
+  back, and the paper's code of each row is no longer than that."""
+  from jaxcomm.collectives import _golomb
+  rng = np.random.default_rng(size + k)
+  rows = []
+  for real in ([size - 1], [0], np.sort(rng.choice(size, k - 1, False)),
+               np.arange(size - k + 1, size)):
+    real = list(real)
+    rows.append(real + list(range(size, size + k - len(real))))
+  rows = np.asarray(rows)
+  bits = _golomb.encode(jnp.asarray(rows, jnp.int32), size, k - 1)
+  back = _golomb.decode(bits, k, size)
+  np.testing.assert_array_equal(np.asarray(back), rows)
+  for row in rows:
+    assert len(_golomb_numpy(row, size)[0]) <= bits.shape[-1] == (
+      _golomb.capacity_bits(k, size, k - 1))
+
+
 def _golomb_sections_numpy(row, size):
   """The paper's code of one row, written as this module lays it out: the
   remainders' bits (least significant first), then the quotients in unary
@@ -615,16 +639,60 @@ def test_stc_and_sbc_wire_is_golomb_not_indices():
   params = {"w": jnp.zeros((1000, 1000))}
   k = 10_000
   coded = _golomb.capacity_bits(k, 10 ** 6)
+  # STC's positions reach k - 1 past the leaf (its selected zeros).
+  padded = _golomb.capacity_bits(k, 10 ** 6, k - 1)
 
   def gathered(tx):
     return sum(b for kind, b in wire.claimed(tx, params, 8)
                if kind == "all-gather")
 
   assert gathered(jaxcomm.stc(0.01)) == 8 * 4 * (
-    1 + math.ceil((coded + k) / 32))
+    1 + math.ceil((padded + k) / 32))
   assert gathered(jaxcomm.sbc(0.01)) == 8 * 4 * (1 + math.ceil(coded / 32))
   assert gathered(jaxcomm.topk(0.01)) == 8 * 8 * k
   assert gathered(jaxcomm.topk(0.01)) / gathered(jaxcomm.stc(0.01)) > 6
+
+
+def _stc_paper(x, k):
+  """Sattler et al. 2019, Algorithm 1 on one leaf: the k largest ``|x|``
+  (ties: lower index first), ``mu`` their mean magnitude, ``mu sign(x)``
+  there (0 where a kept ``x`` is 0), 0 elsewhere."""
+  sel = np.argsort(-np.abs(x), kind="stable")[:k]
+  s = np.zeros_like(x)
+  s[sel] = np.abs(x[sel]).mean() * np.sign(x[sel])
+  return s
+
+
+def test_stc_sends_zero_where_a_kept_value_is_zero(mesh):
+  """k = 10 of 1000, two leaves of one shape (one group): device d's leaf
+  "a" has d % 5 nonzeros (device 0 none at all), leaf "b" is dense. Where
+  a leaf has fewer than k nonzeros, the kept zeros get ``mu sign(0) = 0``
+  (they went out as +mu: the sign bit cannot say zero). Two steps with
+  error feedback, against the paper's formula in numpy: the second step
+  sends what the first left in the residual."""
+  rng = np.random.default_rng(0)
+  n, size, k = 8, 1000, 10
+  g1 = {"a": np.zeros((n, size), np.float32),
+        "b": rng.normal(size=(n, size)).astype(np.float32)}
+  for d in range(n):
+    where = rng.choice(size, d % 5, replace=False)
+    g1["a"][d, where] = rng.normal(size=where.size) * 3
+  g2 = {"a": np.zeros((n, size), np.float32),
+        "b": rng.normal(size=(n, size)).astype(np.float32)}
+  tx = jaxcomm.stc(0.01)
+  params = {"a": jnp.zeros((size,)), "b": jnp.zeros((size,))}
+  updates, _, _ = harness.device_run(
+    tx, mesh, [{n_: jnp.asarray(v) for n_, v in g.items()}
+               for g in (g1, g2)], params=params)
+  for name in ("a", "b"):
+    e = np.zeros((n, size))
+    for t, g in enumerate((g1, g2)):
+      x = g[name].astype(np.float64) + e
+      s = np.stack([_stc_paper(x[d], k) for d in range(n)])
+      e = x - s
+      got = np.asarray(updates[t][name]).reshape(-1)
+      np.testing.assert_allclose(got, s.mean(axis=0), rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{name}, step {t}")
 
 
 def test_sbc_sends_the_sign_with_the_larger_mean(mesh):

@@ -56,11 +56,15 @@ def expected_bits(k: int, size: int) -> float:
   return b + 1 / (1 - (1 - p) ** (2 ** b))
 
 
-def capacity_bits(k: int, size: int) -> int:
+def capacity_bits(k: int, size: int, padding: int = 0) -> int:
   """Bits of the coded positions of one row: ``k b`` remainder bits and
-  ``k + (size - k) >> b`` unary bits (exact upper bound)."""
+  ``k + (size + padding - k) >> b`` unary bits (exact upper bound).
+
+  ``padding`` lets positions reach ``size + padding - 1``: slots past the
+  row that carry nothing (STC's selected zeros, which a sign bit cannot
+  say); ``b`` stays the paper's for ``k`` of ``size``."""
   b = rice_parameter(k, size)
-  return k * b + k + ((size - k) >> b)
+  return k * b + k + ((size + padding - k) >> b)
 
 
 def pack_bits(bits: jax.Array) -> jax.Array:
@@ -81,33 +85,39 @@ def unpack_bits(words: jax.Array, num: int) -> jax.Array:
   return bits.reshape(words.shape[:-1] + (-1,))[..., :num].astype(bool)
 
 
-def encode(positions: jax.Array, size: int) -> jax.Array:
-  """Golomb-Rice code of ``k`` distinct sorted positions in ``[0, size)``.
+def encode(positions: jax.Array, size: int, padding: int = 0) -> jax.Array:
+  """Golomb-Rice code of ``k`` distinct sorted positions in ``[0, size +
+  padding)``.
 
   Args:
     positions: ``int32[..., k]``, strictly increasing along the last axis.
     size: the row length ``L`` (static).
+    padding: how far past the row positions may reach (static; see
+      :func:`capacity_bits`).
 
   Returns:
-    ``bool[..., capacity_bits(k, size)]``: the ``k`` remainders (``b`` bits
-    each, least significant first), then the unary quotients; unused
-    trailing bits are ones.
+    ``bool[..., capacity_bits(k, size, padding)]``: the ``k`` remainders
+    (``b`` bits each, least significant first), then the unary quotients;
+    unused trailing bits are ones.
   """
-  return encode_many([positions], [size])[0]
+  return encode_many([positions], [size], [padding])[0]
 
 
 def decode(bits: jax.Array, k: int, size: int) -> jax.Array:
-  """Inverse of :func:`encode`: ``bool[..., capacity_bits(k, size)]`` ->
-  ``int32[..., k]`` positions."""
+  """Inverse of :func:`encode`: ``bool[..., capacity_bits(k, size,
+  padding)]`` -> ``int32[..., k]`` positions (the padding is read from the
+  bits' length)."""
   return decode_many([bits], [k], [size])[0]
 
 
-def encode_many(positions: list, sizes: list) -> list:
+def encode_many(positions: list, sizes: list, paddings=None) -> list:
   """:func:`encode` of several groups of rows (``positions[i]`` of rows of
-  ``sizes[i]``) with one scatter for every unary section at once: one per
-  call instead of one per shape group (a compressor's compile time)."""
+  ``sizes[i]``, reaching ``paddings[i]`` past them; default 0) with one
+  scatter for every unary section at once: one per call instead of one
+  per shape group (a compressor's compile time)."""
   meta, idx, offset = [], [], 0
-  for pos, size in zip(positions, sizes):
+  paddings = [0] * len(sizes) if paddings is None else paddings
+  for pos, size, padding in zip(positions, sizes, paddings):
     k = pos.shape[-1]
     b = rice_parameter(k, size)
     lead = pos.shape[:-1]
@@ -117,7 +127,7 @@ def encode_many(positions: list, sizes: list) -> list:
     rem = ((gaps[..., None] >> jnp.arange(b, dtype=jnp.uint32)) & 1
            ).astype(bool).reshape(lead + (k * b,))
     q = (gaps >> b).astype(jnp.int32)
-    ub = k + ((size - k) >> b)
+    ub = k + ((size + padding - k) >> b)
     rows = math.prod(lead)
     # Quotient j ends with a zero at sum_{i<=j} q_i + j of its row.
     zeros = (jnp.cumsum(q, axis=-1) + jnp.arange(k, dtype=jnp.int32)

@@ -37,10 +37,24 @@ from jaxcomm.kernels import topk as _topk
 from jaxcomm.transforms._sparsification import num_selected
 
 
+def _padding(k: int, signs: bool) -> int:
+  """How far past its leaf a position may reach. STC sends a selected zero
+  (a leaf with fewer than k nonzeros) at a padding position past the leaf,
+  which the decoder drops: ``mu sign(0) = 0``, which no sign bit can say.
+  At least one selected value is nonzero when ``mu > 0`` (else every slot
+  stays in the leaf, carrying 0), so at most ``k - 1`` pad."""
+  return k - 1 if signs else 0
+
+
+def _pos_bits(k: int, size: int, signs: bool) -> int:
+  """Bits of one leaf's message after the mean: coded positions, signs."""
+  return (_golomb.capacity_bits(k, size, _padding(k, signs))
+          + (k if signs else 0))
+
+
 def _row_words(k: int, size: int, signs: bool) -> int:
   """uint32 words of one leaf's message: the mean, then the bits."""
-  bits = _golomb.capacity_bits(k, size) + (k if signs else 0)
-  return 1 + -(-bits // 32)
+  return 1 + -(-_pos_bits(k, size, signs) // 32)
 
 
 def _wire(layout, n, ratio, signs):
@@ -51,8 +65,13 @@ def _wire(layout, n, ratio, signs):
 
 
 def _stc_select(x, layout, ratio):
-  """Per group: sorted in-row positions ``[G, k]``, the values there and
-  the per-row value ``sign * mean|kept|`` (``[G, k]``)."""
+  """Per group: sorted positions ``[G, k]``, the values sent there
+  (``mu sign(x)``, ``mu = mean|kept|``), ``mu`` and the sign bits.
+
+  A selected zero (a leaf with fewer than k nonzeros) is sent at a padding
+  position ``L + j`` past the leaf, which decodes to nothing: the paper's
+  ``mu sign(0) = 0``. Where ``mu = 0`` every slot carries 0 and stays put
+  (so at most ``k - 1`` pad, :func:`_padding`)."""
   groups = [(g.offset, g.count, g.leaf_size, num_selected(ratio, g.leaf_size))
             for g in layout.groups]
   out = []
@@ -60,10 +79,13 @@ def _stc_select(x, layout, ratio):
                             _topk.topk_abs_groups(x, groups)):
     pos = idx - (g.offset + g.leaf_size * jnp.arange(g.count,
                                                      dtype=jnp.int32)[:, None])
+    mu = jnp.mean(jnp.abs(vals), axis=-1, keepdims=True)
+    pad = (vals == 0) & (mu > 0)
+    pos = jnp.where(pad, g.leaf_size - 1 + jnp.cumsum(pad, axis=-1,
+                                                      dtype=jnp.int32), pos)
     # Positions in increasing order, their values carried along (one sort).
     pos, vals = jax.lax.sort((pos, vals), dimension=-1, num_keys=1)
-    mu = jnp.mean(jnp.abs(vals), axis=-1, keepdims=True)
-    out.append((pos, jnp.where(vals < 0, -mu, mu), mu[:, 0], vals < 0))
+    out.append((pos, mu * jnp.sign(vals), mu[:, 0], vals < 0))
   return out
 
 
@@ -92,6 +114,8 @@ def _scatter(layout, pos, vals, lead=()):
   flat_idx, flat_val = [], []
   for g, p, v in zip(layout.groups, pos, vals):
     base = g.offset + g.leaf_size * jnp.arange(g.count, dtype=jnp.int32)
+    # A padding position (value 0) adds nothing to its leaf's last entry.
+    p = jnp.minimum(p, g.leaf_size - 1)
     flat_idx.append((p + base[:, None]).reshape(-1))
     flat_val.append(v.reshape(-1))
   idx = jnp.concatenate(flat_idx)
@@ -102,8 +126,9 @@ def _scatter(layout, pos, vals, lead=()):
 def _encode(layout, sel, ratio, signs):
   """This device's message: per group ``[G, words]``, flattened and
   concatenated."""
-  coded = _golomb.encode_many([s[0] for s in sel],
-                              [g.leaf_size for g in layout.groups])
+  coded = _golomb.encode_many(
+    [s[0] for s in sel], [g.leaf_size for g in layout.groups],
+    [_padding(s[0].shape[-1], signs) for s in sel])
   rows = [jnp.concatenate([neg, bits], axis=-1) if signs else bits
           for bits, (_, _, _, neg) in zip(coded, sel)]
   parts = []
@@ -151,7 +176,7 @@ def _decode(layout, words, ratio, signs):
   codes, ks, val_all, off = [], [], [], 0
   for g, part, mu in zip(layout.groups, parts, mus):
     k = num_selected(ratio, g.leaf_size)
-    nbits = _golomb.capacity_bits(k, g.leaf_size) + (k if signs else 0)
+    nbits = _pos_bits(k, g.leaf_size, signs)
     size = 32 * part.size
     bits = every[off:off + size].reshape(part.shape[:-1] + (-1,))[
       ..., :nbits]
@@ -166,6 +191,9 @@ def _decode(layout, words, ratio, signs):
     val_all.append(vals)
   pos_all = _golomb.decode_many(codes, ks,
                                 [g.leaf_size for g in layout.groups])
+  # Padding positions (STC's selected zeros) carry nothing.
+  val_all = [jnp.where(p < g.leaf_size, v, 0.0)
+             for g, p, v in zip(layout.groups, pos_all, val_all)]
   return pos_all, val_all
 
 
@@ -248,7 +276,9 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
     \\mathbb{1}[j \\in T_i], \\quad e_i \\leftarrow x_i - s_i
 
   with ``T_i`` the ``k = max(1, ceil(ratio * L))`` entries of largest
-  magnitude of each leaf (ties: lower index first). A leaf's message is
+  magnitude of each leaf (ties: lower index first); a kept zero (a leaf
+  with fewer than ``k`` nonzeros) sends 0, at a padding position past the
+  leaf that the decoder drops. A leaf's message is
   ``mu`` (float32), ``k`` sign bits and the positions Golomb-coded
   (:mod:`jaxcomm.collectives._golomb`: about ``log2(1/ratio) + 2`` bits
   each), one all-gather of every device's message; the update is the mean
