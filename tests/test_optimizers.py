@@ -103,9 +103,11 @@ def test_momentum_mass_is_conserved_through_the_exchange(mesh):
 
 def test_freeze_step_zero_continues_a_warm_up_run_without_its_psum(mesh):
   """A warm-up run's state continued by ``freeze_step=0`` takes the same
-  steps as the run that never stopped, and that program holds only the
-  compressed exchange: the warm-up's all-reduce of every compressed
-  element is gone from the compiled HLO."""
+  steps as the run that never stopped (compressed steps: ``nu_count > 0``),
+  and outside conditional branches that program holds only the compressed
+  exchange: the warm-up's all-reduce of every compressed element is gone
+  from what every step runs. The dense Adam step for a fresh state
+  (``nu_count == 0``) sits behind a ``lax.cond``, and the claim lists it."""
   grads = harness.make_grads(7, 4)
   warm = jaxcomm.onebit_adam(0.01, freeze_step=2)
   cont = jaxcomm.onebit_adam(0.01, freeze_step=0)
@@ -118,20 +120,58 @@ def test_freeze_step_zero_continues_a_warm_up_run_without_its_psum(mesh):
                                  atol=1e-9)
   params = harness.battery_params()
   comp = sum(params[k].size for k in harness.COMPRESSED)
-  hlo = {}
+  floating = sum(v.size for v in params.values()
+                 if jnp.issubdtype(v.dtype, jnp.floating))
+  always = {}
   for name, tx in (("warm", warm), ("cont", cont)):
-    report = jaxcomm.wire.report(harness.lower_update(tx, mesh),
-                                 params=params)
+    lowered = harness.lower_update(tx, mesh)
+    report = jaxcomm.wire.report(lowered, params=params)
     claim = jaxcomm.wire.summarize(
       jaxcomm.wire.claimed(tx, params, harness.N), n=harness.N,
       params=params)
     assert report.payload == claim.payload, (name, report.payload,
                                              claim.payload)
-    hlo[name] = report.payload
-  assert hlo["warm"]["all-reduce"] - hlo["cont"]["all-reduce"] == 4 * comp
+    always[name] = sum(op.payload for op in jaxcomm.wire.collectives(
+      lowered, outside_branches=True) if op.kind == "all-reduce")
+  ops = jaxcomm.wire.collectives(harness.lower_update(cont, mesh))
+  assert any(op.kind == "all-reduce" and op.payload == 4 * floating
+             for op in ops)
+  assert always["cont"] < 4 * comp
   # What a compressed step moves is the same in both programs.
   assert (jaxcomm.wire.claimed(warm, params, harness.N, step=2)
-          == jaxcomm.wire.claimed(cont, params, harness.N))
+          == jaxcomm.wire.claimed(cont, params, harness.N, step=2))
+  assert jaxcomm.wire.claimed(cont, params, harness.N, step=0) == [
+    ("all-reduce", 4 * floating)]
+
+
+def test_freeze_step_zero_on_a_fresh_state_takes_a_dense_adam_step(mesh):
+  """``onebit_adam(freeze_step=0)`` from ``init`` (no warm-up state
+  restored): the first step moved the params by about ``lr / eps`` (8e4
+  at lr 0.01: the variance was zero). Now it is Adam's first step on the
+  mean gradient (numpy, Kingma & Ba: ``m = (1 - b1) g``, ``v = (1 - b2)
+  g^2``, bias-corrected), the variance counts one update, the worker
+  errors stay zero, and the next step is the compressed step a one-step
+  warm-up (``freeze_step=1``) takes after it."""
+  lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+  tx = jaxcomm.onebit_adam(lr, b1, b2, eps, freeze_step=0)
+  grads = harness.make_grads(11, 2)
+  updates, state, _ = harness.device_run(tx, mesh, grads[:1])
+  for k in ("b", "conv", "w"):
+    gbar = np.asarray(grads[0][k], np.float64).mean(axis=0)
+    m = (1 - b1) * gbar / (1 - b1)
+    v = (1 - b2) * gbar ** 2 / (1 - b2)
+    np.testing.assert_allclose(updates[0][k], -lr * m / (np.sqrt(v) + eps),
+                               rtol=1e-5, atol=1e-7, err_msg=k)
+  assert int(state.nu_count) == 1
+  assert int(state.exchange.count) == 1
+  for r in harness.residuals_of(state):
+    assert not np.any(r)
+  more, state, _ = harness.device_run(tx, mesh, grads[1:], state=state)
+  assert int(state.nu_count) == 1 and int(state.exchange.count) == 2
+  one, _, _ = harness.device_run(
+    jaxcomm.onebit_adam(lr, b1, b2, eps, freeze_step=1), mesh, grads)
+  for k in ("b", "conv", "w"):
+    np.testing.assert_allclose(more[0][k], one[1][k], rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("factory", [jaxcomm.onebit_adam,

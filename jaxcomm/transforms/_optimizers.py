@@ -25,6 +25,7 @@ the same averaged momentum.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 from typing import NamedTuple
 
@@ -35,6 +36,7 @@ import optax
 
 from jaxcomm import _buckets
 from jaxcomm import _checks
+from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _policy
 from jaxcomm import _registry
@@ -265,6 +267,46 @@ def _keep(bad, new, old):
   return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)
 
 
+@dataclasses.dataclass(frozen=True)
+class _DenseFirstSpec(_codec.Spec):
+  """The exchange of ``onebit_adam(freeze_step=0)``: the compressed one,
+  and behind a ``lax.cond`` on ``nu_count == 0`` one dense all-reduce of
+  every floating element (a dense Adam step while the variance was never
+  updated: a fresh state). The compiled step holds both, as LAG's does;
+  ``step=0`` (a run from init) moves the dense one only, later steps the
+  compressed one only."""
+
+  def wire(self, params, n, step=None, splits=None):
+    dense = [("all-reduce", 4 * _Flat.of(params).size)]
+    if step == 0:
+      return dense
+    out = (super().wire(params, n, step) if splits is None else
+           super().wire(params, n, step, splits=splits))
+    return out if step is not None else out + dense
+
+
+def _dense_first_spec(spec) -> _DenseFirstSpec:
+  return _DenseFirstSpec(*(getattr(spec, f.name)
+                           for f in dataclasses.fields(spec)))
+
+
+def _dense_adam_step(flat, updates, state, b1, b2, axis_name):
+  """One Adam step on the exact mean gradient (one psum), as the warm-up
+  takes it: ``(gbar, mu, nu, nu_count, bad, exchange)``, the exchange's
+  residuals untouched and its step counter advanced."""
+  g = flat.flatten(updates)
+  gbar = _core.psum(g, axis_name) / _core.axis_size(axis_name)
+  mu = b1 * state.mu + (1.0 - b1) * gbar
+  nu = b2 * state.nu + (1.0 - b2) * jnp.square(gbar)
+  bad = ~(jnp.all(jnp.isfinite(gbar)) & jnp.all(jnp.isfinite(nu)))
+  ex = state.exchange
+  ex = ex._replace(
+    count=optax.safe_increment(ex.count),
+    stats=ex.stats._replace(
+      nonfinite_steps=ex.stats.nonfinite_steps + bad.astype(jnp.int32)))
+  return gbar, mu, nu, state.nu_count + 1, bad, ex
+
+
 def _exchange(axis_name, policy, freeze_step):
   """The 1-bit momentum exchange, dense (exact) before ``freeze_step``."""
   return _signs.onebit(axis_name=axis_name, policy=policy,
@@ -311,11 +353,15 @@ def onebit_adam(
   corrected as ``optax.adam`` does (the variance by the number of its
   updates), so the warm-up equals ``optax.adam`` on the mean gradient.
 
-  With a static ``freeze_step=0`` the compiled step holds only the
-  compressed exchange (no dense warm-up collective). The variance then
-  comes from the state: restore the state of a warm-up run (same
-  structure) and continue it with ``freeze_step=0``, which drops the
-  warm-up's psum from the program. Every error buffer is per-device
+  With a static ``freeze_step=0`` the variance comes from the state:
+  restore the state of a warm-up run (same structure) and continue it
+  with ``freeze_step=0``; no step of it runs the warm-up's dense psum.
+  On a state whose variance was never updated (``nu_count == 0``: a fresh
+  ``init``) the step is one dense Adam step on the exact mean gradient
+  (behind a ``lax.cond``, so the compiled step holds that psum, and
+  ``jaxcomm.wire.claimed`` lists it), which starts the variance; a
+  compressed step on a zero variance would move the params by
+  ``lr / eps``. Every error buffer is per-device
   state: orbax saves all of them and ``parallel.resize_state`` moves them
   to another device count without losing error mass.
 
@@ -349,12 +395,28 @@ def onebit_adam(
   freeze_step = _check_common(name, learning_rate, b1, b2, eps, weight_decay,
                               freeze_step, bias_correction)
   ex = _exchange(axis_name, policy, freeze_step)
+  spec = _compressor.spec_of(ex)
+  if freeze_step == 0:
+    spec = _dense_first_spec(spec)
 
   def init_fn(params):
     zeros = jnp.zeros((_Flat.of(params).size,), jnp.float32)
     return OneBitAdamState(mu=zeros, nu=zeros,
                            nu_count=jnp.zeros([], jnp.int32),
                            exchange=ex.init(params))
+
+  def finish(flat, updates, state, params, count, mu, nu, nu_count, bad,
+             exchange):
+    c1, c2 = _corrections(count, nu_count, b1, b2, bias_correction)
+    u = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
+    if params is not None:
+      u = u + weight_decay * flat.flatten(params)
+    step = -_learning_rate(learning_rate, count) * u
+    new = OneBitAdamState(
+      mu=_keep(bad, mu, state.mu), nu=_keep(bad, nu, state.nu),
+      nu_count=jnp.where(bad, state.nu_count, nu_count),
+      exchange=exchange)
+    return _output(flat, step, updates, bad), new
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -364,24 +426,35 @@ def onebit_adam(
                        f"{type(state).__name__}")
     flat = _check_params(name, updates, params, weight_decay, state,
                          axis_name)
-    ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
-                            params)
-    nu = _variance(b2, ph, state.nu)
-    bad = ph.bad | (ph.warm & ~jnp.all(jnp.isfinite(nu)))
-    nu_count = state.nu_count + ph.warm.astype(jnp.int32)
-    c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
-    u = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)
-    if params is not None:
-      u = u + weight_decay * flat.flatten(params)
-    step = -_learning_rate(learning_rate, ph.count) * u
-    new = OneBitAdamState(
-      mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
-      nu_count=jnp.where(bad, state.nu_count, nu_count),
-      exchange=ph.exchange)
-    return _output(flat, step, updates, bad), new
+
+    def compressed_step(_):
+      ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
+                              params)
+      nu = _variance(b2, ph, state.nu)
+      bad = ph.bad | (ph.warm & ~jnp.all(jnp.isfinite(nu)))
+      nu_count = state.nu_count + ph.warm.astype(jnp.int32)
+      return finish(flat, updates, state, params, ph.count, ph.mu, nu,
+                    nu_count, bad, ph.exchange)
+
+    if freeze_step > 0:
+      return compressed_step(None)
+
+    # freeze_step=0 on a variance never updated (a fresh state): one dense
+    # Adam step instead of lr / eps steps on a zero variance.
+    want = jax.eval_shape(compressed_step, None)
+
+    def dense_step(_):
+      _, mu, nu, nu_count, bad, exchange = _dense_adam_step(
+        flat, updates, state, b1, b2, axis_name)
+      out = finish(flat, updates, state, params, state.exchange.count, mu,
+                   nu, nu_count, bad, exchange)
+      return jax.tree.map(_vma.match_varying, out, want)
+
+    return jax.lax.cond(state.nu_count == 0, dense_step, compressed_step,
+                        None)
 
   return optax.GradientTransformationExtraArgs(
-    _compressor._Init(init_fn, _compressor.spec_of(ex)), update_fn)
+    _compressor._Init(init_fn, spec), update_fn)
 
 
 @_registry.method(
