@@ -608,24 +608,48 @@ registry.register(registry.Entry(
 
 # ------------------------------------------------------------- AdaComp ----
 
-def _adacomp_select(x, g, bin_size, capacity_factor):
-  """Chen et al. 2018: one leaf's message. ``G = x`` (residue + latest
-  gradient), ``H = G + g``; bins of ``bin_size`` consecutive elements (the
-  last one shorter where it does not divide); ``j`` is sent iff ``|H_j| >=
-  max |G|`` over its bin (and ``G_j != 0``), first by index up to
-  ``ceil(capacity_factor * L / bin_size)``."""
+def _adacomp_rule(x, g, bin_size):
+  """Chen et al. 2018, one leaf: ``G = x`` (residue + latest gradient),
+  ``H = G + g``; bins of ``bin_size`` consecutive elements (the last one
+  shorter where it does not divide); ``j`` is selected iff ``|H_j| >= max
+  |G|`` over its bin (and ``G_j != 0``). Returns the flat bool mask."""
   big, h = x.ravel(), harness_f32(x + g).ravel()
-  chosen = []
+  keep = np.zeros(big.size, bool)
   for start in range(0, big.size, bin_size):
     gmax = np.abs(big[start:start + bin_size]).max()
     for j in range(start, min(start + bin_size, big.size)):
-      if abs(h[j]) >= gmax and big[j] != 0:
-        chosen.append(j)
-  cap = min(big.size, max(1, math.ceil(capacity_factor * big.size
-                                       / bin_size)))
-  s = np.zeros_like(big)
-  s[chosen[:cap]] = big[chosen[:cap]]
-  return s.reshape(x.shape), len(chosen)
+      keep[j] = abs(h[j]) >= gmax and big[j] != 0
+  return keep
+
+
+def _adacomp_bucket(xs, gs, bin_size, capacity_factor):
+  """One bucket's message: the rule on each leaf (``xs``, ``gs`` in bucket
+  order), at most ``ceil(capacity_factor * bins)`` pairs over the bucket
+  (``bins``: ``ceil(L / bin_size)`` per leaf); when more are selected, the
+  largest ``|G|`` (equal ones first by bucket position). Returns each
+  leaf's sent values and the count selected."""
+  flat = np.concatenate([x.ravel() for x in xs])
+  keep = np.concatenate([_adacomp_rule(x, g, bin_size)
+                         for x, g in zip(xs, gs)])
+  bins = sum(-(-x.size // bin_size) for x in xs)
+  cap = min(flat.size, max(1, math.ceil(capacity_factor * bins)))
+  chosen = np.flatnonzero(keep)
+  if chosen.size > cap:
+    order = np.lexsort((chosen, -np.abs(flat[chosen])))
+    chosen = chosen[order[:cap]]
+  s = np.zeros_like(flat)
+  s[chosen] = flat[chosen]
+  out, start = [], 0
+  for x in xs:
+    out.append(s[start:start + x.size].reshape(x.shape))
+    start += x.size
+  return out, int(keep.sum())
+
+
+def _adacomp_select(x, g, bin_size, capacity_factor):
+  """:func:`_adacomp_bucket` of a bucket of one leaf: (sent, selected)."""
+  s, count = _adacomp_bucket([x], [g], bin_size, capacity_factor)
+  return s[0], count
 
 
 def harness_f32(x):
@@ -644,13 +668,10 @@ def _adacomp_run(bin_size, capacity_factor):
     for grads in grads_seq:
       sent = []
       for i in range(n):
-        dev = []
-        for j, k in enumerate(comp):
-          g = np.asarray(grads[k][i], np.float64)
-          x = harness_f32(res[i][j] + g)
-          s, _ = _adacomp_select(x, g, bin_size, capacity_factor)
-          res[i][j] = harness_f32(x - s)
-          dev.append(s)
+        gs = [np.asarray(grads[k][i], np.float64) for k in comp]
+        xs = [harness_f32(res[i][j] + g) for j, g in enumerate(gs)]
+        dev, _ = _adacomp_bucket(xs, gs, bin_size, capacity_factor)
+        res[i] = [harness_f32(x - s) for x, s in zip(xs, dev)]
         sent.append(dev)
       upd = {k: sum(sent[i][j] for i in range(n)) / n
              for j, k in enumerate(comp)}
