@@ -518,6 +518,43 @@ def test_zero_one_adam_matches_numpy():
     assert (got == []) == (b == 2), (t, got)
 
 
+def test_zero_one_adam_var_freeze_step_zero_on_a_fresh_state():
+  """``zero_one_adam(var_freeze_step=0)`` from ``init`` (no warm-up state
+  restored): the first step was a local step on a zero variance and moved
+  the params by about ``lr / eps``. Now it is the dense variance step, in
+  numpy Adam on the mean gradient as 0/1 Adam takes it (``m = (1 - b1)
+  gbar``, ``v = (1 - b2) gbar^2``, no bias correction, DeepSpeed's form):
+  every device gets the same params, the state counts one variance
+  update, and the whole run (syncs whose interval doubles, wire claims)
+  is the one ``var_freeze_step=1`` takes."""
+  lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+  args = dict(var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
+  steps = 7
+  tx = jaxcomm.zero_one_adam(lr, b1, b2, eps, var_freeze_step=0, **args)
+  _, _, state, hist = L.run(tx, steps)
+  x, y = L.make_batches(steps)[0]
+  p0 = L.np_params()
+  gbar = {k: np.mean([L.np_grad(p0, xi, yi)[k]
+                      for xi, yi in L.device_slices(x, y)], 0) for k in p0}
+  for k in p0:
+    m, v = (1 - b1) * gbar[k], (1 - b2) * gbar[k] ** 2
+    want = p0[k] - lr * m / (np.sqrt(v) + eps)
+    np.testing.assert_allclose(hist[0][0][k], np.stack([want] * N),
+                               rtol=1e-5, atol=1e-6, err_msg=k)
+    # |m / sqrt(v)| = (1 - b1) / sqrt(1 - b2) = 3.16 at most.
+    assert np.abs(hist[0][0][k] - p0[k]).max() < 3.2 * lr, k
+  assert int(np.asarray(hist[0][1].inner.var_count).max()) == 1
+  one = jaxcomm.zero_one_adam(lr, b1, b2, eps, var_freeze_step=1, **args)
+  _, _, _, ref = L.run(one, steps)
+  for t in range(steps):
+    L.close(hist[t][0], ref[t][0], rtol=1e-6, atol=1e-7)
+  params = L.params()
+  for t in range(steps):
+    assert wire.claimed(tx, params, N, step=t) == wire.claimed(
+      one, params, N, step=t), t
+  assert int(np.asarray(state.inner.var_count).max()) == 1
+
+
 @pytest.mark.parametrize("name", ["diloco_topk", "zero_one_adam"])
 def test_kernel_paths_inside_the_local_step(name, monkeypatch):
   """The Pallas paths (interpreted on CPU) of the compressors a

@@ -174,6 +174,51 @@ def test_freeze_step_zero_on_a_fresh_state_takes_a_dense_adam_step(mesh):
     np.testing.assert_allclose(more[0][k], one[1][k], rtol=1e-6, atol=1e-9)
 
 
+def test_lamb_freeze_step_zero_on_a_fresh_state_takes_a_dense_lamb_step(
+    mesh):
+  """``onebit_lamb(freeze_step=0)`` from ``init``: the first step was a
+  compressed step on a zero variance, ``lr * mu / eps`` scaled by init's
+  trust ratio 1 (params moved by about 1e3 at lr 0.01). Now it is LAMB's
+  first step on the mean gradient (numpy: ``m = (1 - b1) g``, ``v = (1 -
+  b2) g^2``, bias-corrected, ``u = m / (sqrt(v) + eps) + wd p``, the
+  leaf's trust ratio ``|p| / |u|`` clipped to ``[min_coeff, max_coeff]``),
+  the variance counts one update, the worker errors stay zero, and the
+  run goes on as the one-step warm-up (``freeze_step=1``) does; the dense
+  psum is claimed at step 0."""
+  lr, b1, b2, eps, wd = 0.01, 0.9, 0.999, 1e-6, 0.01
+  params = _params(1)
+  tx = jaxcomm.onebit_lamb(lr, b1, b2, eps, wd, freeze_step=0)
+  grads = harness.make_grads(12, 3)
+  updates, state, _ = harness.device_run(tx, mesh, grads, params=params)
+  for k, p in _floats(params).items():
+    p = np.asarray(p, np.float64)
+    gbar = np.asarray(grads[0][k], np.float64).mean(axis=0)
+    m = (1 - b1) * gbar / (1 - b1)
+    v = (1 - b2) * gbar ** 2 / (1 - b2)
+    u = m / (np.sqrt(v) + eps) + wd * p
+    ratio = np.clip(np.linalg.norm(p) / np.linalg.norm(u), 0.01, 10.0)
+    np.testing.assert_allclose(updates[0][k], -lr * ratio * u, rtol=1e-5,
+                               atol=1e-7, err_msg=k)
+  assert int(state.nu_count) == 1
+  assert int(state.exchange.count) == 3
+  one = jaxcomm.onebit_lamb(lr, b1, b2, eps, wd, freeze_step=1)
+  want, _, _ = harness.device_run(one, mesh, grads, params=params)
+  for t in range(3):
+    for k in want[t]:
+      np.testing.assert_allclose(updates[t][k], want[t][k], rtol=1e-6,
+                                 atol=1e-9, err_msg=f"{k} step {t}")
+  floating = sum(v.size for v in _floats(params).values())
+  assert jaxcomm.wire.claimed(tx, params, harness.N, step=0) == [
+    ("all-reduce", 4 * floating)]
+  assert (jaxcomm.wire.claimed(tx, params, harness.N, step=1)
+          == jaxcomm.wire.claimed(one, params, harness.N, step=1))
+  lowered = harness.lower_update(tx, mesh, params=params)
+  report = jaxcomm.wire.report(lowered, params=params)
+  claim = jaxcomm.wire.summarize(
+    jaxcomm.wire.claimed(tx, params, harness.N), n=harness.N, params=params)
+  assert report.payload == claim.payload
+
+
 @pytest.mark.parametrize("factory", [jaxcomm.onebit_adam,
                                      jaxcomm.onebit_lamb])
 def test_state_moves_to_another_device_count(mesh, factory):

@@ -547,6 +547,9 @@ def onebit_lamb(
     if not any(isinstance(v, jax.core.Tracer) for v in (a, b)) and a > b:
       raise ValueError(f"{name}: {lo} ({a}) must be <= {hi} ({b})")
   ex = _exchange(axis_name, policy, freeze_step)
+  spec = _compressor.spec_of(ex)
+  if freeze_step == 0:
+    spec = _dense_first_spec(spec)
 
   def init_fn(params):
     flat = _Flat.of(params)
@@ -567,55 +570,77 @@ def onebit_lamb(
     if params is None:
       raise ValueError(f"{name}: LAMB's trust ratio needs params: call "
                        "tx.update(grads, state, params)")
-    ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
-                            params)
-    warm = ph.warm
-    nu = _variance(b2, ph, state.nu)
-    bad = ph.bad | (warm & ~jnp.all(jnp.isfinite(nu)))
-    nu_count = state.nu_count + warm.astype(jnp.int32)
-    c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
-    # The params' buffer once the momentum is exchanged, not before.
-    p = _core.after(flat.flatten(params), ph.mu)
-    d = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)       # Adam's direction
-    u = d + weight_decay * p
-    # Per-leaf (layer) norms and maxima: segment reductions of the buffer.
-    ids = flat.segments()
-    leaf_norm = lambda x: jnp.sqrt(flat.leaf_sum(jnp.square(x), ids))
-    pn, un, dn = leaf_norm(p), leaf_norm(u), leaf_norm(d)
-    # Warm-up: LAMB's trust ratio and its moving average.
-    ratio = jnp.where((pn > 0) & (un > 0), pn / jnp.where(un > 0, un, 1.0),
-                      1.0)
-    ratio = jnp.clip(ratio, min_coeff, max_coeff)
-    coeff_warm = coeff_beta * state.coeff + (1.0 - coeff_beta) * ratio
-    # Compressed: the fresh variance from the momentum's change, and the
-    # frozen ratio's rescaling by how far the frozen variance has drifted.
-    g_rec = (ph.mu - b1 * state.mu) / (1.0 - b1)
-    fresh = b2 * state.nu_fresh + (1.0 - b2) * jnp.square(g_rec)
-    fresh = jnp.where(jnp.isfinite(fresh), fresh, state.nu_fresh)
-    drift = (jnp.sqrt(nu / c2) + eps) / (jnp.sqrt(fresh / c2) + eps)
-    fac = flat.leaf_max(drift, ids)
-    blend = jnp.where(un > 0, jnp.minimum(1.0, dn / jnp.where(
-      un > 0, un, 1.0)), 1.0)
-    fac = fac * blend + (1.0 - blend)
-    fac = jnp.clip(fac, factor_min, factor_max)
-    fac = jnp.clip(fac, state.factor * (1.0 - factor_threshold),
-                   state.factor * (1.0 + factor_threshold))
-    scale = jnp.where(warm, ratio, state.coeff * fac)
-    step = (-_learning_rate(learning_rate, ph.count) * flat.expand(scale, ids)
-            * u)
-    new = OneBitLambState(
-      mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
-      nu_count=jnp.where(bad, state.nu_count, nu_count),
-      exchange=ph.exchange,
-      # While warm the fresh variance follows v, so it starts from v_T.
-      nu_fresh=_keep(bad, jnp.where(warm, nu, fresh), state.nu_fresh),
-      coeff=_keep(bad, jnp.where(warm, coeff_warm, state.coeff),
-                  state.coeff),
-      factor=_keep(bad, jnp.where(warm, state.factor, fac), state.factor))
-    return _output(flat, step, updates, bad), new
+
+    def lamb_step(ph):
+      warm = ph.warm
+      nu = _variance(b2, ph, state.nu)
+      bad = ph.bad | (warm & ~jnp.all(jnp.isfinite(nu)))
+      nu_count = state.nu_count + warm.astype(jnp.int32)
+      c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
+      # The params' buffer once the momentum is exchanged, not before.
+      p = _core.after(flat.flatten(params), ph.mu)
+      d = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)       # Adam's direction
+      u = d + weight_decay * p
+      # Per-leaf (layer) norms and maxima: segment reductions of the buffer.
+      ids = flat.segments()
+      leaf_norm = lambda x: jnp.sqrt(flat.leaf_sum(jnp.square(x), ids))
+      pn, un, dn = leaf_norm(p), leaf_norm(u), leaf_norm(d)
+      # Warm-up: LAMB's trust ratio and its moving average.
+      ratio = jnp.where((pn > 0) & (un > 0), pn / jnp.where(un > 0, un, 1.0),
+                        1.0)
+      ratio = jnp.clip(ratio, min_coeff, max_coeff)
+      coeff_warm = coeff_beta * state.coeff + (1.0 - coeff_beta) * ratio
+      # Compressed: the fresh variance from the momentum's change, and the
+      # frozen ratio's rescaling by how far the frozen variance has drifted.
+      g_rec = (ph.mu - b1 * state.mu) / (1.0 - b1)
+      fresh = b2 * state.nu_fresh + (1.0 - b2) * jnp.square(g_rec)
+      fresh = jnp.where(jnp.isfinite(fresh), fresh, state.nu_fresh)
+      drift = (jnp.sqrt(nu / c2) + eps) / (jnp.sqrt(fresh / c2) + eps)
+      fac = flat.leaf_max(drift, ids)
+      blend = jnp.where(un > 0, jnp.minimum(1.0, dn / jnp.where(
+        un > 0, un, 1.0)), 1.0)
+      fac = fac * blend + (1.0 - blend)
+      fac = jnp.clip(fac, factor_min, factor_max)
+      fac = jnp.clip(fac, state.factor * (1.0 - factor_threshold),
+                     state.factor * (1.0 + factor_threshold))
+      scale = jnp.where(warm, ratio, state.coeff * fac)
+      step = (-_learning_rate(learning_rate, ph.count) * flat.expand(scale, ids)
+              * u)
+      new = OneBitLambState(
+        mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
+        nu_count=jnp.where(bad, state.nu_count, nu_count),
+        exchange=ph.exchange,
+        # While warm the fresh variance follows v, so it starts from v_T.
+        nu_fresh=_keep(bad, jnp.where(warm, nu, fresh), state.nu_fresh),
+        coeff=_keep(bad, jnp.where(warm, coeff_warm, state.coeff),
+                    state.coeff),
+        factor=_keep(bad, jnp.where(warm, state.factor, fac), state.factor))
+      return _output(flat, step, updates, bad), new
+
+    def compressed_step(_):
+      return lamb_step(_momentum_exchange(ex, flat, freeze_step, b1,
+                                          updates, state, params))
+
+    if freeze_step > 0:
+      return compressed_step(None)
+
+    # freeze_step=0 on a variance never updated (a fresh state): one dense
+    # LAMB step, as the warm-up takes it, instead of lr / eps steps on a
+    # zero variance (the frozen trust ratio is init's 1).
+    want = jax.eval_shape(compressed_step, None)
+
+    def dense_step(_):
+      gbar, mu, _, _, bad, exchange = _dense_adam_step(
+        flat, updates, state, b1, b2, axis_name)
+      ph = _Phase(count=state.exchange.count, warm=jnp.ones([], bool),
+                  gbar=gbar, mu=mu, bad=bad, exchange=exchange)
+      return jax.tree.map(_vma.match_varying, lamb_step(ph), want)
+
+    return jax.lax.cond(state.nu_count == 0, dense_step, compressed_step,
+                        None)
 
   return optax.GradientTransformationExtraArgs(
-    _compressor._Init(init_fn, _compressor.spec_of(ex)), update_fn)
+    _compressor._Init(init_fn, spec), update_fn)
 
 
 __all__ = [

@@ -43,6 +43,8 @@ class ZeroOneAdamState(NamedTuple):
     local_interval: steps between syncs after the freeze (doubles every
       ``local_step_scaler`` steps, up to ``local_step_clipper``).
     local_counter: steps since the local interval last doubled.
+    var_count: variance updates taken (int32); while 0 (a fresh ``init``)
+      every step is a dense variance-update step, whatever the schedule.
   """
 
   mu: Any
@@ -53,6 +55,7 @@ class ZeroOneAdamState(NamedTuple):
   var_counter: jax.Array
   local_interval: jax.Array
   local_counter: jax.Array
+  var_count: jax.Array
 
 
 def zero_one_schedule(steps: int, var_freeze_step: int,
@@ -61,12 +64,16 @@ def zero_one_schedule(steps: int, var_freeze_step: int,
   """The branch :func:`zero_one_adam` takes at each step ``0..steps-1``:
   0 a dense step (variance update), 1 a 1-bit gradient step, 2 a local
   step, 3 a local step ending in a 1-bit sync (plain Python, for wire
-  accounting and documentation)."""
+  accounting and documentation), from a fresh ``init``: with
+  ``var_freeze_step=0`` its first step is a dense one too (the variance
+  was never updated)."""
   out = []
   var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
   for s in range(steps):
     count = s + 1
-    if count <= var_freeze_step:
+    if s == 0 and var_freeze_step == 0:
+      out.append(0)   # as var_freeze_step=1 (not a local step)
+    elif count <= var_freeze_step:
       is_var = count % var_interval == 0
       out.append(0 if is_var else 1)
       if is_var:
@@ -140,6 +147,14 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
   in DeepSpeed's implementation there is no bias correction, and the
   gradient exchange's errors are not carried into the momentum exchange.
 
+  ``var_freeze_step=0`` continues a restored state with its variance
+  frozen. On a state whose variance was never updated (``var_count ==
+  0``: a fresh ``init``) the step is the dense variance-update step (the
+  exact mean gradient, ``mu`` and ``nu`` updated), not a local step on a
+  zero variance, which moved the params by about ``lr / eps``; the run
+  is then the one ``var_freeze_step=1`` takes (that step does not count
+  as a local step), and ``jaxcomm.wire.claimed(step=0)`` lists its psum.
+
   Params differ between devices between syncs: use it as the whole
   optimizer of a :class:`jaxcomm.parallel.DataParallel` step (params per
   device) or a hand-written step with :func:`jaxcomm.apply_updates`.
@@ -186,7 +201,7 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     inner = ZeroOneAdamState(
       mu=zeros, nu=zeros, accum=zeros, lrs=jnp.zeros([], jnp.float32),
       var_interval=i32(1), var_counter=i32(0), local_interval=i32(1),
-      local_counter=i32(0))
+      local_counter=i32(0), var_count=i32(0))
     return LocalState(
       count=i32(0), anchor=jax.tree.map(jnp.asarray, params),
       synced=jax.tree.map(lambda _: jnp.array(False), params),
@@ -236,9 +251,10 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
         keep = lambda new, old: _where(skip, old, new)
         cs = tuple(new_c if k == exchange_index else c
                    for k, c in enumerate(cs))
+        varied = jnp.where(skip, 0, 1) if variance else 0
         return (keep(new_a, anchor), keep(new_a, anchor), keep(new_mu, mu),
                 keep(new_nu, nu), accum, lrs, cs, jnp.array(True),
-                jnp.zeros([], jnp.int32))
+                jnp.zeros([], jnp.int32), jnp.asarray(varied, jnp.int32))
       return branch
 
     def local(sync):
@@ -256,7 +272,7 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
         bad = jnp.where(ok, 0, 1).astype(jnp.int32)
         if not sync:
           return (anchor, new_x, new_mu, nu, new_acc, new_lrs, cs,
-                  jnp.array(False), bad)
+                  jnp.array(False), bad, jnp.zeros([], jnp.int32))
         denom = jax.tree.map(lambda v: jnp.sqrt(v) + eps, nu)
         w = jax.tree.map(lambda a, d: a * d, new_acc, denom)
         ubar, c2 = mom_ex.update(w, cs[2], state.anchor)
@@ -265,7 +281,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
         new_a = jax.tree.map(lambda a, u, d: a + u / d, anchor, ubar, denom)
         zero = jax.tree.map(jnp.zeros_like, new_acc)
         return (new_a, new_a, mu_s, nu, zero, jnp.zeros_like(new_lrs),
-                (cs[0], cs[1], c2), jnp.array(True), bad)
+                (cs[0], cs[1], c2), jnp.array(True), bad,
+                jnp.zeros([], jnp.int32))
       return branch
 
     phase2 = count > var_freeze_step
@@ -273,7 +290,10 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     sync = count % s.local_interval == 0
     index = jnp.where(phase2, jnp.where(sync, 3, 2),
                       jnp.where(is_var, 0, 1)).astype(jnp.int32)
-    new_a, new_x, mu, nu, accum, lrs, cs, synced, bad = switch(
+    # A variance never updated (var_freeze_step=0 on a fresh init): the
+    # dense variance-update step, not lr / eps steps on a zero variance.
+    index = jnp.where(s.var_count == 0, 0, index).astype(jnp.int32)
+    new_a, new_x, mu, nu, accum, lrs, cs, synced, bad, varied = switch(
       index, [synchronous(0, True), synchronous(1, False), local(False),
               local(True)], (s.mu, s.nu, s.accum, s.lrs, cs))
     # Schedules (replicated counters).
@@ -281,7 +301,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     double = var_counter == var_update_scaler
     var_interval = jnp.where(double, s.var_interval * 2, s.var_interval)
     var_counter = jnp.where(double, 0, var_counter)
-    local_counter = s.local_counter + jnp.where(phase2, 1, 0)
+    local_counter = s.local_counter + jnp.where(
+      phase2 & (s.var_count > 0), 1, 0)
     widen = local_counter == local_step_scaler
     local_interval = jnp.where(
       widen, jnp.minimum(local_step_clipper, s.local_interval * 2),
@@ -292,7 +313,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
       var_interval=var_interval.astype(jnp.int32),
       var_counter=var_counter.astype(jnp.int32),
       local_interval=local_interval.astype(jnp.int32),
-      local_counter=local_counter.astype(jnp.int32))
+      local_counter=local_counter.astype(jnp.int32),
+      var_count=(s.var_count + varied).astype(jnp.int32))
     out = jax.tree.map(lambda n_, p: (n_ - p).astype(p.dtype), new_x,
                        params)
     new_anchor = jax.tree.map(lambda a, p: a.astype(p.dtype), new_a,
