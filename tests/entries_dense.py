@@ -57,19 +57,26 @@ for _dtype, _np in ((jnp.bfloat16, ml_dtypes.bfloat16),
 
 
 def _fp8_cast_ref(np_dtype):
-  """As :func:`_cast_ref`, each cast saturating at the type's largest
-  finite value."""
+  """As :func:`_cast_ref`, after scaling the bucket by a shared power of
+  two ``2^k`` (``max |x|`` over devices and leaves ``< 2^(k + t)``, ``2^t
+  <= top / 2``), so that neither cast saturates; the mean and what each
+  device sent are unscaled."""
   top = float(ml_dtypes.finfo(np_dtype).max)
+  t = np.frexp(top / 2)[1] - 1
 
   def low_of(v):
-    return np.asarray(np.clip(np.asarray(v, np.float32), -top, top).astype(
-      np_dtype), np.float64)
+    v = np.asarray(v, np.float32)
+    assert np.abs(v).max() < top        # the scale keeps it in range
+    return np.asarray(v.astype(np_dtype), np.float64)
 
   def ref_step(xs, state, step, key, n):
-    low = [[low_of(x / n) for x in dev] for dev in xs]
-    mean = [low_of(np.sum([low[i][j] for i in range(n)], axis=0))
-            for j in range(len(xs[0]))]
-    return mean, [[l * n for l in dev] for dev in low], state
+    m = max(np.abs(np.asarray(x, np.float32)).max() for dev in xs
+            for x in dev)
+    k = int(np.frexp(np.float32(m))[1]) - t
+    low = [[low_of(np.ldexp(x, -k) / n) for x in dev] for dev in xs]
+    mean = [np.ldexp(low_of(np.sum([low[i][j] for i in range(n)], axis=0)),
+                     k) for j in range(len(xs[0]))]
+    return mean, [[np.ldexp(l * n, k) for l in dev] for dev in low], state
   return ref_step
 
 

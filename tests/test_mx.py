@@ -63,14 +63,88 @@ def test_mx_moves_fewer_bytes_than_bf16_in_the_compiled_step(mesh):
       repr(tx), moved(tx), bf16)
 
 
-def test_fp8_cast_saturates_instead_of_nan(mesh):
-  """E4M3FN has no infinity: a mean above 448 saturates at 448, a NaN
-  would have skipped the step."""
+def test_fp8_cast_scales_instead_of_saturating(mesh):
+  """E4M3FN has no infinity and its largest value is 448: a mean of 1000
+  saturated at 448 (a NaN would have skipped the step). Scaled by a power
+  of two first, it is 1000 rounded to E4M3 (1024), not NaN."""
   tx = jaxcomm.cast("float8_e4m3fn", axis_name=None)
   params = {"w": jnp.zeros((16, 16))}
   upd, state = tx.update({"w": jnp.full((16, 16), 1000.0)}, tx.init(params))
-  np.testing.assert_array_equal(np.asarray(upd["w"]), 448.0)
+  want = float(np.float32(1000 / 8).astype(ml_dtypes.float8_e4m3fn)) * 8
+  assert want == 1024.0
+  np.testing.assert_array_equal(np.asarray(upd["w"]), want)
   assert int(state.stats.nonfinite_steps) == 0
+
+
+def _fp8_cast_np(xs, np_dtype):
+  """numpy FP8 cast exchange of one bucket (``xs``: [n, L] float64, each
+  device's ``g + e``): the shared power of two ``2^k`` with ``max |x| /
+  2^k < 2^t <= top / 2``, each device's ``x / (n 2^k)`` rounded to FP8,
+  their float32 sum rounded to FP8 again; returns (mean, sent)."""
+  n = xs.shape[0]
+  top = float(ml_dtypes.finfo(np_dtype).max)
+  t = np.frexp(top / 2)[1] - 1
+  k = int(np.frexp(np.float32(np.abs(xs).max()))[1]) - t
+  low = (np.ldexp(xs, -k) / n).astype(np.float32).astype(np_dtype)
+  low = low.astype(np.float64)
+  assert np.abs(low).max() <= top / n * 1.125
+  total = low.sum(axis=0).astype(np.float32)
+  assert np.abs(total).max() < top               # nothing saturates
+  mean = np.ldexp(total.astype(np_dtype).astype(np.float64), k)
+  return mean, np.ldexp(low * n, k)
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [
+  ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
+  ("float8_e5m2", ml_dtypes.float8_e5m2)])
+@pytest.mark.parametrize("scale", [1e3, 1e5])
+def test_fp8_cast_with_error_feedback_conserves_mass(mesh, dtype, np_dtype,
+                                                     scale):
+  """``cast("float8_*", error_feedback=True)``, gradients ``scale`` times
+  a ramp in ``[0.5, 1]``, the same on all 8 devices, 3 steps: the update
+  plus the device mean of the residuals' change is the mean gradient.
+  Before, the chunk sums (8 x 125 at g = 1000) were cast to FP8 again and
+  saturated at 448 (E5M2: 57344) outside the error feedback: updates of
+  448 while the residual stayed 32 (3.9e5 at g = 1e5). Each step equals
+  the numpy exchange with the bucket's shared power of two."""
+  n = harness.N
+  tx = jaxcomm.cast(dtype, error_feedback=True)
+  params = harness.battery_params()
+  grads = {}
+  for k, v in params.items():
+    if k == "step":
+      grads[k] = np.zeros((n,), np.int32)
+      continue
+    ramp = np.linspace(0.5, 1.0, v.size, dtype=np.float32).reshape(v.shape)
+    grads[k] = np.broadcast_to(np.float32(scale) * ramp,
+                               (n,) + v.shape).copy()
+  res = np.zeros((n, sum(params[k].size for k in harness.COMPRESSED)))
+  state, before = None, [np.zeros((n,) + params[k].shape)
+                         for k in harness.COMPRESSED]
+  for t in range(3):
+    upd, state, _ = harness.device_run(tx, mesh, [grads], state=state)
+    after = harness.residuals_of(state)
+    g = np.concatenate([grads[k].reshape(n, -1).astype(np.float64)
+                        for k in harness.COMPRESSED], axis=1)
+    mean, sent = _fp8_cast_np(np.float32(g + res), np_dtype)
+    res = np.float32(g + res) - sent
+    off = 0
+    for j, k in enumerate(harness.COMPRESSED):
+      size = params[k].size
+      got = np.asarray(upd[0][k], np.float64).reshape(-1)
+      np.testing.assert_array_equal(got, mean[off:off + size],
+                                    err_msg=f"{k} step {t}")
+      change = (after[j] - before[j]).reshape(n, -1).mean(axis=0)
+      np.testing.assert_allclose(
+        got + change, grads[k][0].reshape(-1), rtol=1e-6,
+        err_msg=f"mass of {k} at step {t}")
+      np.testing.assert_allclose(after[j].reshape(n, -1),
+                                 res[:, off:off + size], rtol=1e-6,
+                                 atol=1e-6 * scale)
+      off += size
+    before = after
+  st = jaxcomm.compress_states(state)[0]
+  assert int(np.asarray(st.stats.nonfinite_steps).max()) == 0
 
 
 def test_bad_format_is_named():

@@ -99,22 +99,43 @@ class CastCodec(_codec.CodecBase):
   def name(self):
     return f"cast({self.dtype})"
 
+  @property
+  def _scaled(self) -> bool:
+    return np.dtype(_CAST_DTYPES[self.dtype]).itemsize == 1
+
+  def _exponent(self, x, ctx):
+    """FP8: the bucket's shared power of two ``2^k``: ``max_i |x_i|``
+    (one 4-byte ``pmax``) divided by it is below ``2^t <= top / 2``, so
+    every device's ``x / (n 2^k)`` and their sum stay within the type
+    (rounding up by at most 1/8), and neither cast saturates."""
+    top = float(jnp.finfo(_CAST_DTYPES[self.dtype]).max)
+    t = int(np.frexp(top / 2)[1]) - 1           # 2^t <= top / 2
+    m = _core.pmax(jnp.max(jnp.abs(x)), ctx.axis_name)
+    _, e = jnp.frexp(jnp.where(jnp.isfinite(m), m, 0.0))   # m < 2^e
+    return (e - t).astype(jnp.int32)
+
   def apply(self, x, state, ctx):
     dtype = _CAST_DTYPES[self.dtype]
     n = ctx.num_devices
     # Divide by n before the cast, so the sum cannot overflow where the
-    # mean would not (fp16's max is 65504); FP8 saturates.
-    low = _core.wire_cast(x / n, dtype)
-    mean = _core.scatter_gather_sum(low.astype(jnp.float32), ctx.axis_name,
-                                    dtype)
-    sent = low.astype(jnp.float32) * n
+    # mean would not (fp16's max is 65504). FP8 scales the bucket by a
+    # shared power of two first (exact), so that neither its cast nor the
+    # cast of the chunk sums saturates outside the error feedback.
+    k = self._exponent(x, ctx) if self._scaled else None
+    scaled = x if k is None else jnp.ldexp(x, -k)
+    low = _core.wire_cast(scaled / n, dtype).astype(jnp.float32)
+    mean = _core.scatter_gather_sum(low, ctx.axis_name, dtype)
+    sent = low * n
+    if k is not None:
+      mean, sent = jnp.ldexp(mean, k), jnp.ldexp(sent, k)
     return _codec.CodecResult(mean=mean, sent=sent, state=state)
 
   def wire(self, layout, n):
     itemsize = np.dtype(_CAST_DTYPES[self.dtype]).itemsize
     chunk = _core.padded_length(-(-layout.size // n), 4 // itemsize)
-    return [("all-to-all", chunk * n * itemsize),
-            ("all-gather", chunk * n * itemsize)]
+    scale = [("all-reduce", 4)] if self._scaled else []
+    return scale + [("all-to-all", chunk * n * itemsize),
+                    ("all-gather", chunk * n * itemsize)]
 
 
 @_registry.method(
@@ -147,9 +168,14 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     dtype: ``"bfloat16"`` (default), ``"float16"``, ``"float8_e4m3fn"``
       or ``"float8_e5m2"``, or the JAX dtypes themselves (a string is what
       ``optax.inject_hyperparams`` leaves static; a dtype object is
-      callable, and it would take it for a schedule). The FP8 casts
-      saturate at the type's largest finite value and have no scale: small
-      gradients flush to zero (E4M3's smallest subnormal is ``2^-9``); keep
+      callable, and it would take it for a schedule). The FP8 casts scale
+      each bucket by one shared power of two (the largest ``|x|`` over
+      devices, one 4-byte ``pmax``), chosen so that neither the devices'
+      values nor the chunk sums reach the type's largest finite value: no
+      saturation, at any magnitude. The second rounding, of the chunk
+      sums, is not fed back (as for every dtype); with one scale per
+      bucket, values under about ``n 2^-16`` of the bucket's maximum
+      (E4M3; ``n 2^-30`` for E5M2) still flush to zero; keep
       ``error_feedback=True`` with them, or use :func:`jaxcomm.mx`, whose
       block scales follow the values.
     axis_name: the data axis (a name, a tuple of names, or None).
