@@ -578,3 +578,109 @@ registry.register(registry.Entry(
   stochastic=True,
   bad_args=_DIANA_BAD_ARGS + [({"clip_sigma": 2.5}, "error_feedback")],
 ))
+
+
+# ---------------------------------------------------------------- ECQ-SGD --
+
+
+def _ecq_quantize(v, s, u, levels):
+  """Q(v) of Wu et al. 2018 on one leaf: ``S / s sign(v) xi`` with
+  ``xi = floor(r) + Bernoulli(r - floor(r))``, ``r = s |v| / S``; the
+  ratio formed in float32 as the compressor forms it."""
+  r = _ratio32(v, s) * np.float32(levels)
+  low = np.floor(r)
+  lev = np.minimum(low + (u < r - low), levels)
+  return np.sign(v) * lev * (np.float64(np.float32(s)) / levels)
+
+
+def ecq_run(levels, alpha, beta, seed=0):
+  """ECQ-SGD (Wu et al. 2018, Section 3): per device, ``q = Q(g + alpha
+  h)``, ``h = beta h + g - q``; the update is ``mean_i q_i``. ``S``: per
+  leaf, the largest ``max |g + alpha h|`` over devices (the documented
+  shared scale). Noise: ``uniform(fold_in(step_key, i))`` over the
+  compressed leaves flattened (the codec's draw). Float32 where the
+  transform computes (``x = h + g``, then ``h = x - g``,
+  ``g + alpha h``)."""
+  f32 = np.float32
+  comp = ("conv", "w")
+
+  def run(grads_seq, n):
+    h = [[np.zeros(grads_seq[0][k].shape[1:], f32) for k in comp]
+         for _ in range(n)]
+    key = jax.random.PRNGKey(seed)
+    out, sent_all = [], []
+    for grads in grads_seq:
+      key, sub = jax.random.split(key)
+      ys, hs = [], []
+      for i in range(n):
+        g = [np.asarray(grads[k][i], f32) for k in comp]
+        x = [hj + gj for hj, gj in zip(h[i], g)]
+        hh = [xj - gj for xj, gj in zip(x, g)]
+        y = x if alpha == 1.0 else [gj + f32(alpha) * hj
+                                    for gj, hj in zip(g, hh)]
+        ys.append(y)
+        hs.append((g, hh))
+      scale = [max(np.abs(ys[i][j]).max() for i in range(n))
+               for j in range(len(comp))]
+      qs = []
+      for i in range(n):
+        total = sum(y.size for y in ys[i])
+        u = _uniform(sub, i, total)
+        off, q = 0, []
+        for j, y in enumerate(ys[i]):
+          uj = u[off:off + y.size].reshape(y.shape)
+          off += y.size
+          q.append(_ecq_quantize(y.astype(np.float64), scale[j], uj,
+                                 levels))
+        qs.append(q)
+        g, hh = hs[i]
+        h[i] = [(f32(beta) * hj.astype(np.float64) + gj - qj).astype(f32)
+                if beta != 1.0 else
+                (hj.astype(np.float64) + gj - qj).astype(f32)
+                for hj, gj, qj in zip(hh, g, q)]
+      upd = {k: sum(qs[i][j] for i in range(n)) / n
+             for j, k in enumerate(comp)}
+      upd["b"] = np.asarray(grads["b"], np.float64).mean(axis=0)
+      out.append(upd)
+      sent_all.append(qs)
+    return out, [[r.astype(np.float64) for r in dev] for dev in h], sent_all
+  return run
+
+
+def _ecq_no_ref_step(xs, state, t, key, n):
+  raise AssertionError("ecq_sgd's reference is its numpy_run (it needs g)")
+
+
+_ECQ_BAD = [({"levels": 0}, "levels"), ({"levels": 2.5}, "levels"),
+            ({"levels": 2**20}, "levels"), ({"alpha": -0.5}, "alpha"),
+            ({"alpha": float("inf")}, "alpha"), ({"beta": 1.5}, "beta"),
+            ({"beta": float("nan")}, "beta"), ({"bucket_size": 0},
+                                                "bucket_size"),
+            ({"error_feedback": False}, "error_feedback"),
+            ({"momentum": 0.9}, "momentum")]
+
+registry.register(registry.Entry(
+  # The paper's decayed, partly compensated error: beta < 1 forgets a
+  # share of h every step (no mass balance), alpha != 1.
+  name="ecq_sgd",
+  ref_init=lambda shapes: None,
+  ref_step=_ecq_no_ref_step,
+  numpy_run=ecq_run(7, 0.5, 0.9),
+  factory=jaxcomm.ecq_sgd,
+  kwargs={"levels": 7, "alpha": 0.5, "beta": 0.9},
+  stochastic=True,
+  conserves=False,
+  bad_args=_ECQ_BAD,
+))
+
+registry.register(registry.Entry(
+  # alpha = beta = 1: classic error feedback around the same quantizer;
+  # the battery checks its mass balance.
+  name="ecq_sgd_undecayed",
+  ref_init=lambda shapes: None,
+  ref_step=_ecq_no_ref_step,
+  numpy_run=ecq_run(3, 1.0, 1.0),
+  factory=jaxcomm.ecq_sgd,
+  kwargs={"levels": 3, "alpha": 1.0, "beta": 1.0},
+  stochastic=True,
+))

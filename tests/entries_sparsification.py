@@ -696,3 +696,48 @@ registry.register(registry.Entry(
   bad_args=[({"bin_size": 0}, "bin_size"), ({"bin_size": 2.5}, "bin_size"),
             ({"capacity_factor": 0.5}, "capacity_factor")],
 ))
+
+
+# ----------------------------------------------------------------- GMC ----
+
+def _gmc_ref(ratio, beta):
+  """Zhao et al. 2019, Algorithm 1 (GMC) in gradient units: the global
+  momentum ``d`` is the last aggregated update; each device sparsifies
+  ``z_i = u_i + g_i + beta d`` (``x = u_i + g_i`` from the harness) with
+  per-leaf top-k, keeps ``u_i = z_i - s_i`` and the update is ``d =
+  mean_i s_i``. The harness keeps ``x - sent`` as the memory, so sent is
+  ``s_i - beta d``. ``d`` is kept in float32, as the transform keeps it."""
+  def init(shapes):
+    return None
+
+  def step(xs, state, t, key, n):
+    d = state if state is not None else [np.zeros_like(x) for x in xs[0]]
+    push = [harness_f32(np.float32(beta) * harness_f32(dj)) for dj in d]
+    chosen, sent_h = [], []
+    for dev in xs:
+      z = [harness_f32(x + p) for x, p in zip(dev, push)]
+      s = [references.np_topk(zj, ratio) for zj in z]
+      chosen.append(s)
+      sent_h.append([sj - p for sj, p in zip(s, push)])
+    mean = [sum(chosen[i][j] for i in range(n)) / n
+            for j in range(len(xs[0]))]
+    return mean, sent_h, [harness_f32(m) for m in mean]
+  return init, step
+
+
+registry.register(registry.Entry(
+  name="gmc_ef",
+  ref_init=_gmc_ref(0.05, 0.9)[0],
+  ref_step=_gmc_ref(0.05, 0.9)[1],
+  factory=jaxcomm.gmc,
+  kwargs={"ratio": 0.05, "beta": 0.9},
+  bad_args=_RATIO_BAD + [({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta"),
+                         ({"beta": float("nan")}, "beta"),
+                         ({"error_feedback": False}, "error_feedback"),
+                         ({"momentum": 0.9}, "momentum")],
+  # The global momentum re-adds the last update every step: the memory
+  # and the updates hold sum_t g_t plus beta times the past updates
+  # (tests/test_gmc.py checks that balance).
+  conserves=False,
+))
+

@@ -12,7 +12,9 @@ from jaxcomm.transforms import _demo
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
+from jaxcomm.transforms import _ecq
 from jaxcomm.transforms import _global_topk
+from jaxcomm.transforms import _gmc
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
@@ -36,7 +38,9 @@ from jaxcomm.transforms._demo import *
 from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
+from jaxcomm.transforms._ecq import *
 from jaxcomm.transforms._global_topk import *
+from jaxcomm.transforms._gmc import *
 from jaxcomm.transforms._gossip import *
 from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
@@ -60,9 +64,11 @@ __all__ += _adacomp.__all__
 __all__ += _atomo.__all__
 __all__ += _demo.__all__
 __all__ += _dense.__all__
+__all__ += _ecq.__all__
 __all__ += _dgc.__all__
 __all__ += _diloco.__all__
 __all__ += _global_topk.__all__
+__all__ += _gmc.__all__
 __all__ += _lag.__all__
 __all__ += _gossip.__all__
 __all__ += _integer.__all__
