@@ -109,7 +109,7 @@ def test_matches_numpy_reference_on_8_devices(name, mesh):
 # the registry, to keep the battery's time (every entry runs on 8).
 SUB_MESH_ENTRIES = ("cast_bfloat16_ef", "csc_ef", "gtopk_ef", "natural",
                     "onebit", "onebit_adam", "powersgd_r2",
-                    "qsgd_partial_buckets", "signum", "topk_ef",
+                    "qsgd_partial_buckets", "signum", "sparcml_ef", "topk_ef",
                     "int8_requantized")
 
 

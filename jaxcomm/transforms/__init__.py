@@ -29,6 +29,7 @@ from jaxcomm.transforms import _scalecom
 from jaxcomm.transforms import _sidco
 from jaxcomm.transforms import _signs
 from jaxcomm.transforms import _sketch
+from jaxcomm.transforms import _sparcml
 from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms import _ternary
 from jaxcomm.transforms import _zero_one_adam
@@ -55,6 +56,7 @@ from jaxcomm.transforms._scalecom import *
 from jaxcomm.transforms._sidco import *
 from jaxcomm.transforms._signs import *
 from jaxcomm.transforms._sketch import *
+from jaxcomm.transforms._sparcml import *
 from jaxcomm.transforms._sparsification import *
 from jaxcomm.transforms._ternary import *
 from jaxcomm.transforms._zero_one_adam import *
@@ -82,6 +84,7 @@ __all__ += _quantization.__all__
 __all__ += _scalecom.__all__
 __all__ += _sidco.__all__
 __all__ += _signs.__all__
+__all__ += _sparcml.__all__
 __all__ += _sketch.__all__
 __all__ += _sparsification.__all__
 __all__ += _ternary.__all__
