@@ -176,6 +176,12 @@ METHODS = [
   _m("FetchSGD k 0.01, 5 x 4000 sketch -> SGD", "fetchsgd",
      "k_ratio=0.01,cols=4000", SGD, "momentum SGD"),
   _m("DGC 0.001 -> SGD", "dgc", "ratio=0.001", SGD, "momentum SGD"),
+  # Issue 39: GMC's momentum is the global one, inside the compressor
+  # (beta 0.9, as the momentum SGD rows'); SparCML is top-k's sum by its
+  # sparse all-reduce; ECQ-SGD quantizes with decayed error compensation.
+  _m("GMC 0.01 -> SGD", "gmc", "ratio=0.01", SGD, "momentum SGD"),
+  _m("SparCML 0.01 + EF", "sparcml", "ratio=0.01", MSGD, "momentum SGD"),
+  _m("ECQ-SGD s=7", "ecq_sgd", "levels=7", MSGD, "momentum SGD"),
   # The paper's warm-up: densities 25%, 6.25%, 1.56%, 0.4%, then 0.1%
   # (here 80 steps each, 20% of the run, as its 4 of ~100 epochs are not).
   _m("DGC 0.001, warm-up 4 x 80 steps", "dgc",

@@ -148,6 +148,37 @@ def _lazy_bytes(spec, params, n: int, full: float):
   return moved
 
 
+def _sparcml_bytes(spec, params, n: int, full: float):
+  """For SparCML (:func:`jaxcomm.sparcml`): ``fn(opt_state)``, the bytes
+  the step that made ``opt_state`` moved (``full`` lists both all-gathers
+  of a bucket whose switch the compiled step holds; the one not taken, by
+  the union the state recorded, is taken off); None for any other
+  compressor."""
+  from jaxcomm.transforms import _sparcml  # noqa: PLC0415
+  if not isinstance(spec.codec, _sparcml.SparcmlCodec) or n < 2:
+    return None
+  buckets = []
+  for lay in spec.layouts(params):
+    p = _sparcml.plan(lay, n, spec.codec.ratio)
+    if p.gather != _sparcml.SWITCH:
+      buckets.append(None)
+      continue
+    sparse = wire.summarize([("all-gather", 4 * n * _sparcml._sparse
+                              .message_words(p.c2, p.m))], n).total_sent
+    dense = wire.summarize([("all-gather", 4 * n * p.m)], n).total_sent
+    buckets.append((p.c2, sparse, dense))
+
+  def moved(opt_state):
+    codec = jaxcomm.compress_states(opt_state)[0].codec
+    out = full
+    for b, st in zip(buckets, codec):
+      if b is not None:
+        c2, sparse, dense = b
+        out -= sparse if _scalar(st.union) > c2 else dense
+    return out
+  return moved
+
+
 def lag_sent_fraction(opt_state) -> float | None:
   """The fraction of device-steps on which a LAG device sent its gradient
   (``sent_steps`` over steps, averaged over devices and buckets); None
@@ -399,10 +430,12 @@ def run(cfg: Config, *, devices=None) -> dict[str, Any]:
                                               step=s), n_wire).total_sent
         return at[s]
       per_step = bytes_at(cfg.steps - 1)
-    lazy = _lazy_bytes(spec, wire_params, n_wire, rep.total_sent)
+    lazy = _lazy_bytes(spec, wire_params, n_wire, rep.total_sent) or \
+      _sparcml_bytes(spec, wire_params, n_wire, rep.total_sent)
     if lazy is not None:
       # LAG: a bucket's all-reduce runs only on steps where some device
-      # sends; each step's bytes are read from its state.
+      # sends; SparCML: one of a bucket's two all-gathers runs. Each
+      # step's bytes are read from its state.
       bytes_at, step_bytes_of_state = None, lazy
   num_params = sum(int(np.size(x)) for x in jax.tree.leaves(fn.params))
 
