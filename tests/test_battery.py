@@ -107,8 +107,8 @@ def test_matches_numpy_reference_on_8_devices(name, mesh):
 # 1/n (chunk owners, vote counts, recursive-doubling rounds, the n <= 2
 # path of natural, per-n sampling) run on 2 and 4 devices too: a third of
 # the registry, to keep the battery's time (every entry runs on 8).
-SUB_MESH_ENTRIES = ("cast_bfloat16_ef", "csc_ef", "gtopk_ef", "natural",
-                    "onebit", "onebit_adam", "powersgd_r2",
+SUB_MESH_ENTRIES = ("cast_bfloat16_ef", "csc_ef", "gtopk_ef", "ibcd",
+                    "natural", "onebit", "onebit_adam", "powersgd_r2",
                     "qsgd_partial_buckets", "signum", "sparcml_ef", "topk_ef",
                     "int8_requantized")
 
