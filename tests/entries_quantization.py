@@ -684,3 +684,103 @@ registry.register(registry.Entry(
   kwargs={"levels": 3, "alpha": 1.0, "beta": 1.0},
   stochastic=True,
 ))
+
+
+# ---------------------------------------------------------- dist-EF-SGDM --
+
+
+def _l1_scaled_sign(v):
+  """``C(v) = ||v||_1 / d sign(v)`` (Zheng et al. 2019; sign(0) = +1)."""
+  return np.sum(np.abs(v)) / v.size * _sign(v)
+
+
+def dist_ef_sgdm_run(mu):
+  """Zheng, Huang, Kwok 2019, dist-EF-BlockSGDM with the leaves as
+  blocks: per device ``m = mu m + g``, ``p = m + e``, ``D = C(p)``, ``e =
+  p - D``; the server (each device for its chunk of ``ceil(L / n)``
+  rounded up to 32, one block per leaf segment of the chunk) ``p~ =
+  mean_i D_i + e~``, ``D~ = C(p~)``, ``e~ = p~ - D~`` (kept as ``n e~``,
+  the documented units); the update is ``D~``. Momentum and worker error
+  in float32, as the transform keeps them."""
+  f32 = np.float32
+  comp = ("conv", "w")
+
+  def run(grads_seq, n):
+    like = [np.zeros(grads_seq[0][k].shape[1:]) for k in comp]
+    length = sum(x.size for x in like)
+    m = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
+    e = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
+    server = [np.zeros(length) for _ in range(n)]
+    chunk = -((-(-length // n)) // -WORD) * WORD
+    ends = np.cumsum([x.size for x in like])
+    starts = ends - np.asarray([x.size for x in like])
+    out, sent_all = [], []
+    for grads in grads_seq:
+      sent, flat_w = [], []
+      for i in range(n):
+        g = [np.asarray(grads[k][i], f32) for k in comp]
+        m[i] = [f32(mu) * mj + gj for mj, gj in zip(m[i], g)]
+        p = [(ej + mj).astype(np.float64) for ej, mj in zip(e[i], m[i])]
+        d = [_l1_scaled_sign(pj) for pj in p]
+        e[i] = [(pj - dj).astype(f32) for pj, dj in zip(p, d)]
+        sent.append(d)
+        flat_w.append(_flat(d))
+      avg = np.mean(flat_w, axis=0)
+      mean = np.zeros(length)
+      for k in range(n):
+        lo, hi = k * chunk, min((k + 1) * chunk, length)
+        if lo >= hi:
+          continue
+        y = avg[lo:hi] + server[k][lo:hi] / n
+        z = np.zeros_like(y)
+        for a, b in zip(starts, ends):
+          a, b = max(a, lo), min(b, hi)
+          if a < b:
+            z[a - lo:b - lo] = _l1_scaled_sign(y[a - lo:b - lo])
+        server[k][lo:hi] = n * (y - z)
+        mean[lo:hi] = z
+      upd = {k: v for k, v in zip(comp, _split(mean, like))}
+      upd["b"] = np.asarray(grads["b"], np.float64).mean(axis=0)
+      out.append(upd)
+      sent_all.append(sent)
+    return out, [[r.astype(np.float64) for r in dev] for dev in e], sent_all
+  return run
+
+
+def _dist_ef_no_ref_step(xs, state, t, key, n):
+  raise AssertionError("dist_ef_sgdm's reference is its numpy_run (it "
+                       "keeps the momentum)")
+
+
+_DIST_EF_BAD = [({"momentum": 1.0}, "momentum"),
+                ({"momentum": -0.1}, "momentum"),
+                ({"momentum": float("nan")}, "momentum"),
+                ({"error_feedback": False}, "error_feedback"),
+                ({"momentum_masking": True}, "momentum_masking")]
+
+registry.register(registry.Entry(
+  # The paper's method, mu = 0.9: the momentum re-adds past gradients, so
+  # the mass balance is of momenta, not of gradients.
+  name="dist_ef_sgdm",
+  ref_init=lambda shapes: None,
+  ref_step=_dist_ef_no_ref_step,
+  numpy_run=dist_ef_sgdm_run(0.9),
+  factory=jaxcomm.dist_ef_sgdm,
+  kwargs={"momentum": 0.9},
+  extra_mass=_onebit_extra_mass,
+  conserves=False,
+  bad_args=_DIST_EF_BAD,
+))
+
+registry.register(registry.Entry(
+  # mu = 0 (dist-EF-SGD): workers' and server's errors hold every
+  # gradient not yet applied; the battery checks the balance.
+  name="dist_ef_sgd",
+  ref_init=lambda shapes: None,
+  ref_step=_dist_ef_no_ref_step,
+  numpy_run=dist_ef_sgdm_run(0.0),
+  factory=jaxcomm.dist_ef_sgdm,
+  kwargs={"momentum": 0.0},
+  extra_mass=_onebit_extra_mass,
+  bad_args=_DIST_EF_BAD,
+))

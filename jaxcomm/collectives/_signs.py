@@ -142,26 +142,41 @@ def _per_leaf(values, scales, sizes: Sequence[int], blocks=None):
   return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
 
 
+NORMS = ("l2", "l1")
+
+
+def _mass(v, norm: str):
+  """What a scale sums: ``v^2`` (``"l2"``) or ``|v|`` (``"l1"``)."""
+  return v * v if norm == "l2" else jnp.abs(v)
+
+
+def _scale(total, count, norm: str):
+  """``sqrt(sum v^2 / d)`` (``"l2"``) or ``sum |v| / d`` (``"l1"``)."""
+  return jnp.sqrt(total / count) if norm == "l2" else total / count
+
+
 def worker_scales(x: jax.Array, sizes: Sequence[int],
-                  blocks=None) -> jax.Array:
-  """Per-leaf scale ``||x_l||_2 / sqrt(d_l)`` of a flat concatenation: block
-  sums of squares added up per leaf (``blocks`` from :func:`_blocks`), or
-  one batched reduction per run of equal sizes."""
+                  blocks=None, norm: str = "l2") -> jax.Array:
+  """Per-leaf scale of a flat concatenation, ``||x_l||_2 / sqrt(d_l)``
+  (``norm="l2"``) or ``||x_l||_1 / d_l`` (``"l1"``): block sums added up
+  per leaf (``blocks`` from :func:`_blocks`), or one batched reduction
+  per run of equal sizes."""
   if blocks is not None:
     block, ids = blocks
     xb = x.reshape(-1, block)
-    ss = jax.ops.segment_sum(jnp.sum(xb * xb, axis=1), ids,
+    ss = jax.ops.segment_sum(jnp.sum(_mass(xb, norm), axis=1), ids,
                              num_segments=len(sizes), indices_are_sorted=True)
-    return jnp.sqrt(ss / jnp.asarray(np.asarray(sizes, np.float32)))
+    return _scale(ss, jnp.asarray(np.asarray(sizes, np.float32)), norm)
   out = []
   for off, count, d in _buckets.runs(sizes):
     seg = x[off:off + count * d].reshape(count, d)
-    out.append(jnp.sqrt(jnp.sum(seg * seg, axis=1) / d))
+    out.append(_scale(jnp.sum(_mass(seg, norm), axis=1), d, norm))
   return out[0] if len(out) == 1 else jnp.concatenate(out)
 
 
 def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
-                         server_error: jax.Array, axis_name):
+                         server_error: jax.Array, axis_name,
+                         norm: str = "l2"):
   """DeepSpeed-style 1-bit allreduce with server-side error feedback.
 
   Worker stage, per leaf ``l`` of the flat vector (error feedback already
@@ -195,6 +210,9 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     server_error: ``float32[L]``; this device reads and writes only its own
       chunk ``[k C, (k + 1) C)`` (zero elsewhere).
     axis_name: the axis, or None.
+    norm: ``"l2"`` (default, DeepSpeed's ``||v||_2 / sqrt(d)``) or
+      ``"l1"`` (``||v||_1 / d``, the scaled sign of Karimireddy et al.
+      2019 and Zheng et al. 2019), for both stages' scales.
 
   Returns:
     ``(mean, sent, server_error)``: ``mean`` ``float32[L]`` identical and
@@ -210,6 +228,8 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   length = x.shape[0]
   if sum(sizes) != length:
     raise ValueError(f"sizes {sizes} do not sum to the length {length}")
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
   k = len(sizes)
   n = _core.axis_size(axis_name)
   c = chunk_length(length, n)
@@ -218,7 +238,7 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
 
   # Worker stage.
   blocks = _blocks(sizes)            # leaf ids built once for both uses
-  scales = worker_scales(x, sizes, blocks)                          # [k]
+  scales = worker_scales(x, sizes, blocks, norm)                    # [k]
   sent = _per_leaf(_sign(x), scales, sizes, blocks)
   words = bitpack.pack_signs(jnp.pad(x, (0, n * c - length)))
   msg = jnp.concatenate(
@@ -236,10 +256,10 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     # width B: scales are read per block, never per element (no index or
     # scale array the size of the bucket; issue: memory under FSDP).
     mean, z, y = _server_on_blocks(signs, their, mine, tiles, idx, n, c, k,
-                                   axis_name, cw)
+                                   axis_name, cw, norm)
   else:
     mean, z, y = _server_per_element(signs, their, mine, sizes, idx, n, c,
-                                     k, length, axis_name, cw)
+                                     k, length, axis_name, cw, norm)
   new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
   return mean[:length], sent, new_err[:length]
 
@@ -257,7 +277,7 @@ def _chunk_blocks(sizes, pad: int, c: int):
 
 
 def _server_on_blocks(signs, their, mine, tiles, idx, n, c, k, axis_name,
-                      cw):
+                      cw, norm="l2"):
   """The server stage and the decode with one scale per block of B."""
   block, ids = tiles
   per = c // block
@@ -266,11 +286,11 @@ def _server_on_blocks(signs, their, mine, tiles, idx, n, c, k, axis_name,
                 axis=0).reshape(c) / n
   valid = (lb < k)[:, None]
   y = jnp.where(valid, (avg + mine / n).reshape(per, block), 0.0)
-  seg_sq = jax.ops.segment_sum(jnp.sum(y * y, axis=1), lb,
+  seg_sq = jax.ops.segment_sum(jnp.sum(_mass(y, norm), axis=1), lb,
                                num_segments=k + 1)
   seg_n = jax.ops.segment_sum(jnp.full((per,), float(block)), lb,
                               num_segments=k + 1)
-  s = jnp.sqrt(seg_sq / jnp.maximum(seg_n, 1.0))                    # [k+1]
+  s = _scale(seg_sq, jnp.maximum(seg_n, 1.0), norm)                 # [k+1]
   z = jnp.where(valid, s[lb][:, None] * _sign(y), 0.0).reshape(c)
   y = y.reshape(c)
   out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s[:k])])
@@ -287,7 +307,7 @@ def _server_on_blocks(signs, their, mine, tiles, idx, n, c, k, axis_name,
 
 
 def _server_per_element(signs, their, mine, sizes, idx, n, c, k, length,
-                        axis_name, cw):
+                        axis_name, cw, norm="l2"):
   """The server stage and the decode with a leaf index per element (leaves
   without a common block width)."""
   pos = idx * c + jnp.arange(c, dtype=jnp.int32)
@@ -298,10 +318,10 @@ def _server_per_element(signs, their, mine, sizes, idx, n, c, k, length,
   # extra segment k, all zeros).
   valid = pos < length
   y = jnp.where(valid, avg + mine / n, 0.0)
-  seg_sq = jax.ops.segment_sum(y * y, leaf, num_segments=k + 1)
+  seg_sq = jax.ops.segment_sum(_mass(y, norm), leaf, num_segments=k + 1)
   seg_n = jax.ops.segment_sum(valid.astype(jnp.float32), leaf,
                               num_segments=k + 1)
-  s = jnp.sqrt(seg_sq / jnp.maximum(seg_n, 1.0))                    # [k+1]
+  s = _scale(seg_sq, jnp.maximum(seg_n, 1.0), norm)                 # [k+1]
   z = jnp.where(valid, s[leaf] * _sign(y), 0.0)
   out = jnp.concatenate([bitpack.pack_signs(y), _f32_words(s[:k])])
   rows = _core.all_gather(out, axis_name).reshape(n, cw + k)

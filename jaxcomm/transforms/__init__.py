@@ -12,6 +12,7 @@ from jaxcomm.transforms import _demo
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
+from jaxcomm.transforms import _dist_ef_sgdm
 from jaxcomm.transforms import _ecq
 from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gmc
@@ -40,6 +41,7 @@ from jaxcomm.transforms._demo import *
 from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
+from jaxcomm.transforms._dist_ef_sgdm import *
 from jaxcomm.transforms._ecq import *
 from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gmc import *
@@ -71,6 +73,7 @@ __all__ += _dense.__all__
 __all__ += _ecq.__all__
 __all__ += _dgc.__all__
 __all__ += _diloco.__all__
+__all__ += _dist_ef_sgdm.__all__
 __all__ += _global_topk.__all__
 __all__ += _gmc.__all__
 __all__ += _lag.__all__
