@@ -833,3 +833,104 @@ registry.register(registry.Entry(
   bad_args=_IBCD_BAD,
 ))
 
+
+# ----------------------------------------------------------------- MGS ----
+
+def _mgs_groups_ref(sizes, n, ratio, gbit, latency_us, backward_seconds):
+  """Shi et al. 2020's merge, as the authors' code decides it, with the
+  whole timeline recomputed after every merge: layers in forward order,
+  backward from the last; layer l's backward time its share of
+  ``backward_seconds`` by size, no top-k time; a group's all-gather of
+  ``k = topk_count(ratio, |G|)`` pairs (values, then indices in the
+  narrowest of 8/16/32 bits for ``|G|``, packed to 32-bit words) costs
+  ``(n - 1) alpha + (n - 1)/n bytes beta`` on a ring. The open group G
+  takes the next layer l when ``tb(l) - wait(G) < tc(G) + tc(l) -
+  tc(G + l)``, ``wait(G)`` the time G's message waits for the link."""
+  alpha, beta = latency_us * 1e-6, 8.0 / (gbit * 1e9)
+  total = float(sum(sizes))
+
+  def tc(p):
+    k = references.topk_count(ratio, p)
+    per = 4 if p < 2**8 else 2 if p < 2**16 else 1
+    words = k + -(-k // per)
+    return (n - 1) * alpha + (n - 1) / n * 4 * n * words * beta
+
+  def tb(l):
+    return backward_seconds * sizes[l] / total
+
+  def comm_start_of_open(groups, open_group):
+    # Times of the closed groups (backward order) then the open one.
+    t = free = 0.0
+    for g in groups + [open_group]:
+      t += sum(tb(l) for l in g)
+      start = max(t, free)
+      free = start + tc(sum(sizes[l] for l in g))
+    return t, start
+
+  groups, cur = [], [len(sizes) - 1]
+  for l in range(len(sizes) - 2, -1, -1):
+    ready, start = comm_start_of_open(groups, cur)
+    p = sum(sizes[j] for j in cur)
+    if tb(l) - (start - ready) < tc(p) + tc(sizes[l]) - tc(p + sizes[l]):
+      cur = cur + [l]
+    else:
+      groups.append(cur)
+      cur = [l]
+  groups.append(cur)
+  return sorted((min(g), max(g) + 1) for g in groups)
+
+
+def _mgs_ref(ratio, backward_seconds):
+  """Top-k over each merged group (the leaves concatenated in bucket
+  order), the devices' selections averaged (error feedback from the
+  harness). On the battery's 8 devices and leaves, 1 ms of backward pass
+  merges the two leaves, 100 ms keeps them apart (tests/test_mgs.py)."""
+  def step(xs, state, t, key, n):
+    sizes = [x.size for x in xs[0]]
+    groups = _mgs_groups_ref(sizes, n, ratio, 10.0, 50.0, backward_seconds)
+    sent = []
+    for dev in xs:
+      parts = [None] * len(dev)
+      for lo, hi in groups:
+        flat = np.concatenate([np.ravel(dev[j]) for j in range(lo, hi)])
+        kept = references.np_topk(flat, ratio)
+        off = 0
+        for j in range(lo, hi):
+          parts[j] = kept[off:off + dev[j].size].reshape(dev[j].shape)
+          off += dev[j].size
+      sent.append(parts)
+    mean = [sum(sent[i][j] for i in range(n)) / n
+            for j in range(len(xs[0]))]
+    return mean, sent, state
+  return step
+
+
+_MGS_BAD = _RATIO_BAD + [({"backward_seconds": -1.0}, "backward_seconds"),
+                         ({"backward_seconds": float("inf")},
+                          "backward_seconds"),
+                         ({"topk_seconds_per_element": -1e-9},
+                          "topk_seconds_per_element"),
+                         ({"link": 10.0}, "link")]
+
+registry.register(registry.Entry(
+  # A short backward pass (1 ms) on a 10 Gbit/s, 50 us link: waiting for
+  # the first leaf costs less than a second startup, the two leaves merge
+  # into one top-k.
+  name="mgs_merged",
+  ref_init=lambda shapes: None,
+  ref_step=_mgs_ref(0.05, 0.001),
+  factory=jaxcomm.mgs,
+  kwargs={"ratio": 0.05, "backward_seconds": 0.001},
+  bad_args=_MGS_BAD,
+))
+
+registry.register(registry.Entry(
+  # A long one (100 ms): the last leaf's message goes while the first
+  # leaf's gradient is computed, so each leaf is a group (layer-wise).
+  name="mgs_layerwise",
+  ref_init=lambda shapes: None,
+  ref_step=_mgs_ref(0.05, 0.1),
+  factory=jaxcomm.mgs,
+  kwargs={"ratio": 0.05, "backward_seconds": 0.1},
+  bad_args=_MGS_BAD,
+))

@@ -22,6 +22,7 @@ from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
+from jaxcomm.transforms import _mgs
 from jaxcomm.transforms import _mx
 from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
@@ -51,6 +52,7 @@ from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
+from jaxcomm.transforms._mgs import *
 from jaxcomm.transforms._mx import *
 from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
@@ -82,6 +84,7 @@ __all__ += _ibcd.__all__
 __all__ += _integer.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
+__all__ += _mgs.__all__
 __all__ += _mx.__all__
 __all__ += _natural.__all__
 __all__ += _optimizers.__all__
