@@ -112,8 +112,9 @@ def generation(mesh: Mesh) -> str:
   """The TPU generation of ``mesh`` (a key of :data:`HBM`), or the device
   kind."""
   kind = mesh.devices.flat[0].device_kind.lower()
-  for name, key in (("v6", "v6e"), ("v5p", "v5p"), ("v5 lite", "v5e"),
-                    ("v5e", "v5e"), ("v4", "v4")):
+  # device_kind: "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite"...
+  for name, key in (("v6", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"),
+                    ("v5", "v5p"), ("v4", "v4")):
     if name in kind:
       return key
   return kind
@@ -293,8 +294,8 @@ def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",)):
     raise ValueError(
       "model 'transformer' needs the repository's models package: run "
       "from the repository root") from e
-  from flax import nnx
   import optax
+  from flax import nnx
   cfg = dict(SIZES[size])
   batch_size = cfg.pop("batch")
   model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
@@ -390,16 +391,18 @@ def _report(name, fig: Figures, base: Figures | None, gbps):
   if fig.optimal_seconds is not None:
     est = ", ".join(f"{g:g} Gbit/s {fig.step_seconds(g) * 1e3:.2f} ms"
                     for g in gbps)
-    lines.append(f"  estimated step      compute {fig.optimal_seconds * 1e3:.2f}"
-                 f" ms; + crossing bytes at {est}"
+    lines.append("  estimated step      compute "
+                 f"{fig.optimal_seconds * 1e3:.2f} ms; + crossing bytes at "
+                 f"{est}"
                  + (f" ({fig.unknown_cost_ops} ops of unknown cost left "
                     "out)" if fig.unknown_cost_ops else ""))
   print("\n".join(lines), flush=True)
 
 
 def main(argv=None) -> int:
-  from jaxcomm import registry
   import optax
+
+  from jaxcomm import registry
   parser = argparse.ArgumentParser(
     prog="python -m jaxcomm.aot",
     description="Compile a jaxcomm step ahead of time for TPU slices (no "

@@ -41,6 +41,9 @@ os.environ["XLA_FLAGS"] = " ".join(
                                       os.environ.get("XLA_FLAGS", "")]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU tier (tests/test_tpu.py): libtpu compiles for TPU topologies on
+# this CPU host; each pytest worker loads it (otherwise a lock file).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # A persistent compilation cache shared by the pytest workers (and the
 # processes tests start): many tests compile the same step program (one
 # compressor's step for its reference, non-finite, orbax and wrapper

@@ -751,7 +751,9 @@ def test_auto_table():
   auto = _dispatch.auto_uses_kernel
   for backend in ("cpu", "gpu", "tpu", "METAL"):
     for op in ("pack_signs", "unpack_signs", "vote", "threshold_select"):
-      assert not auto(op, backend), (op, backend)
+      # TPU's vote: the kernel, by the compiler's estimate.
+      want = op == "vote" and backend == "tpu"
+      assert auto(op, backend) == want, (op, backend)
   assert not auto("topk_abs", "cpu", k=1)
   for backend in ("gpu", "tpu"):
     assert auto("topk_abs", backend, k=16)
@@ -869,3 +871,28 @@ def test_kernels_lower_inside_shard_map(mesh, platform, backend, marker):
     pytest.skip(f"this JAX lowers Triton kernels only for a GPU it can "
                 f"name, and none could be given: {e}")
   assert lowered.as_text().count(marker) >= 5
+
+
+def test_platform_is_the_meshs_not_the_hosts():
+  """``_dispatch.platform()`` inside a step reads the mesh in context: a
+  step compiled for TPU devices on this CPU host resolves its kernels for
+  TPU (compiled by Mosaic), outside any mesh the host's backend."""
+  assert _dispatch.platform() == jax.default_backend()
+  cpu = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+  with jax.set_mesh(cpu):
+    assert _dispatch.platform() == "cpu"
+  from jaxcomm import aot
+  mesh = aot.slice_mesh("v5e:2x2", 1, axes=("dcn", "fsdp"))
+  seen = []
+
+  def step(x):
+    seen.append((_dispatch.platform(),
+                 _dispatch.resolve("vote", None, False)))
+    return x
+
+  jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("fsdp"),
+                        out_specs=P("fsdp"))).lower(
+    jax.ShapeDtypeStruct((8,), jnp.float32,
+                         sharding=jax.sharding.NamedSharding(
+                           mesh, P("fsdp"))))
+  assert seen == [("tpu", (True, False))]

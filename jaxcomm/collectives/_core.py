@@ -172,6 +172,9 @@ def psum(x, axis_name: AxisName):
   """Sum over devices; result replicated (invariant) on every device."""
   if axis_name is None:
     return x
+  from jaxcomm.kernels import _dispatch  # collectives load before kernels
+  if _dispatch.platform() == "tpu":
+    return jax.tree.map(lambda a: _dense_rows_psum(a, axis_name), x)
   return jax.lax.psum(x, axis_name)
 
 
@@ -342,16 +345,33 @@ def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,
   leaves = list(leaves)
   if not leaves:
     return []
-  flat = _buckets.flatten(leaves, dtype)
-  from jaxcomm.kernels import _dispatch  # collectives load before kernels
-  if axis_name is not None and _dispatch.platform() == "tpu":
-    # The TPU compiler moved PowerSGD's psum of P = M Q above the product
-    # (a psum of M, invariant Q): in block mode each slice then handed the
-    # runtime its whole 256 x 256 blocks instead of their rank-2 P (62x
-    # the bytes). The barrier keeps the sum where it is written.
-    flat = jax.lax.optimization_barrier(flat)
-  total = psum(flat, axis_name)
+  total = psum(_buckets.flatten(leaves, dtype), axis_name)
   return _buckets.unflatten(total, [l.shape for l in leaves])
+
+
+def _dense_rows_psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """``psum(x)`` as whole (8, 128) tiles of its flattened values, for TPU
+  (scalars and arrays under 128 values as they are).
+
+  The TPU compiler sums an array in its tiled layout, and a flattened one
+  in the layout of what it was flattened from: PowerSGD's ``P`` of ``(2,
+  256, 2)`` (rank 2 in the minor dimension, tiled to 128 lanes) crossed
+  the slices as ``f32[2,256,128]``, 64x its 4 KiB, and FetchSGD's sketch
+  of 5 rows as 8. Summed as rows of 128 it crosses as ``f32[2,8,128]``
+  (at most one tile of padding).
+  """
+  x = jnp.asarray(x)
+  if x.size < LANES:
+    return jax.lax.psum(x, axis_name)
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  tile = 8 * LANES
+  # A tail of zeros (to whole tiles, or one more row when already whole):
+  # the concatenate keeps the compiler from moving the sum back above the
+  # flattening, into the layout of the arrays flattened.
+  tail = (-size) % tile or LANES
+  rows = jnp.pad(flat, (0, tail)).reshape(-1, LANES)
+  return jax.lax.psum(rows, axis_name).reshape(-1)[:size].reshape(x.shape)
 
 
 def padded_length(size: int, n: int) -> int:

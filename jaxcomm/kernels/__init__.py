@@ -56,14 +56,23 @@ gpu          threshold_select  jnp (mask packed by jnp, then compaction):
                                not measured; its mask kernel is the
                                pack_signs kernel plus a compare, and that
                                kernel lost to jnp
-tpu          pack_signs,       jnp: nothing was measured on a TPU; the jnp
-             unpack_signs,     path is the default until a measurement says
-             vote,             otherwise
-             threshold_select
-tpu          topk_abs          the kernel for ``k <= 64``, ``lax.top_k``
-                               above: not measured on a TPU; kept because
-                               ``lax.top_k`` at small k is the one jnp path
-                               known to be pathological (237x on the H100)
+tpu          pack_signs,       jnp. No TPU ran here; by the TPU compiler's
+             unpack_signs      own estimate (v5e, 4M values, compile-only,
+                               ``benchmarks/bench_kernels_tpu.py``) the
+                               kernels are 205 us against jnp's 251 us
+                               (pack) and 207 us against 205 us (unpack),
+                               but each takes 64 MiB of temporaries for a
+                               16 MiB input (its ``(words, 32)`` blocks
+                               tiled to 128 lanes) where jnp takes none
+tpu          vote              the kernel: 12.8 us against the bit-sliced
+                               jnp's 36.2 us (compiler's estimate, v5e,
+                               8 rows of 4M signs), no temporaries
+tpu          threshold_select  jnp: 1510 us against the mask kernel's
+                               2275 us (estimate)
+tpu          topk_abs          the kernel for ``k <= 64`` (6.3 us at k=16,
+                               8.2 us at k=64, against ``lax.top_k``'s
+                               160 us and 16 MiB of temporaries:
+                               estimate), ``lax.top_k`` above
 cpu          all               jnp: the fastest jnp path measured on CPU
                                (see :mod:`~jaxcomm.kernels.bitpack` and
                                :mod:`~jaxcomm.kernels.topk`)

@@ -63,7 +63,10 @@ def auto_uses_kernel(op: str, backend: str, *, k: int | None = None) -> bool:
     raise ValueError(f"unknown kernel op {op!r}; known: {', '.join(OPS)}")
   if op == "topk_abs" and backend in ACCELERATORS:
     return k is not None and int(k) <= TOPK_KERNEL_MAX_K
-  return False
+  # TPU, by the compiler's own estimate (compile-only, v5e, 4M values,
+  # benchmarks/bench_kernels_tpu.py): the vote kernel 12.8 us against the
+  # bit-sliced jnp's 36.2 us, no temporaries either way.
+  return op == "vote" and backend == "tpu"
 
 
 # auto on GPU: the bracketed top-k for k at least this (jaxcomm.kernels).

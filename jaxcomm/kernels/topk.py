@@ -464,8 +464,15 @@ def topk_abs_groups(x: jax.Array, groups, *,
   out = []
   for off, count, size, k in groups:
     rows = x[off:off + count * size].reshape(count, size)
-    vals, idx = jax.vmap(lambda r, k=k: topk_abs(
-      r, k, nonnegative=nonnegative))(rows)
+    if count == 1:
+      # One row unbatched: the TPU compiler's batched top-k emitter
+      # aborted on f32[1,131072] (libtpu 0.0.42.1, pipeline_emitter.cc
+      # CalcSpanSize), the unbatched one compiles.
+      vals, idx = topk_abs(rows[0], k, nonnegative=nonnegative)
+      vals, idx = vals[None], idx[None]
+    else:
+      vals, idx = jax.vmap(lambda r, k=k: topk_abs(
+        r, k, nonnegative=nonnegative))(rows)
     base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
     out.append((vals, idx + base))
   return out

@@ -20,6 +20,7 @@ device's messages, each device rebuilding the sum of all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,10 @@ from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _lowrank
+from jaxcomm.kernels import _dispatch
 from jaxcomm.transforms._powersgd import matrix_shape
 
 
@@ -110,6 +113,12 @@ class AtomoCodec(_codec.CodecBase):
     key = jax.random.fold_in(ctx.key, ctx.device_index)
     msgs, sent = [], []
 
+    svd = functools.partial(jnp.linalg.svd, full_matrices=False)
+    if _dispatch.platform() == "tpu":
+      # JAX's TPU SVD (a QDWH loop) fails the varying-types check inside
+      # shard_map; it runs untyped, its results typed like its input.
+      svd = _vma.untyped(svd)
+
     def svd_sample(a, uni):
       """The sampled atoms of matrices ``a`` (``[..., r, c]``): ``su``
       ``[..., s, r]`` (scaled) and ``sv`` ``[..., s, c]``. One function
@@ -117,7 +126,7 @@ class AtomoCodec(_codec.CodecBase):
       at a time, the loop's outputs are the atoms and not whole U and V
       factors (their stacked buffers were 1.40x the plain FSDP step's
       memory)."""
-      u, sigma, vh = jnp.linalg.svd(a, full_matrices=False)
+      u, sigma, vh = svd(a)
       p = water_filling(sigma, budget)
       idx, valid, scale = _sample(sigma, p, uni, budget)
       su = jnp.take_along_axis(u, idx[..., None, :], axis=-1)  # [.., r, s]

@@ -39,7 +39,6 @@ from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
-from jaxcomm.collectives import _golomb
 
 BLOCK = 32
 # format -> (ml_dtypes element type, bits per element, emax).
@@ -99,28 +98,26 @@ def _round_to_table(a, table):
 
 
 def _pack(codes, bits):
-  """``uint32[..., 32]`` codes of ``bits`` bits -> ``uint32[..., bits]``."""
-  if 32 % bits == 0:
-    per = 32 // bits
-    c = codes.reshape(codes.shape[:-1] + (bits, per))
-    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)
-  b = ((codes[..., None] >> jnp.arange(bits, dtype=jnp.uint32)) & 1).astype(
-    bool)
-  return _golomb.pack_bits(b.reshape(codes.shape[:-1] + (BLOCK * bits,)))
+  """``uint32[..., 32, B]`` codes of ``bits`` bits (one block per column)
+  -> ``uint32[..., bits, B]``: word ``i`` of a block holds bit ``i`` of its
+  32 codes (bit planes). Blocks run along the minor dimension, so every
+  array here is lane-dense on TPU (a block's 32 codes along it tiled to
+  128 lanes: 4x the memory, and MXFP4's step took 4.2x the plain step's
+  temporaries)."""
+  rows = jnp.arange(BLOCK, dtype=jnp.uint32)[:, None]
+  planes = [jnp.sum(((codes >> jnp.uint32(i)) & 1) << rows, axis=-2,
+                    dtype=jnp.uint32) for i in range(bits)]
+  return jnp.stack(planes, axis=-2)
 
 
 def _unpack(words, bits):
   """Inverse of :func:`_pack`."""
-  if 32 % bits == 0:
-    per = 32 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    c = (words[..., None] >> shifts) & ((1 << bits) - 1)
-    return c.reshape(words.shape[:-1] + (BLOCK,))
-  b = _golomb.unpack_bits(words, BLOCK * bits).reshape(
-    words.shape[:-1] + (BLOCK, bits)).astype(jnp.uint32)
-  return jnp.sum(b << jnp.arange(bits, dtype=jnp.uint32), axis=-1,
-                 dtype=jnp.uint32)
+  rows = jnp.arange(BLOCK, dtype=jnp.uint32)[:, None]
+  codes = jnp.zeros(words.shape[:-2] + (BLOCK, words.shape[-1]), jnp.uint32)
+  for i in range(bits):
+    codes = codes | (((words[..., i:i + 1, :] >> rows) & 1)
+                     << jnp.uint32(i))
+  return codes
 
 
 def words_per(length: int, fmt: str) -> int:
@@ -136,13 +133,15 @@ def encode(x, fmt: str):
   _, bits, emax = FORMATS[fmt]
   table = magnitudes(fmt)
   lead, length = x.shape[:-1], x.shape[-1]
-  blocks = x.reshape(lead + (length // BLOCK, BLOCK)).astype(jnp.float32)
-  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  # Blocks as columns: (..., 32, B), lane-dense (see _pack).
+  blocks = jnp.swapaxes(x.reshape(lead + (length // BLOCK, BLOCK)), -1,
+                        -2).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(blocks), axis=-2)
   _, e = jnp.frexp(amax)                    # amax = m 2^e, m in [0.5, 1)
   shared = jnp.where(amax > 0, e - 1 - emax, -127)
   shared = jnp.clip(shared, -127, 127).astype(jnp.int32)
   # ldexp, not exp2: exact powers of two (XLA's exp2 is exp(x ln 2)).
-  scaled = jnp.ldexp(blocks, -shared[..., None])
+  scaled = jnp.ldexp(blocks, -shared[..., None, :])
   if fmt in _NATIVE:
     mag = _round_native(jnp.abs(scaled), table, _NATIVE[fmt])
   else:
@@ -159,7 +158,7 @@ def decode(words, length: int, fmt: str):
   _, bits, _ = FORMATS[fmt]
   lead = words.shape[:-1]
   nblocks = length // BLOCK
-  packed = words[..., :nblocks * bits].reshape(lead + (nblocks, bits))
+  packed = words[..., :nblocks * bits].reshape(lead + (bits, nblocks))
   scales = _core.from_words(words[..., nblocks * bits:], jnp.uint8)
   codes = _unpack(packed, bits)
   low = codes & ((1 << (bits - 1)) - 1)
@@ -170,7 +169,8 @@ def decode(words, length: int, fmt: str):
     mag = jnp.asarray(magnitudes(fmt))[low]
   val = jnp.where((codes >> (bits - 1)) & 1, -mag, mag)
   exp = scales.astype(jnp.int32) - 127
-  return jnp.ldexp(val, exp[..., None]).reshape(lead + (length,))
+  return jnp.swapaxes(jnp.ldexp(val, exp[..., None, :]), -1, -2).reshape(
+    lead + (length,))
 
 
 def _chunk(size: int, n: int) -> int:
