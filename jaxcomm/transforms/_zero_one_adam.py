@@ -147,6 +147,15 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
   in DeepSpeed's implementation there is no bias correction, and the
   gradient exchange's errors are not carried into the momentum exchange.
 
+  Against DeepSpeed's ``ZeroOneAdam`` (``tests/test_optimizers.py``, to
+  1e-5 on 8 workers): its first ``step()`` call only allocates buffers
+  and still counts a step, so its ``state['step']`` runs one ahead of this
+  step counter, and its last warm-up step is the first with ``step >
+  var_freeze_step``. Its variance intervals and local-step intervals are
+  therefore this schedule's with the counter shifted by one: DeepSpeed's
+  ``var_freeze_step=k`` is ``var_freeze_step=k + 1`` here, and at counter
+  ``t`` here DeepSpeed is at ``t + 1``.
+
   ``var_freeze_step=0`` continues a restored state with its variance
   frozen. On a state whose variance was never updated (``var_count ==
   0``: a fresh ``init``) the step is the dense variance-update step (the
