@@ -12,6 +12,7 @@ from typing import Any
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -39,6 +40,12 @@ def integer(name: str, value, lo: int | None = None, hi: int | None = None,
   ``allow_none``; booleans are refused."""
   if allow_none and value is None:
     return None
+  # optax.inject_hyperparams hands every int default it was not told to
+  # keep static to the factory as a concrete 0-d integer array.
+  if isinstance(value, jax.Array) and not isinstance(
+      value, jax.core.Tracer) and value.ndim == 0 and jnp.issubdtype(
+        value.dtype, jnp.integer):
+    value = int(value)
   if not _is_int(value) or (lo is not None and value < lo) or (
       hi is not None and value > hi):
     bounds = (f" in [{lo}, {hi}]" if lo is not None and hi is not None

@@ -335,8 +335,14 @@ def test_every_factory_forwards_the_shared_options(name):
     return 0.1
 
   # DGC passes its own momentum to compressed(); FetchSGD's ``momentum``
-  # is its sketch's (kept in the codec state, no per-device buffer).
-  extra = {} if name in ("dgc", "fetchsgd") else {"momentum": 0.5}
+  # is its sketch's (kept in the codec state, no per-device buffer); GMC's
+  # is the global one (beta) and ECQ-SGD compensates its own quantization
+  # error: both refuse a local momentum by name.
+  own_momentum = ("dgc", "fetchsgd", "gmc", "ecq_sgd")
+  extra = {} if name in own_momentum else {"momentum": 0.5}
+  if name in ("gmc", "ecq_sgd"):
+    with pytest.raises(ValueError, match="momentum"):
+      factory(**args, momentum=0.5)
   # A method that runs on EF21's estimates only (lag) keeps no delayed
   # mass to rescale: it refuses a schedule by name and runs without one.
   ef21_only = inspect.signature(factory).parameters.get(
@@ -352,7 +358,8 @@ def test_every_factory_forwards_the_shared_options(name):
   rng = np.random.default_rng(2)
   state = tx.init(params)
   # A momentum buffer per bucket.
-  assert len(state.momentum) == (0 if name == "fetchsgd" else 1)
+  assert len(state.momentum) == (
+    0 if name in ("fetchsgd", "gmc", "ecq_sgd") else 1)
   update = jax.jit(tx.update)
   for _ in range(2):                        # dense phase: the exact mean
     grads = {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),

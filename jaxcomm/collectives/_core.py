@@ -455,11 +455,11 @@ def pack_fields(u: jax.Array, bits: int) -> jax.Array:
       f"pack_fields: last axis {m} must be a multiple of {per}")
   if per == 1:
     return u
-  q = m // per
-  out = u[..., :q]
-  for j in range(1, per):
-    out = out | (u[..., j * q:(j + 1) * q] << jnp.uint32(j * bits))
-  return out
+  # (..., per, q): field j is row j; rows of q along the minor dimension.
+  rows = u.reshape(u.shape[:-1] + (per, m // per))
+  shifts = (jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits))[:, None]
+  # Disjoint bit fields: the sum is the bitwise OR.
+  return jnp.sum(rows << shifts, axis=-2, dtype=jnp.uint32)
 
 
 def unpack_fields(w: jax.Array, bits: int, m: int | None = None
@@ -470,8 +470,12 @@ def unpack_fields(w: jax.Array, bits: int, m: int | None = None
   if per == 1:
     return w if m is None else w[..., :m]
   mask = jnp.uint32((1 << bits) - 1)
-  out = jnp.concatenate(
-    [(w >> jnp.uint32(j * bits)) & mask for j in range(per)], axis=-1)
+  shifts = (jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits))[:, None]
+  # A broadcast, shifts and a reshape: fused into the consumer on CPU (a
+  # concatenate of the fields was a buffer of the codes: natural
+  # compression's step 1.40x the plain FSDP step's memory at fsdp=2).
+  out = ((w[..., None, :] >> shifts) & mask).reshape(
+    w.shape[:-1] + (per * w.shape[-1],))
   return out if m is None else out[..., :m]
 
 

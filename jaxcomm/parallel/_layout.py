@@ -377,9 +377,15 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
     def init_block(p):
       with _codec.block_splits(splits):
         return tx.init(own(p, copies))
+    # Inputs typed with the specs shard_map splits them by (on a mesh of
+    # Explicit axes, shard_map checks an input's sharding against them).
+    placed_abs = jax.tree.map(
+      lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=NamedSharding(mesh, sp)),
+      params_abs, specs)
     state_abs = jax.eval_shape(jax.shard_map(
       init_block, mesh=mesh, in_specs=(specs,), out_specs=P(),
-      check_vma=False), params_abs)
+      check_vma=False), placed_abs)
   leaves, treedef = jax.tree.flatten(state_abs)
   per_device = [frozenset()] * len(leaves)
   grads_abs = jax.tree.map(

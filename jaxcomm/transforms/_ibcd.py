@@ -109,9 +109,9 @@ class IbcdCodec(_codec.CodecBase):
     paper="Mishchenko, Hanzely, Richtarik 2020",
     summary="each device's own random tau m blocks (shared seed, no "
     "indices), all-gathered",
-    static=("ratio",))
+    static=("ratio", "block_size"))
 @_compressor.shared_options
-def ibcd(ratio: float | None = None, block_size: int = 1024, *,
+def ibcd(ratio: float | None = None, block_size: int | None = None, *,
          axis_name="data", error_feedback: bool = False, policy=None,
          seed: int = 0, **options):
   """Independent block coordinate descent: every device sends a random
@@ -154,8 +154,8 @@ def ibcd(ratio: float | None = None, block_size: int = 1024, *,
   Args:
     ratio: ``tau``, the fraction of blocks each device sends, in ``(0,
       1]``, or None (default): ``1 / n`` (static).
-    block_size: elements per block, ``>= 1`` (static; a multiple of 128
-      keeps TPU rows lane-dense).
+    block_size: elements per block, ``>= 1``, or None (default): 1024
+      (static; a multiple of 128 keeps TPU rows lane-dense).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent blocks (default False, as the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
@@ -172,7 +172,8 @@ def ibcd(ratio: float | None = None, block_size: int = 1024, *,
   """
   if ratio is not None:
     ratio = _checks.ratio("ratio", ratio)
-  _checks.integer("block_size", block_size, 1)
+  block_size = (1024 if block_size is None else
+                _checks.integer("block_size", block_size, 1))
   _checks.error_feedback(error_feedback)
   return _compressor.compressed(IbcdCodec(ratio, block_size),
                                 axis_name=axis_name,
