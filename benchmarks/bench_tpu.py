@@ -47,9 +47,9 @@ def _mib(b):
   return b / 2**20
 
 
-def run(size, topology, slices, methods):
+def run(size, topology, slices, methods, batch_size=None):
   mesh = aot.slice_mesh(topology, slices)
-  loss_fn, params, batch = aot.transformer(mesh, size)
+  loss_fn, params, batch = aot.transformer(mesh, size, batch=batch_size)
   hbm = aot.HBM.get(aot.generation(mesh), 0)
   compiled, secs = aot.compile_lowered(
     aot.plain_step(loss_fn).lower(params, batch))
@@ -71,6 +71,7 @@ def run(size, topology, slices, methods):
     print(rows[-1], flush=True)
   nparams = sum(x.size for x in jax.tree.leaves(params))
   return {"topology": topology, "slices": slices, "size": size,
+          "batch": int(batch["x"].shape[0]),
           "params": int(nparams), "generation": aot.generation(mesh),
           "chips": int(mesh.devices.size), "rows": rows}
 
@@ -94,7 +95,8 @@ def table(result) -> str:
   lines = [
     f"### {result['topology']} x {result['slices']} slices "
     f"({result['chips']} chips, {result['generation']}), transformer "
-    f"{result['size']} ({result['params'] / 1e6:.0f}M params)", "",
+    f"{result['size']} ({result['params'] / 1e6:.0f}M params, batch "
+    f"{result['batch']} x 1024 tokens)", "",
     "| step | compile s (x plain) | temp MiB/chip (x plain) | state "
     "MiB/chip | handed MiB | crossing MiB (x plain) | est. step ms at "
     "25 / 100 Gbit/s |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -119,14 +121,26 @@ def main(argv=None):
   p.add_argument("--topology", action="append")
   p.add_argument("--slices", type=int, action="append")
   p.add_argument("--method", action="append", choices=sorted(METHODS))
+  p.add_argument("--batch", type=int, default=None,
+                 help="sequences per step (default: the size's)")
   p.add_argument("--out", default=None)
   p.add_argument("--json", default=None)
+  p.add_argument("--overlap", action="store_true",
+                 help="the bucket-cap sweep of overlap() instead")
   args = p.parse_args(argv)
+  if args.overlap:
+    text = overlap()
+    print(text)
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(text)
+    return 0
   results = []
   for topo in args.topology or ["v5e:2x2"]:
     for s in args.slices or [2]:
       print(f"== {topo} x {s} slices", flush=True)
-      results.append(run(args.size, topo, s, args.method or list(METHODS)))
+      results.append(run(args.size, topo, s, args.method or list(METHODS),
+                         args.batch))
       if args.json:
         with open(args.json, "w") as f:
           json.dump(results, f, indent=1)
@@ -136,6 +150,46 @@ def main(argv=None):
     with open(args.out, "w") as f:
       f.write(text)
   return 0
+
+
+
+def overlap(topology="v5e:2x2", slices=2, dim=1024,
+            caps=(None, 4 << 20, 1 << 20, 256 << 10)):
+  """WFBP on TPU: for each bucket cap (``LeafPolicy(bucket_bytes=)``), the
+  fraction of the backward pass scheduled after the first cross-slice
+  send starts, and the compiler's step estimate, on the MLP of ``8 dim^2``
+  params (``python -m benchmarks.bench_tpu --overlap``)."""
+  mesh = aot.slice_mesh(topology, slices)
+  loss_fn, params, batch = aot.mlp(mesh, dim)
+  compiled, _ = aot.compile_lowered(
+    aot.plain_step(loss_fn).lower(params, batch))
+  base = aot.analyze(compiled, slices=slices)
+  lines = [f"### Overlap with the backward pass ({topology} x {slices} "
+           f"slices, MLP of {8 * dim * dim / 1e6:.1f}M params)", "",
+           "| step | bucket cap | backward after the first send | "
+           "cross-slice sends | compiler's estimate (us) |",
+           "|---|---|---:|---:|---:|",
+           f"| plain jit step | per leaf (XLA) | "
+           f"{aot.backward_after_first_send(compiled):.1%} | "
+           f"{len(base.transfers)} | {base.optimal_seconds * 1e6:.0f} |"]
+  for name, make in (("bf16", lambda p: jaxcomm.cast(
+      "bfloat16", axis_name="dcn", policy=p)),
+                     ("topk 1%", lambda p: jaxcomm.topk(
+                       0.01, axis_name="dcn", policy=p)),
+                     ("powersgd r4", lambda p: jaxcomm.powersgd(
+                       4, axis_name="dcn", policy=p))):
+    for cap in caps:
+      policy = jaxcomm.LeafPolicy(bucket_bytes=cap)
+      tx = optax.chain(make(policy), optax.sgd(0.1))
+      compiled, _, _ = aot.compile_method(loss_fn, params, batch, mesh, tx)
+      fig = aot.analyze(compiled, slices=slices)
+      frac = aot.backward_after_first_send(compiled)
+      lines.append(
+        f"| {name} | {'one bucket' if cap is None else f'{cap >> 10} KiB'}"
+        f" | {'n/a' if frac is None else f'{frac:.1%}'} | "
+        f"{len(fig.transfers)} | {fig.optimal_seconds * 1e6:.0f} |")
+      print(lines[-1], flush=True)
+  return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -168,6 +168,49 @@ def transfers(compiled_or_text: Any) -> list[Transfer]:
   return out
 
 
+def _entry_lines(text: str) -> list[str]:
+  """The scheduled instructions of the HLO module's entry computation, in
+  schedule order (a compiled module prints them in the order they run)."""
+  lines, inside = [], False
+  for line in text.splitlines():
+    if line.startswith("ENTRY "):
+      inside = True
+      continue
+    if inside:
+      if line.startswith("}"):
+        break
+      lines.append(line)
+  return lines
+
+
+_CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
+
+
+def backward_after_first_send(compiled_or_text: Any) -> float | None:
+  """The fraction of the backward pass (the entry computation's ops whose
+  ``op_name`` is JAX's ``transpose(...)`` of the loss, weighted by the
+  compiler's ``estimated_cycles`` where it gives them) scheduled after the
+  first cross-slice send starts: how much of the exchange can overlap the
+  backward pass (WFBP). None when nothing crosses or there is no
+  backward op in the entry computation."""
+  text = (compiled_or_text if isinstance(compiled_or_text, str)
+          else compiled_or_text.as_text())
+  first, total, after = None, 0.0, 0.0
+  for i, line in enumerate(_entry_lines(text)):
+    if first is None and " send(" in line and "is_host_transfer=true" in line:
+      first = i
+    if "transpose(" not in line or "op_name=" not in line:
+      continue
+    m = _CYCLES.search(line)
+    w = float(m.group(1)) if m else 1.0
+    total += w
+    if first is not None:
+      after += w
+  if first is None or not total:
+    return None
+  return after / total
+
+
 @dataclasses.dataclass(frozen=True)
 class Figures:
   """What a compiled step says, per chip (bytes unless named).
@@ -280,11 +323,13 @@ SIZES = {
 }
 
 
-def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",)):
+def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
+                batch: int | None = None):
   """The repository's transformer LM at ``size`` (:data:`SIZES`), abstract:
   ``(loss_fn, params, batch)`` with ``params`` ``jax.ShapeDtypeStruct``
   leaves sharded over ``mesh``'s model axes by the model's logical rules,
-  and a token batch split over all of ``mesh``'s axes. Needs the
+  and a token batch (``batch`` sequences, default the size's) split over
+  all of ``mesh``'s axes. Needs the
   repository's ``models`` package (run from the repository root)."""
   if size not in SIZES:
     raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
@@ -297,7 +342,7 @@ def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",)):
   import optax
   from flax import nnx
   cfg = dict(SIZES[size])
-  batch_size = cfg.pop("batch")
+  batch_size = cfg.pop("batch") if batch is None else int(batch)
   model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
                                                     rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)

@@ -308,3 +308,21 @@ def test_abstract_init_matches_the_concrete_one(auto):
     assert g.sharding.is_equivalent_to(w.sharding, len(w.shape)), (
       g.sharding, w.sharding)
   dp2.lower(*got, batch).compile()
+
+
+def test_backward_after_first_send_reads_the_schedule():
+  """The overlap figure against a hand-counted schedule: backward ops
+  (``transpose(...)``) weighted by their estimated cycles, 30 of 100
+  after the first cross-slice send; None with no send."""
+  meta = 'metadata={op_name="jit(step)/transpose(jvp(loss))/dot"}'
+  text = "\n".join([
+    "HloModule m, is_scheduled=true", "ENTRY %main () -> f32[] {",
+    f'  %a = f32[8] fusion(), {meta}, backend_config={{"estimated_cycles":'
+    '"70"}',
+    '  %s = (f32[8], u32[], token[]) send(%a, %t), is_host_transfer=true',
+    f'  %b = f32[8] fusion(), {meta}, backend_config={{"estimated_cycles":'
+    '"30"}',
+    '  %c = f32[8] fusion(), metadata={op_name="jit(step)/sgd"}', "}"])
+  assert aot.backward_after_first_send(text) == pytest.approx(0.3)
+  assert aot.backward_after_first_send(text.replace(" send(", " copy(")
+                                       ) is None
