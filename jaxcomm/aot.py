@@ -342,7 +342,9 @@ def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
   import optax
   from flax import nnx
   cfg = dict(SIZES[size])
-  batch_size = cfg.pop("batch") if batch is None else int(batch)
+  batch_size = cfg.pop("batch")
+  if batch is not None:
+    batch_size = int(batch)
   model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
                                                     rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)
