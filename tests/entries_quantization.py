@@ -8,6 +8,8 @@ themselves are the jax random numbers of the documented key derivation
 (``fold_in(step_key, device)``).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -783,4 +785,82 @@ registry.register(registry.Entry(
   kwargs={"momentum": 0.0},
   extra_mass=_onebit_extra_mass,
   bad_args=_DIST_EF_BAD,
+))
+
+
+# ------------------------------------------- quantized compressive sampling
+
+def _sylvester(b):
+  h = np.ones((1, 1))
+  while h.shape[0] < b:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
+def _qcs_ref(ratio, block, levels):
+  """Abdi, Fekri 2020: the compressed leaves (flattened, concatenated in
+  bucket order, zero-padded) as a ``[B, c]`` grid whose columns are
+  blocks; per step, from the step's key ``k = fold_in(key, first leaf)``:
+  signs ``D`` (-1 where ``uniform(fold_in(k, 0), (B, c)) < 1/2``), rows
+  ``R`` (the ``m`` largest of ``uniform(fold_in(k, 1), (B,))``,
+  descending). Device ``i`` measures ``y_i = R H (D x_i) / sqrt(B)`` (``H``
+  built by Sylvester's construction), rounds ``s |y_i| / S`` (``S`` the
+  largest ``|y|`` over devices) up with probability its fraction (uniforms
+  ``fold_in(fold_in(k, 2), i)`` over ``[m, c]``), and the update is ``D
+  H^T R^T (sum_i q_i) S / s / sqrt(B) / n``."""
+  def step(xs, state, t, key, n):
+    sizes = [x.size for x in xs[0]]
+    size = sum(sizes)
+    c = -(-size // block)
+    m = max(1, min(block, math.ceil(ratio * block - 1e-9)))
+    k = jax.random.fold_in(key, 0)
+    signs = np.where(np.asarray(jax.random.uniform(
+      jax.random.fold_in(k, 0), (block, c))) < 0.5, -1.0, 1.0)
+    rows = np.argsort(-np.asarray(jax.random.uniform(
+      jax.random.fold_in(k, 1), (block,))), kind="stable")[:m]
+    p = _sylvester(block)[rows] / np.sqrt(block)             # [m, B]
+    grids = [np.pad(np.concatenate([np.ravel(x) for x in dev]),
+                    (0, block * c - size)).reshape(block, c) for dev in xs]
+    ys = [p @ (signs * g) for g in grids]
+    scale = max(np.abs(y).max() for y in ys)
+    qs = []
+    for i, y in enumerate(ys):
+      u = np.asarray(jax.random.uniform(
+        jax.random.fold_in(jax.random.fold_in(k, 2), i), (m, c)),
+        np.float64)
+      r = np.abs(y) / scale * levels if scale > 0 else np.zeros_like(y)
+      lev = np.minimum(np.floor(r) + (u < r - np.floor(r)), levels)
+      qs.append(np.where(y < 0, -1.0, 1.0) * lev * scale / levels)
+
+    def back(z):
+      return (signs * (p.T @ z)).reshape(-1)[:size]
+
+    def split(flat):
+      out, off = [], 0
+      for x in xs[0]:
+        out.append(flat[off:off + x.size].reshape(x.shape))
+        off += x.size
+      return out
+
+    mean = back(sum(qs) / n)
+    return split(mean), [split(back(q)) for q in qs], state
+  return step
+
+
+_QCS_BAD = [({"ratio": 0.0}, "ratio"), ({"ratio": 1.5}, "ratio"),
+            ({"ratio": float("nan")}, "ratio"),
+            ({"block": 100}, "block"), ({"block": 1}, "block"),
+            ({"block": 2.5}, "block"),
+            ({"levels": 0}, "levels"), ({"levels": 40000}, "levels"),
+            ({"error_feedback": "yes"}, "error_feedback")]
+
+registry.register(registry.Entry(
+  # 66 blocks of 64, 32 measurements each, 3 levels (3-bit codes).
+  name="qcs",
+  ref_init=lambda shapes: None,
+  ref_step=_qcs_ref(0.5, 64, 3),
+  factory=jaxcomm.qcs,
+  kwargs={"ratio": 0.5, "block": 64, "levels": 3},
+  stochastic=True,
+  bad_args=_QCS_BAD,
 ))

@@ -27,6 +27,7 @@ from jaxcomm.transforms import _mx
 from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
 from jaxcomm.transforms import _powersgd
+from jaxcomm.transforms import _qcs
 from jaxcomm.transforms import _quantization
 from jaxcomm.transforms import _scalecom
 from jaxcomm.transforms import _sidco
@@ -57,6 +58,7 @@ from jaxcomm.transforms._mx import *
 from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
 from jaxcomm.transforms._powersgd import *
+from jaxcomm.transforms._qcs import *
 from jaxcomm.transforms._quantization import *
 from jaxcomm.transforms._scalecom import *
 from jaxcomm.transforms._sidco import *
@@ -89,6 +91,7 @@ __all__ += _mx.__all__
 __all__ += _natural.__all__
 __all__ += _optimizers.__all__
 __all__ += _powersgd.__all__
+__all__ += _qcs.__all__
 __all__ += _quantization.__all__
 __all__ += _scalecom.__all__
 __all__ += _sidco.__all__
