@@ -189,3 +189,68 @@ registry.register(registry.Entry(
   stochastic=True, rtol=1e-3, atol=1e-2,
   bad_args=[({"budget": 0}, "budget"), ({"budget": 2.5}, "budget"),
             ({"budget": True}, "budget"), ({"budget": None}, "budget")]))
+
+
+# ------------------------------------------------------------ GradiVeQ ----
+
+def _gradiveq_ref(dim, rank, refresh):
+  """Yu et al. 2018: the compressed leaves (flattened, concatenated in
+  bucket order, zero-padded) as slices of ``dim`` consecutive elements.
+  A refresh step (``t % refresh == 0``, or no basis yet) averages the
+  devices' gradients exactly and takes as the new basis the top ``rank``
+  right singular vectors of the averaged slices (numpy's SVD: their
+  principal directions, uncentred); otherwise device ``i`` sends ``c_i =
+  U^T v`` for each slice ``v``, the sum of the ``c_i`` is decompressed by
+  ``U`` and divided by ``n``, and device ``i``'s share is ``U c_i``."""
+  def ref_init(shapes):
+    del shapes
+    return None
+
+  def ref_step(xs, state, t, key, n):
+    del key
+    sizes = [x.size for x in xs[0]]
+    size = sum(sizes)
+    s = -(-size // dim)
+    grids = [np.pad(np.concatenate([np.ravel(x) for x in dev]),
+                    (0, s * dim - size)).reshape(s, dim) for dev in xs]
+    if state is None or t % refresh == 0:
+      mean = sum(grids) / n
+      sent = grids
+      _, _, vt = np.linalg.svd(mean, full_matrices=False)
+      state = vt[:rank].T                                  # [d, k]
+    else:
+      u = state
+      coeffs = [g @ u for g in grids]                      # [S, k]
+      mean = sum(coeffs) @ u.T / n
+      sent = [c @ u.T for c in coeffs]
+
+    def split(flat):
+      flat, out, off = flat.reshape(-1), [], 0
+      for x in xs[0]:
+        out.append(flat[off:off + x.size].reshape(x.shape))
+        off += x.size
+      return out
+
+    return split(mean), [split(v) for v in sent], state
+
+  return ref_init, ref_step
+
+
+_GRADIVEQ_BAD = [({"dim": 0}, "dim"), ({"dim": 2.5}, "dim"),
+                 ({"rank": 0}, "rank"), ({"rank": 129}, "rank"),
+                 ({"refresh": 0}, "refresh"), ({"refresh": 1.5}, "refresh"),
+                 ({"error_feedback": "yes"}, "error_feedback")]
+
+
+def _gradiveq_entry(name, kwargs, ef=True):
+  ref_init, ref_step = _gradiveq_ref(kwargs["dim"], kwargs["rank"],
+                                     kwargs["refresh"])
+  return registry.register(registry.Entry(
+    name=name, ref_init=ref_init, ref_step=ref_step,
+    factory=jaxcomm.gradiveq, kwargs=kwargs, error_feedback=ef,
+    bad_args=_GRADIVEQ_BAD, rtol=1e-3, atol=1e-4))
+
+
+# 33 slices of 128 onto 8 directions, the basis refreshed every 2 steps
+# (dense at steps 0, 2, 4; projected at 1, 3).
+_gradiveq_entry("gradiveq", {"dim": 128, "rank": 8, "refresh": 2})

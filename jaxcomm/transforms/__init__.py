@@ -17,6 +17,7 @@ from jaxcomm.transforms import _ecq
 from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gmc
 from jaxcomm.transforms import _gossip
+from jaxcomm.transforms import _gradiveq
 from jaxcomm.transforms import _ibcd
 from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
@@ -48,6 +49,7 @@ from jaxcomm.transforms._ecq import *
 from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gmc import *
 from jaxcomm.transforms._gossip import *
+from jaxcomm.transforms._gradiveq import *
 from jaxcomm.transforms._ibcd import *
 from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
@@ -82,6 +84,7 @@ __all__ += _global_topk.__all__
 __all__ += _gmc.__all__
 __all__ += _lag.__all__
 __all__ += _gossip.__all__
+__all__ += _gradiveq.__all__
 __all__ += _ibcd.__all__
 __all__ += _integer.__all__
 __all__ += _local.__all__
