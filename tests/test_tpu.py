@@ -326,3 +326,17 @@ def test_backward_after_first_send_reads_the_schedule():
   assert aot.backward_after_first_send(text) == pytest.approx(0.3)
   assert aot.backward_after_first_send(text.replace(" send(", " copy(")
                                        ) is None
+
+
+def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
+  """``python -m jaxcomm.aot`` on the MLP: the plain step's and bf16's
+  figures; bf16 crosses half the plain step's bytes (the all-to-all's
+  own chunk does not cross; 2 slices)."""
+  assert aot.main(["--topology", "v5e:2x2", "--slices", "2", "--model",
+                   "mlp", "--size", "256", "--compressor",
+                   "cast:dtype=bfloat16"]) == 0
+  out = capsys.readouterr().out
+  assert "plain jit step:" in out and "cast (state" in out, out
+  assert "(0.50x) in 3 sends" in out, out
+  with pytest.raises(SystemExit):
+    aot.main(["--model", "mlp", "--size", "wide"])
