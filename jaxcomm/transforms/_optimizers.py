@@ -436,26 +436,36 @@ def onebit_adam(
       return finish(flat, updates, state, params, ph.count, ph.mu, nu,
                     nu_count, bad, ph.exchange)
 
-    if freeze_step > 0:
-      return compressed_step(None)
-
     # freeze_step=0 on a variance never updated (a fresh state): one dense
     # Adam step instead of lr / eps steps on a zero variance.
-    want = jax.eval_shape(compressed_step, None)
-
-    def dense_step(_):
+    def dense_step():
       _, mu, nu, nu_count, bad, exchange = _dense_adam_step(
         flat, updates, state, b1, b2, axis_name)
-      out = finish(flat, updates, state, params, state.exchange.count, mu,
-                   nu, nu_count, bad, exchange)
-      return jax.tree.map(_vma.match_varying, out, want)
+      return finish(flat, updates, state, params, state.exchange.count, mu,
+                    nu, nu_count, bad, exchange)
 
-    return jax.lax.cond(state.nu_count == 0, dense_step, compressed_step,
-                        None)
+    return _dense_while_fresh(freeze_step, state.nu_count, dense_step,
+                              compressed_step)
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, spec), update_fn)
 
+
+
+def _dense_while_fresh(freeze_step: int, nu_count, dense_step,
+                       compressed_step):
+  """The step of 1-bit Adam / 1-bit LAMB: ``compressed_step(None)``; with
+  ``freeze_step=0``, ``dense_step()`` instead while the variance was never
+  updated (``nu_count == 0``: a fresh state), its outputs typed like the
+  compressed step's (one ``lax.cond``)."""
+  if freeze_step > 0:
+    return compressed_step(None)
+  want = jax.eval_shape(compressed_step, None)
+
+  def dense(_):
+    return jax.tree.map(_vma.match_varying, dense_step(), want)
+
+  return jax.lax.cond(nu_count == 0, dense, compressed_step, None)
 
 @_registry.method(
     family="optimizer",
@@ -621,23 +631,18 @@ def onebit_lamb(
       return lamb_step(_momentum_exchange(ex, flat, freeze_step, b1,
                                           updates, state, params))
 
-    if freeze_step > 0:
-      return compressed_step(None)
-
     # freeze_step=0 on a variance never updated (a fresh state): one dense
     # LAMB step, as the warm-up takes it, instead of lr / eps steps on a
     # zero variance (the frozen trust ratio is init's 1).
-    want = jax.eval_shape(compressed_step, None)
-
-    def dense_step(_):
+    def dense_step():
       gbar, mu, _, _, bad, exchange = _dense_adam_step(
         flat, updates, state, b1, b2, axis_name)
-      ph = _Phase(count=state.exchange.count, warm=jnp.ones([], bool),
-                  gbar=gbar, mu=mu, bad=bad, exchange=exchange)
-      return jax.tree.map(_vma.match_varying, lamb_step(ph), want)
+      return lamb_step(_Phase(count=state.exchange.count,
+                              warm=jnp.ones([], bool), gbar=gbar, mu=mu,
+                              bad=bad, exchange=exchange))
 
-    return jax.lax.cond(state.nu_count == 0, dense_step, compressed_step,
-                        None)
+    return _dense_while_fresh(freeze_step, state.nu_count, dense_step,
+                              compressed_step)
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, spec), update_fn)
