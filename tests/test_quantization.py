@@ -686,3 +686,29 @@ def test_ef21_with_exchange_none_takes_the_exact_exchange():
   assert jaxcomm.spec_of(tx).codec.mean_of_sent
   with pytest.raises(ValueError, match="error_feedback='ef21'"):
     jaxcomm.int8(error_feedback="ef21", exchange="requantized")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16, 32])
+def test_pack_fields_against_numpy_and_back(bits):
+  """``collectives.pack_fields``: word ``i`` of ``q`` holds code ``j q + i``
+  in bits ``[j bits, (j + 1) bits)`` (numpy's arithmetic), rows packed
+  independently; ``unpack_fields`` inverts it; a bad width or length is
+  named."""
+  from jaxcomm import collectives
+  per = 32 // bits
+  rng = np.random.default_rng(bits)
+  u = rng.integers(0, 2 ** bits, size=(3, 4 * per), dtype=np.uint64)
+  q = u.shape[1] // per
+  want = np.zeros((3, q), np.uint64)
+  for j in range(per):
+    want |= u[:, j * q:(j + 1) * q] << np.uint64(j * bits)
+  got = jax.jit(lambda a: collectives.pack_fields(a, bits))(
+    jnp.asarray(u.astype(np.uint32)))
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.uint32))
+  back = collectives.unpack_fields(got, bits, u.shape[1] - 1)
+  np.testing.assert_array_equal(np.asarray(back), u[:, :-1])
+  with pytest.raises(ValueError, match="bits must divide 32"):
+    collectives.pack_fields(jnp.zeros((8,), jnp.uint32), 3)
+  if per > 1:
+    with pytest.raises(ValueError, match="multiple of"):
+      collectives.pack_fields(jnp.zeros((per + 1,), jnp.uint32), bits)

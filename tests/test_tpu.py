@@ -340,3 +340,32 @@ def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
   assert "(0.50x) in 3 sends" in out, out
   with pytest.raises(SystemExit):
     aot.main(["--model", "mlp", "--size", "wide"])
+
+
+def test_tpu_psum_and_gather_paths_compute_on_cpu(mesh, monkeypatch):
+  """The collectives' TPU-only paths (psum as rows of 128 ending in a tail
+  of zeros, all-gathers padded to 128 lanes) run here on 8 CPU devices
+  with the platform read as TPU, and give numpy's sums and gathers, for
+  shapes that are and are not whole tiles, tiled and stacked."""
+  from jaxcomm.collectives import _core
+  from jaxcomm.kernels import _dispatch
+  monkeypatch.setattr(_dispatch, "platform", lambda: "tpu")
+  rng = np.random.default_rng(0)
+  for shape in [(8, 1024), (8, 3, 37), (8, 4, 50), (8, 5), (8, 129)]:
+    x = rng.normal(size=shape).astype(np.float32)
+
+    def body(v):
+      v = v[0]
+      return (_core.psum(v, "data")[None],
+              _core.all_gather(v, "data", tiled=True)[None],
+              _core.all_gather(v, "data", axis=v.ndim - 1)[None])
+
+    s, tiled, stacked = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=P("data"),
+      out_specs=(P("data"), P("data"), P("data"))))(x)
+    np.testing.assert_allclose(np.asarray(s)[0], x.sum(0), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(tiled)[0],
+                                  np.concatenate(list(x), axis=0))
+    np.testing.assert_array_equal(np.asarray(stacked)[0],
+                                  np.stack(list(x), axis=x.ndim - 2))
