@@ -23,6 +23,7 @@ from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
 from jaxcomm.transforms import _local
 from jaxcomm.transforms import _local_engine
+from jaxcomm.transforms import _lupa
 from jaxcomm.transforms import _mgs
 from jaxcomm.transforms import _mx
 from jaxcomm.transforms import _natural
@@ -55,6 +56,7 @@ from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
 from jaxcomm.transforms._local import *
 from jaxcomm.transforms._local_engine import *
+from jaxcomm.transforms._lupa import *
 from jaxcomm.transforms._mgs import *
 from jaxcomm.transforms._mx import *
 from jaxcomm.transforms._natural import *
@@ -89,6 +91,7 @@ __all__ += _ibcd.__all__
 __all__ += _integer.__all__
 __all__ += _local.__all__
 __all__ += _local_engine.__all__
+__all__ += _lupa.__all__
 __all__ += _mgs.__all__
 __all__ += _mx.__all__
 __all__ += _natural.__all__

@@ -260,7 +260,8 @@ class LocalSpec:
 def _local_engine(inner, *, method: str, axis_name, period: int,
                   start_step: int = 0, fragments: int = 1,
                   sync_fns=None, init_extra=None, schedule_fn=None,
-                  merge=None, spec: LocalSpec):
+                  merge=None, spec: LocalSpec, correct=None,
+                  levels: int = 1):
   """The shared machinery; see the module docstring.
 
   Args:
@@ -273,6 +274,11 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
       extra_scalar or None)``; None: the fixed period schedule.
     merge: ``(count, x_leaves, anchor_leaves) -> (x_leaves, synced)`` run
       after the switch (Streaming DiLoCo's delayed merge); None: replace.
+    correct: ``(updates, state) -> updates`` applied to the gradient before
+      the local step (FedCOMGATE's tracking correction); None: as given.
+    levels: with ``fragments == 1``, the number of sync branches, each on
+      every leaf (``sync_fns[k]`` and ``do[k]``: hierarchical averaging's
+      group and global syncs); 1: one branch per fragment.
   """
   inner = optax.with_extra_args_support(inner)
   offsets = spec.offsets()
@@ -299,6 +305,8 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
     treedef = jax.tree.structure(params)
     p_leaves = jax.tree.leaves(params)
     # The local step: each device on its own gradient, nothing sent.
+    if correct is not None:
+      updates = correct(updates, state)
     u, inner_new = inner.update(updates, state.inner, params, **extra_args)
     x = jax.tree.leaves(optax.apply_updates(params, u))
     ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(x)
@@ -317,11 +325,15 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
       do, schedule = schedule_fn(count, state, value, ok)
     groups = fragment_leaves(params, fragments)
     anchor = jax.tree.leaves(state.anchor)
+    frag_of = {j: f for f, g in enumerate(groups) for j in g}
+    if levels > 1:   # every branch on every leaf
+      groups = [list(range(len(x)))] * levels
+    nb = len(groups)
 
     # Which branch: fragment f syncs (the first that does; offsets are
     # distinct modulo the period), or none (index F, no collective).
-    index = jnp.int32(fragments)
-    for f in reversed(range(fragments)):
+    index = jnp.int32(nb)
+    for f in reversed(range(nb)):
       index = jnp.where(do[f], f, index)
 
     def run_fragment(f):
@@ -340,11 +352,10 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
     def no_sync(op):
       return op
 
-    branches = [run_fragment(f) for f in range(fragments)] + [no_sync]
+    branches = [run_fragment(f) for f in range(nb)] + [no_sync]
     x, anchor, outer, comp, schedule = switch(
       index, branches, (x, anchor, state.outer, state.compress, schedule))
 
-    frag_of = {j: f for f, g in enumerate(groups) for j in g}
     if merge is not None:
       x, synced_l = merge(count, x, anchor, frag_of)
     else:
