@@ -94,12 +94,98 @@ def test_lupa_increment_follows_the_paper():
   assert jaxcomm.lupa_increment(4, 1000, 10) == round(2 * 1000 / 110)
 
 
+# ------------------------------------------------------ FedCOM(GATE) --
+
+def _np_topk(v, ratio):
+  """k = max(1, ceil(ratio size)) largest magnitudes kept, the rest 0."""
+  flat = v.ravel()
+  k = max(1, int(np.ceil(ratio * flat.size)))
+  keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+  out = np.zeros_like(flat)
+  out[keep] = flat[keep]
+  return out.reshape(v.shape)
+
+
+def np_fedcom(steps, eta, tau, gamma, gate, ratio=None):
+  """Algorithms 1 and 2 of Haddadpour et al. 2021 on 8 workers: tau SGD
+  steps on ``g`` (FedCOM) or ``g - delta_j`` (FedCOMGATE); ``Q_j`` the
+  top-k of ``(x - x_j) / eta`` on ``w`` (``b`` is too small for the
+  compressor's policy and is averaged exactly); ``x -= eta gamma mean Q_j``;
+  ``delta_j += (Q_j - Q) / tau``."""
+  batches = L.make_batches(steps)
+  x = L.np_params()
+  xs = [{k: v.copy() for k, v in x.items()} for _ in range(N)]
+  delta = [{k: np.zeros_like(v) for k, v in x.items()} for _ in range(N)]
+  out, deltas = [], []
+  for step, batch in enumerate(batches):
+    for i, g in enumerate(_grads(xs, batch)):
+      for k in g:
+        d = g[k] - delta[i][k] if gate else g[k]
+        xs[i][k] = xs[i][k] - eta * d
+    if (step + 1) % tau == 0:
+      qj = []
+      for xi in xs:
+        m = {k: (x[k] - xi[k]) / eta for k in x}
+        if ratio is not None:
+          m["w"] = _np_topk(m["w"], ratio)
+        qj.append(m)
+      q = _mean(qj)
+      x = {k: x[k] - eta * gamma * q[k] for k in x}
+      if gate:
+        for i in range(N):
+          for k in x:
+            delta[i][k] = delta[i][k] + (qj[i][k] - q[k]) / tau
+      xs = [{k: v.copy() for k, v in x.items()} for _ in range(N)]
+    out.append(_stack(xs))
+    deltas.append(_stack(delta))
+  return out, deltas
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("ratio", [None, 0.1])
+def test_fedcom_matches_numpy(gate, ratio):
+  steps, eta, tau, gamma = 9, 0.05, 3, 1.5
+  make = jaxcomm.fedcomgate if gate else jaxcomm.fedcom
+  comp = jaxcomm.topk(ratio) if ratio is not None else None
+  tx = make(eta, tau, server_lr=gamma, compressor=comp)
+  _, _, _, hist = L.run(tx, steps)
+  ref, deltas = np_fedcom(steps, eta, tau, gamma, gate, ratio)
+  for t, (p, st, _) in enumerate(hist):
+    L.close(p, ref[t], rtol=1e-4, atol=2e-5)
+    assert L.agree(p) == ((t + 1) % tau == 0), t
+    if gate:
+      got = jax.tree.map(L.rows, st.schedule.tracking)
+      L.close(got, deltas[t], rtol=1e-3, atol=2e-4)
+      for k in got:   # the tracking terms average to 0
+        np.testing.assert_allclose(got[k].mean(0), 0, atol=1e-5)
+
+
+def test_fedcom_without_compressor_is_local_sgd():
+  steps, tau = 6, 3
+  _, _, _, a = L.run(jaxcomm.fedcom(0.05, tau), steps)
+  _, _, _, b = L.run(jaxcomm.local_sgd(optax.sgd(0.05), tau), steps)
+  for (pa, _, _), (pb, _, _) in zip(a, b):
+    L.close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_fedcom_wire_follows_the_compressor():
+  params = L.params()
+  tx = jaxcomm.fedcom(0.05, 3, compressor=jaxcomm.topk(0.1))
+  spec = jaxcomm.spec_of(jaxcomm.topk(0.1))
+  assert wire.claimed(tx, params, N, step=2) == list(
+    spec.wire([params["b"], params["w"]], N, 0))
+  assert wire.claimed(tx, params, N, step=0) == []
+
 # ------------------------------------------------------ compiled step --
 
 def _methods():
   sgd = optax.sgd(0.05)
   return {
     "lupa_sgd": jaxcomm.lupa_sgd(sgd, 2, increment=2),
+    "fedcom": jaxcomm.fedcom(0.05, 3),
+    "fedcom_topk": jaxcomm.fedcom(0.05, 3, compressor=jaxcomm.topk(0.1)),
+    "fedcomgate_qsgd": jaxcomm.fedcomgate(
+      0.05, 3, compressor=jaxcomm.qsgd(4, error_feedback=True)),
   }
 
 
@@ -123,7 +209,57 @@ def test_no_collective_outside_the_sync_branch(name):
   (lambda: jaxcomm.lupa_sgd(optax.sgd(0.1), 4, max_period=2),
    "max_period"),
   (lambda: jaxcomm.lupa_sgd("sgd", 2), "inner"),
+  (lambda: jaxcomm.fedcom(0.0, 2), "learning_rate"),
+  (lambda: jaxcomm.fedcom(0.1, 0), "period"),
+  (lambda: jaxcomm.fedcom(0.1, 2, server_lr=-1.0), "server_lr"),
+  (lambda: jaxcomm.fedcom(0.1, 2, compressor=optax.sgd(1.0)),
+   "compressor"),
+  (lambda: jaxcomm.fedcom(0.1, 2, compressor=jaxcomm.topk(
+    0.1, axis_name="x")), "axis_name"),
+  (lambda: jaxcomm.fedcomgate(0.1, 2, compressor=jaxcomm.topk(
+    0.1, error_feedback=False)), "error_feedback"),
 ])
 def test_bad_arguments_are_named(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+# ------------------------------------------------------- the data split --
+
+def test_dirichlet_split_partitions_and_is_seeded():
+  labels = np.repeat(np.arange(10), 50)
+  a = partition.dirichlet_split(labels, 8, 0.1, seed=3)
+  b = partition.dirichlet_split(labels, 8, 0.1, seed=3)
+  c = partition.dirichlet_split(labels, 8, 0.1, seed=4)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+  allidx = np.sort(np.concatenate(a))
+  np.testing.assert_array_equal(allidx, np.arange(len(labels)))
+  assert min(len(s) for s in a) >= 1
+
+
+def test_dirichlet_alpha_sets_the_skew():
+  """Small alpha: each shard dominated by few classes; large alpha: close
+  to the global mix (mean total-variation distance to uniform)."""
+  labels = np.repeat(np.arange(10), 200)
+  def skew(alpha):
+    shards = partition.dirichlet_split(labels, 8, alpha, seed=0)
+    counts = partition.label_counts(labels, shards, 10)
+    mix = counts / counts.sum(1, keepdims=True)
+    return float(np.mean(0.5 * np.abs(mix - 0.1).sum(1)))
+  assert skew(0.1) > 0.5 > 0.1 > skew(100.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  ({"num_devices": 0}, "num_devices"),
+  ({"alpha": 0.0}, "alpha"),
+  ({"alpha": float("nan")}, "alpha"),
+  ({"seed": 1.5}, "seed"),
+  ({"min_size": 1000}, "min_size"),
+])
+def test_dirichlet_bad_arguments_are_named(kwargs, match):
+  args = {"labels": np.arange(20) % 4, "num_devices": 4, "alpha": 1.0,
+          "seed": 0}
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    partition.dirichlet_split(**args)

@@ -8,12 +8,14 @@ in either), and methods are described in ``jaxcomm.registry``.
 # pylint: disable=wildcard-import
 from jaxcomm.transforms import _adacomp
 from jaxcomm.transforms import _atomo
+from jaxcomm.transforms import _dcd
 from jaxcomm.transforms import _demo
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
 from jaxcomm.transforms import _diloco
 from jaxcomm.transforms import _dist_ef_sgdm
 from jaxcomm.transforms import _ecq
+from jaxcomm.transforms import _fedcom
 from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gmc
 from jaxcomm.transforms import _gossip
@@ -41,12 +43,14 @@ from jaxcomm.transforms import _ternary
 from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._adacomp import *
 from jaxcomm.transforms._atomo import *
+from jaxcomm.transforms._dcd import *
 from jaxcomm.transforms._demo import *
 from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
 from jaxcomm.transforms._diloco import *
 from jaxcomm.transforms._dist_ef_sgdm import *
 from jaxcomm.transforms._ecq import *
+from jaxcomm.transforms._fedcom import *
 from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gmc import *
 from jaxcomm.transforms._gossip import *
@@ -76,9 +80,11 @@ from jaxcomm.transforms._zero_one_adam import *
 __all__ = []
 __all__ += _adacomp.__all__
 __all__ += _atomo.__all__
+__all__ += _dcd.__all__
 __all__ += _demo.__all__
 __all__ += _dense.__all__
 __all__ += _ecq.__all__
+__all__ += _fedcom.__all__
 __all__ += _dgc.__all__
 __all__ += _diloco.__all__
 __all__ += _dist_ef_sgdm.__all__
