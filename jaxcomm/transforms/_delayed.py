@@ -47,6 +47,29 @@ def _exchange_of(exchange, who: str):
   return optax.with_extra_args_support(exchange), spec
 
 
+def _floating(leaf) -> bool:
+  return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def _buffers(params, slots: int) -> list:
+  """Zeros ``[slots, *shape]`` for each floating leaf of ``params`` (tree
+  order); other leaves (integer steps, masks) are never delayed."""
+  return [jnp.zeros((slots,) + jnp.shape(p), jnp.result_type(p))
+          for p in jax.tree.leaves(params) if _floating(p)]
+
+
+def _replace_floating(tree, new: list):
+  """``tree`` with its floating leaves replaced by ``new`` (tree order)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  it = iter(new)
+  return treedef.unflatten([next(it).astype(x.dtype) if _floating(x) else x
+                            for x in leaves])
+
+
+def _floating_leaves(tree) -> list:
+  return [x for x in jax.tree.leaves(tree) if _floating(x)]
+
+
 # ------------------------------------------------------------ Pipe-SGD ----
 
 
@@ -55,9 +78,10 @@ class PipeSGDState(NamedTuple):
 
   Attributes:
     count: steps taken (int32).
-    pending: the averaged gradients in flight, oldest first: each leaf
-      ``[width - 1, *shape]`` in the gradient's dtype, the same on every
-      device. ``pending[0]`` is what the next step applies.
+    pending: the averaged gradients in flight, one array per floating
+      leaf (tree order), ``[width - 1, *shape]`` in the leaf's dtype, the
+      same on every device, oldest first: ``[:, 0]`` is what the next step
+      applies. Non-floating leaves pass through undelayed.
     inner: the exchange's state (its error feedback, if any).
   """
 
@@ -121,10 +145,7 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
   exchange, spec = _exchange_of(exchange, "pipe_sgd")
 
   def init_fn(params):
-    pending = jax.tree.map(
-      lambda p: jnp.zeros((width - 1,) + jnp.shape(p), jnp.result_type(p)),
-      params)
-    return PipeSGDState(jnp.zeros([], jnp.int32), pending,
+    return PipeSGDState(jnp.zeros([], jnp.int32), _buffers(params, width - 1),
                         exchange.init(params))
 
   def update_fn(updates, state, params=None, **extra):
@@ -132,10 +153,9 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
       raise ValueError("pipe_sgd: state must be the PipeSGDState its init "
                        f"returned, got {type(state).__name__}")
     mean, inner = exchange.update(updates, state.inner, params, **extra)
-    applied = jax.tree.map(lambda q: q[0], state.pending)
-    pending = jax.tree.map(
-      lambda q, m: jnp.concatenate([q[1:], m[None].astype(q.dtype)]),
-      state.pending, mean)
+    applied = _replace_floating(mean, [q[0] for q in state.pending])
+    pending = [jnp.concatenate([q[1:], m[None].astype(q.dtype)])
+               for q, m in zip(state.pending, _floating_leaves(mean))]
     return applied, PipeSGDState(state.count + 1, pending, inner)
 
   return optax.GradientTransformationExtraArgs(
@@ -151,8 +171,9 @@ class StaleState(NamedTuple):
   Attributes:
     count: steps taken (int32), the same on every device.
     history: this device's last ``tau_max + 1`` local gradients, a ring
-      buffer per leaf ``[tau_max + 1, *shape]``: the gradient of step
-      ``s`` is in slot ``s mod (tau_max + 1)`` (per device).
+      buffer per floating leaf (tree order) ``[tau_max + 1, *shape]``: the
+      gradient of step ``s`` is in slot ``s mod (tau_max + 1)`` (per
+      device). Non-floating leaves pass through undelayed.
     inner: the exchange's state.
   """
 
@@ -262,10 +283,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
   slots = tau_max + 1
 
   def init_fn(params):
-    history = jax.tree.map(
-      lambda p: jnp.zeros((slots,) + jnp.shape(p), jnp.result_type(p)),
-      params)
-    return StaleState(jnp.zeros([], jnp.int32), history,
+    return StaleState(jnp.zeros([], jnp.int32), _buffers(params, slots),
                       exchange.init(params))
 
   def update_fn(updates, state, params=None, **extra):
@@ -277,12 +295,12 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
     mine = staleness(taus, tau_max, t, n, seed)[_core.axis_index(axis)]
     write = jnp.mod(t, slots)
     read = jnp.mod(t - mine, slots)
-    history = jax.tree.map(
-      lambda h, g: jax.lax.dynamic_update_index_in_dim(
-        h, g.astype(h.dtype), write, 0), state.history, updates)
-    old = jax.tree.map(
-      lambda h: jax.lax.dynamic_index_in_dim(h, read, 0, keepdims=False),
-      history)
+    history = [jax.lax.dynamic_update_index_in_dim(
+      h, g.astype(h.dtype), write, 0)
+               for h, g in zip(state.history, _floating_leaves(updates))]
+    old = _replace_floating(updates, [
+      jax.lax.dynamic_index_in_dim(h, read, 0, keepdims=False)
+      for h in history])
     mean, inner = exchange.update(old, state.inner, params, **extra)
     return mean, StaleState(t + 1, history, inner)
 
