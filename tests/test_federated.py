@@ -176,6 +176,97 @@ def test_fedcom_wire_follows_the_compressor():
     spec.wire([params["b"], params["w"]], N, 0))
   assert wire.claimed(tx, params, N, step=0) == []
 
+# --------------------------------------------------------- hierarchical --
+
+AXES = ("dcn", "ici")
+GROUPS, PER = 2, 4
+
+
+def _pod_run(tx, steps):
+  mesh = parallel.make_pod_mesh(GROUPS)
+  dp = parallel.DataParallel(L.loss_fn, tx, mesh, axis_name=AXES,
+                             donate=False)
+  p, s = dp.init(L.params())
+  hist = []
+  for batch in L.make_batches(steps):
+    p, s, _ = dp.step(p, s, batch)
+    jax.block_until_ready(p)
+    hist.append((jax.tree.map(L.rows, p), s))
+  return dp, p, s, hist
+
+
+def np_hierarchical(steps, lr, period, global_period, ratio=None):
+  """Workers 4g..4g+3 form group g. SGD per worker; every ``period`` steps
+  a group's workers take its average; every ``global_period`` steps the
+  group averages' deltas ``theta - x_g`` (top-k of ``w`` with error
+  accumulation per group when ``ratio``) are averaged over groups,
+  ``theta -= mean``, and every worker restarts from theta."""
+  batches = L.make_batches(steps)
+  theta = L.np_params()
+  xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
+  err = [np.zeros_like(theta["w"]) for _ in range(GROUPS)]
+  out = []
+  for step, batch in enumerate(batches):
+    for x, g in zip(xs, _grads(xs, batch)):
+      for k in g:
+        x[k] = x[k] - lr * g[k]
+    c = step + 1
+    if c % period == 0 or c % global_period == 0:
+      for g in range(GROUPS):
+        avg = _mean(xs[g * PER:(g + 1) * PER])
+        for i in range(g * PER, (g + 1) * PER):
+          xs[i] = {k: v.copy() for k, v in avg.items()}
+    if c % global_period == 0:
+      deltas = []
+      for g in range(GROUPS):
+        d = {k: theta[k] - xs[g * PER][k] for k in theta}
+        if ratio is not None:
+          v = d["w"] + err[g]
+          d["w"] = _np_topk(v, ratio)
+          err[g] = v - d["w"]
+        deltas.append(d)
+      m = _mean(deltas)
+      theta = {k: theta[k] - m[k] for k in theta}
+      xs = [{k: v.copy() for k, v in theta.items()} for _ in range(N)]
+    out.append(_stack(xs))
+  return out
+
+
+@pytest.mark.parametrize("ratio", [None, 0.1])
+def test_hierarchical_matches_numpy(ratio):
+  steps, period, gp = 8, 2, 4
+  comp = (jaxcomm.topk(ratio, axis_name="dcn") if ratio is not None
+          else None)
+  tx = jaxcomm.hierarchical_sgd(optax.sgd(0.05), period, gp,
+                                compressor=comp, axis_name=AXES)
+  _, _, _, hist = _pod_run(tx, steps)
+  ref = np_hierarchical(steps, 0.05, period, gp, ratio)
+  for t, (p, _) in enumerate(hist):
+    L.close(p, ref[t], rtol=1e-4, atol=1e-5)
+    assert L.agree(p) == ((t + 1) % gp == 0), t
+
+
+def test_hierarchical_compiled_step_and_wire():
+  """Collectives only inside the branches; the group branch's all-reduce
+  and the global branch's (group all-reduce, then the compressor's
+  exchange across the 2 groups) are what the spec claims."""
+  params = L.params()
+  for comp in (None, jaxcomm.topk(0.1, axis_name="dcn")):
+    tx = jaxcomm.hierarchical_sgd(optax.sgd(0.05), 2, 4, compressor=comp,
+                                  axis_name=AXES)
+    mesh = parallel.make_pod_mesh(GROUPS)
+    dp = parallel.DataParallel(L.loss_fn, tx, mesh, axis_name=AXES,
+                               donate=False)
+    p, s = dp.init(params)
+    compiled = dp.lower(p, s, dp.shard_batch(L.make_batches(1)[0])
+                        ).compile()
+    assert wire.collectives(compiled, outside_branches=True) == []
+    got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
+    assert got == sorted(wire.claimed(tx, params, GROUPS)), got
+    assert wire.claimed(tx, params, GROUPS, step=0) == []
+    assert wire.claimed(tx, params, GROUPS, step=1) == [
+      ("all-reduce", 4 * 400)]
+
 # ------------------------------------------------------ compiled step --
 
 def _methods():
@@ -209,6 +300,13 @@ def test_no_collective_outside_the_sync_branch(name):
   (lambda: jaxcomm.lupa_sgd(optax.sgd(0.1), 4, max_period=2),
    "max_period"),
   (lambda: jaxcomm.lupa_sgd("sgd", 2), "inner"),
+  (lambda: jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 3),
+   "global_period"),
+  (lambda: jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 4,
+                                    axis_name="data"), "axis_name"),
+  (lambda: jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 4,
+                                    compressor=jaxcomm.topk(0.1)),
+   "axis_name"),
   (lambda: jaxcomm.fedcom(0.0, 2), "learning_rate"),
   (lambda: jaxcomm.fedcom(0.1, 0), "period"),
   (lambda: jaxcomm.fedcom(0.1, 2, server_lr=-1.0), "server_lr"),

@@ -20,6 +20,7 @@ from jaxcomm.transforms import _global_topk
 from jaxcomm.transforms import _gmc
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _gradiveq
+from jaxcomm.transforms import _hierarchical
 from jaxcomm.transforms import _ibcd
 from jaxcomm.transforms import _integer
 from jaxcomm.transforms import _lag
@@ -39,6 +40,7 @@ from jaxcomm.transforms import _signs
 from jaxcomm.transforms import _sketch
 from jaxcomm.transforms import _sparcml
 from jaxcomm.transforms import _sparsification
+from jaxcomm.transforms import _squarm
 from jaxcomm.transforms import _ternary
 from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._adacomp import *
@@ -55,6 +57,7 @@ from jaxcomm.transforms._global_topk import *
 from jaxcomm.transforms._gmc import *
 from jaxcomm.transforms._gossip import *
 from jaxcomm.transforms._gradiveq import *
+from jaxcomm.transforms._hierarchical import *
 from jaxcomm.transforms._ibcd import *
 from jaxcomm.transforms._integer import *
 from jaxcomm.transforms._lag import *
@@ -74,6 +77,7 @@ from jaxcomm.transforms._signs import *
 from jaxcomm.transforms._sketch import *
 from jaxcomm.transforms._sparcml import *
 from jaxcomm.transforms._sparsification import *
+from jaxcomm.transforms._squarm import *
 from jaxcomm.transforms._ternary import *
 from jaxcomm.transforms._zero_one_adam import *
 
@@ -93,6 +97,7 @@ __all__ += _gmc.__all__
 __all__ += _lag.__all__
 __all__ += _gossip.__all__
 __all__ += _gradiveq.__all__
+__all__ += _hierarchical.__all__
 __all__ += _ibcd.__all__
 __all__ += _integer.__all__
 __all__ += _local.__all__
@@ -111,5 +116,6 @@ __all__ += _signs.__all__
 __all__ += _sparcml.__all__
 __all__ += _sketch.__all__
 __all__ += _sparsification.__all__
+__all__ += _squarm.__all__
 __all__ += _ternary.__all__
 __all__ += _zero_one_adam.__all__
