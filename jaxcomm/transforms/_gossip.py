@@ -211,6 +211,105 @@ def _choco_message_words(spec, params, n: int) -> int:
   return words
 
 
+# ------------------------------------ compressed gossip, shared helpers ----
+# CHOCO-SGD, DCD/ECD-PSGD (jaxcomm.transforms._dcd) and SQuARM-SGD
+# (jaxcomm.transforms._squarm) all hold their gossip memory as flat float32
+# buffers, one per bucket of the compressor's layout and one for the leaves
+# its policy sends dense, and gossip one compressed message per buffer.
+
+def check_real_params(method: str, params) -> None:
+  """Refuses complex leaves (the messages are real)."""
+  for leaf in jax.tree.leaves(params):
+    if jnp.iscomplexobj(leaf):
+      raise ValueError(f"jaxcomm.{method}: complex params are not "
+                       f"supported, got a {leaf.dtype} leaf")
+
+
+def gossip_compressor(method: str, compressor):
+  """The spec of ``compressor``, checked to have a gossip message."""
+  spec = _compressor.spec_of(compressor)
+  if not _codec.can_gossip(spec.codec):
+    raise ValueError(
+      f"compressor {spec.codec.name} has no gossip message; {method} takes "
+      "jaxcomm.topk (without value_bits), jaxcomm.randomk, "
+      "jaxcomm.ef_signsgd, jaxcomm.stc or jaxcomm.sbc")
+  if spec.start_step:
+    raise ValueError(f"compressor: {method} compresses from the first step; "
+                     f"got start_step={spec.start_step}")
+  return spec
+
+
+def gossip_buffers(spec, params) -> tuple:
+  """Zero buffers: one per bucket of ``spec``'s layout of ``params``, then
+  one of the dense leaves (empty when there are none)."""
+  _, layouts, _, dense = _choco_parts(spec, params)
+  leaves = jax.tree.leaves(params)
+  sizes = [lay.size for lay in layouts] + [
+    sum(int(np.size(leaves[i])) for i in dense)]
+  return tuple(jnp.zeros((s,), jnp.float32) for s in sizes)
+
+
+def to_buffers(spec, params, leaves) -> list:
+  """``leaves`` (float32, like ``params``' leaves) as the gossip buffers."""
+  _, layouts, comp, dense = _choco_parts(spec, params)
+  return [_buckets.flatten([leaves[comp[j]] for j in lay.leaves])
+          for lay in layouts] + [_buckets.flatten([leaves[i] for i in dense])]
+
+
+def from_buffers(spec, params, bufs):
+  """The update ``bufs - params`` as a tree like ``params`` (each leaf in
+  its own dtype)."""
+  p_leaves, treedef = jax.tree.flatten(params)
+  _, layouts, comp, dense = _choco_parts(spec, params)
+  out = [jnp.zeros_like(p) for p in p_leaves]
+  for lay, x in zip(layouts, bufs[:-1]):
+    for j, leaf in zip(lay.leaves, lay.split(x)):
+      i = comp[j]
+      out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
+        p_leaves[i].dtype)
+  offset = 0
+  for i in dense:
+    size = int(np.size(p_leaves[i]))
+    leaf = bufs[-1][offset:offset + size].reshape(p_leaves[i].shape)
+    out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
+      p_leaves[i].dtype)
+    offset += size
+  return jax.tree.unflatten(treedef, out)
+
+
+def compressed_gossip(spec, params, values, n, axis_name, topology, step,
+                      key):
+  """One compressed gossip round of ``values`` (the buffers of
+  :func:`to_buffers`): each bucket compressed by ``spec``'s codec, the
+  dense buffer sent as float32, all fused into one ``uint32`` message sent
+  once per neighbour of the fixed ``topology``.
+
+  Returns:
+    ``(own, mixed)``: per buffer, what this device's message decodes to
+    (``C(values)``) and ``sum_j W_ij C(values_j)`` (self term included).
+  """
+  _, layouts, _, _ = _choco_parts(spec, params)
+  codec = spec.codec
+  index = _core.axis_index(axis_name)
+  words, own = [], []
+  for lay, x in zip(layouts, values):
+    w, q = codec.message(x, _choco_context(n, lay, index, step, key))
+    words.append(w)
+    own.append(q)
+  own.append(values[-1])
+  words.append(_core.to_words(own[-1]))
+  sizes = [int(w.shape[0]) for w in words]
+  msg = jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
+
+  def decode(flat):
+    parts = _buckets.unflatten(flat, [(s,) for s in sizes])
+    out = [codec.decode(w, _choco_context(n, lay, index, step, key))
+           for lay, w in zip(layouts, parts[:-1])]
+    return out + [_core.from_words(parts[-1], jnp.float32)]
+
+  return own, _gossip.gossip_messages(msg, own, decode, axis_name, topology)
+
+
 CHOCO_TOPOLOGIES = ("ring", "torus")
 
 
@@ -277,22 +376,10 @@ def choco(inner: optax.GradientTransformation, compressor, *,
   _checks.axis_name(axis_name)
   seed = _checks.integer("seed", seed, 0)
   inner = optax.with_extra_args_support(inner)
-  codec = spec.codec
-
-  def buffers(params):
-    _, layouts, _, dense = _choco_parts(spec, params)
-    leaves = jax.tree.leaves(params)
-    sizes = [lay.size for lay in layouts] + [
-      sum(int(np.size(leaves[i])) for i in dense)]
-    return tuple(jnp.zeros((s,), jnp.float32) for s in sizes)
 
   def init_fn(params):
-    for path, leaf in zip(jax.tree.leaves(jax.tree.map(
-        lambda x: jnp.iscomplexobj(x), params)), jax.tree.leaves(params)):
-      if path:
-        raise ValueError("jaxcomm.choco: complex params are not supported, "
-                         f"got a {leaf.dtype} leaf")
-    zeros = buffers(params)
+    check_real_params("choco", params)
+    zeros = gossip_buffers(spec, params)
     return LocalState(count=jnp.zeros([], jnp.int32), anchor=(), synced=(),
                       inner=inner.init(params),
                       skipped=jnp.zeros([], jnp.int32),
@@ -303,55 +390,20 @@ def choco(inner: optax.GradientTransformation, compressor, *,
     n, u, inner_new, ok = _gossip_inner_step(
       "choco", inner, axis_name, updates, state, params, ChocoState,
       extra_args)
-    p_leaves, treedef = jax.tree.flatten(params)
+    p_leaves = jax.tree.leaves(params)
     u_leaves = jax.tree.leaves(u)
     half = [p.astype(jnp.float32) + jnp.where(ok, d, 0).astype(jnp.float32)
             for p, d in zip(p_leaves, u_leaves)]
-    _, layouts, comp, dense = _choco_parts(spec, params)
-    xs = [_buckets.flatten([half[comp[j]] for j in lay.leaves])
-          for lay in layouts] + [_buckets.flatten([half[i] for i in dense])]
+    xs = to_buffers(spec, params, half)
     cs = state.compress
     key, step_key = jax.random.split(cs.key)
-    index = _core.axis_index(axis_name)
-
-    # This device's messages: one per bucket, the dense leaves as they are.
-    words, own = [], []
-    for lay, x, pub in zip(layouts, xs, cs.public):
-      w, q = codec.message(x - pub, _choco_context(n, lay, index,
-                                                    state.count, step_key))
-      words.append(w)
-      own.append(q)
-    own.append(xs[-1] - cs.public[-1])
-    words.append(_core.to_words(own[-1]))
-    sizes = [int(w.shape[0]) for w in words]
-    msg = jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
-
-    def decode(flat):
-      parts = _buckets.unflatten(flat, [(s,) for s in sizes])
-      out = [codec.decode(w, _choco_context(n, lay, index, state.count,
-                                            step_key))
-             for lay, w in zip(layouts, parts[:-1])]
-      return out + [_core.from_words(parts[-1], jnp.float32)]
-
-    mixed_q = _gossip.gossip_messages(msg, own, decode, axis_name, topology)
+    own, mixed_q = compressed_gossip(
+      spec, params, [x - p for x, p in zip(xs, cs.public)], n, axis_name,
+      topology, state.count, step_key)
     public = [p + q for p, q in zip(cs.public, own)]
     mixed = [m + q for m, q in zip(cs.mixed, mixed_q)]
     new_x = [x + gamma * (m - p) for x, m, p in zip(xs, mixed, public)]
-
-    out = [jnp.zeros_like(p) for p in p_leaves]
-    for lay, x in zip(layouts, new_x[:-1]):
-      for j, leaf in zip(lay.leaves, lay.split(x)):
-        i = comp[j]
-        out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
-          p_leaves[i].dtype)
-    offset = 0
-    for i in dense:
-      size = int(np.size(p_leaves[i]))
-      leaf = new_x[-1][offset:offset + size].reshape(p_leaves[i].shape)
-      out[i] = (leaf - p_leaves[i].astype(jnp.float32)).astype(
-        p_leaves[i].dtype)
-      offset += size
-    return jax.tree.unflatten(treedef, out), LocalState(
+    return from_buffers(spec, params, new_x), LocalState(
       count=state.count + 1, anchor=(), synced=(), inner=inner_new,
       skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
       compress=ChocoState(public=tuple(public), mixed=tuple(mixed), key=key))
