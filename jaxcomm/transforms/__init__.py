@@ -31,6 +31,7 @@ from jaxcomm.transforms import _mgs
 from jaxcomm.transforms import _mx
 from jaxcomm.transforms import _natural
 from jaxcomm.transforms import _optimizers
+from jaxcomm.transforms import _over_the_air
 from jaxcomm.transforms import _powersgd
 from jaxcomm.transforms import _qcs
 from jaxcomm.transforms import _quantization
@@ -68,6 +69,7 @@ from jaxcomm.transforms._mgs import *
 from jaxcomm.transforms._mx import *
 from jaxcomm.transforms._natural import *
 from jaxcomm.transforms._optimizers import *
+from jaxcomm.transforms._over_the_air import *
 from jaxcomm.transforms._powersgd import *
 from jaxcomm.transforms._qcs import *
 from jaxcomm.transforms._quantization import *
@@ -107,6 +109,7 @@ __all__ += _mgs.__all__
 __all__ += _mx.__all__
 __all__ += _natural.__all__
 __all__ += _optimizers.__all__
+__all__ += _over_the_air.__all__
 __all__ += _powersgd.__all__
 __all__ += _qcs.__all__
 __all__ += _quantization.__all__
