@@ -1,11 +1,14 @@
 """Registry entries for the OCP microscaling formats (``jaxcomm.mx``).
 
-The reference follows the OCP MX v1.0 definition in float64 numpy: blocks of
-32 consecutive elements, the shared scale ``2^(floor(log2 max|v|) - emax)``,
-each element divided by it and converted by ``ml_dtypes`` (round to nearest
-even) after saturation at the element type's largest value. The exchange's
-blocks start at each device's chunk of the bucket (``ceil(L / n)`` rounded
-up to 128 elements, zero padded), as the two-phase exchange documents.
+The reference follows the OCP MX v1.0 definition in float64 numpy: each
+leaf cut into blocks of 32 consecutive elements (flattened in row-major
+order; a block never takes elements of another leaf), the shared scale
+``2^(floor(log2 max|v|) - emax)``, each element divided by it and converted
+by ``ml_dtypes`` (round to nearest even) after saturation at the element
+type's largest value. A leaf whose size is not a multiple of 32 ends in a
+short block, scaled by its own elements. Both phases of the exchange round
+every leaf this way: each device's leaf, then the float32 sum of what the
+devices sent (the chunks of the exchange, whole blocks, do not show).
 """
 
 import math
@@ -27,7 +30,8 @@ _FORMATS = {
 
 
 def mx_round(v, fmt):
-  """``v`` (a multiple of 32 long) through MX ``fmt`` and back."""
+  """A flat ``v`` through MX ``fmt`` and back: blocks of 32 from its first
+  element, the last one short where ``v.size`` is not a multiple of 32."""
   dtype, emax = _FORMATS[fmt]
   top = float(ml_dtypes.finfo(dtype).max)
   out = np.zeros(v.shape, np.float64)
@@ -38,36 +42,24 @@ def mx_round(v, fmt):
       continue
     scale = 2.0 ** (math.floor(math.log2(amax)) - emax)
     q = np.clip(blk / scale, -top, top).astype(dtype).astype(np.float64)
-    out[b:b + 32] = q * scale
+    out[b:b + blk.size] = q * scale
   return out
+
+
+def mx_tensor(x, fmt):
+  """A tensor through MX ``fmt`` and back, blocked within it."""
+  x = np.asarray(x)
+  return mx_round(x.reshape(-1), fmt).reshape(x.shape)
 
 
 def _mx_ref(fmt):
   def ref_step(xs, state, step, key, n):
-    shapes = [x.shape for x in xs[0]]
-    flat = [np.concatenate([x.ravel() for x in dev]) for dev in xs]
-    size = flat[0].size
-    chunk = -(-math.ceil(size / n) // 128) * 128
-    sent, rows = [], []
-    for f in flat:
-      padded = np.zeros(chunk * n)
-      padded[:size] = f
-      q = np.concatenate([mx_round(padded[c * chunk:(c + 1) * chunk], fmt)
-                          for c in range(n)])
-      rows.append(q)
-      sent.append(q[:size])
-    summed = np.sum(rows, axis=0).astype(np.float32)
-    total = np.concatenate([mx_round(summed[c * chunk:(c + 1) * chunk], fmt)
-                            for c in range(n)])[:size] / n
-
-    def split(v):
-      out, off = [], 0
-      for s in shapes:
-        k = int(np.prod(s))
-        out.append(v[off:off + k].reshape(s))
-        off += k
-      return out
-    return split(total), [split(s) for s in sent], state
+    sent = [[mx_tensor(x, fmt) for x in dev] for dev in xs]
+    mean = []
+    for j in range(len(xs[0])):
+      summed = np.sum([s[j] for s in sent], axis=0).astype(np.float32)
+      mean.append(mx_tensor(summed, fmt) / n)
+    return mean, sent, state
   return ref_step
 
 

@@ -1,5 +1,7 @@
 """OCP microscaling formats and FP8 casts: the codes against ``ml_dtypes``,
-the bytes against bf16 from the compiled HLO, bad input."""
+blocks within each leaf (and each device's shard of it) against per-tensor
+numpy MX, the bytes against bf16 and the claim from the compiled HLO, bad
+input."""
 
 import math
 
@@ -7,11 +9,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.transforms import _mx
 from tests import entries_mx
 from tests import harness
+from tests import sharded
 
 
 @pytest.mark.parametrize("fmt", sorted(_mx.FORMATS))
@@ -32,6 +36,109 @@ def test_blocks_round_as_the_spec_says(fmt):
   assert words.shape == (_mx.words_per(x.size, fmt),)
   got = np.asarray(_mx.decode(words, x.size, fmt), np.float64)
   np.testing.assert_array_equal(got, entries_mx.mx_round(x, fmt))
+
+
+def _tiny_and_large():
+  """A leaf of 300 values (9 whole blocks and 12 left over) next to one
+  of 1.0: a block cut from the bucket would take a's last 12 values and
+  b's first 20, and MXFP4 would round the 1e-3s to 0 under b's scale."""
+  return {"a": jnp.full((300,), 1e-3, jnp.float32),
+          "b": jnp.ones((256,), jnp.float32)}
+
+
+@pytest.mark.parametrize("fmt", sorted(_mx.FORMATS))
+def test_blocks_stay_within_each_leaf(fmt):
+  """One device: each leaf equals its own per-tensor MX rounding (numpy,
+  blocks from the leaf's start, a short last block scaled by its own
+  values). Before, a's last 12 entries shared b's block: MXFP4 gave 0
+  where per-tensor MXFP4 gives 2^-10 = 0.00097656."""
+  tx = jaxcomm.mx(fmt, axis_name=None)
+  g = _tiny_and_large()
+  upd, _ = tx.update(g, tx.init(g))
+  for k in g:
+    np.testing.assert_array_equal(np.asarray(upd[k], np.float64),
+                                  entries_mx.mx_tensor(g[k], fmt),
+                                  err_msg=k)
+  np.testing.assert_array_equal(np.asarray(upd["a"])[288:], 2.0 ** -10)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_blocks_stay_within_each_leaf_on_8_devices(fmt, mesh):
+  """The two-phase exchange on 8 devices, each device's leaves a ramp
+  around its own scale: the update and each device's residual equal the
+  per-tensor numpy rounding of every leaf, in both phases."""
+  params = {"a": jnp.zeros((300,)), "b": jnp.zeros((256,)),
+            "c": jnp.zeros((3, 100)), "d": jnp.zeros((3, 100))}
+  n = harness.N
+  scale = {"a": 1e-3, "b": 1.0, "c": 3e-2, "d": 5.0}
+  grads = {k: np.stack([(1 + i / n) * scale[k] * np.linspace(
+    0.5, 1.0, v.size).reshape(v.shape) for i in range(n)]).astype(np.float32)
+           for k, v in params.items()}
+  tx = jaxcomm.mx(fmt, error_feedback=True)
+  upd, state, _ = harness.device_run(tx, mesh, [grads], params=params)
+  names = sorted(params)
+  res = dict(zip(names, harness.split_buckets(
+    jaxcomm.compress_states(state)[0].residual,
+    [params[k].shape for k in names])))
+  for k in names:
+    sent = [entries_mx.mx_tensor(grads[k][i], fmt) for i in range(n)]
+    want = entries_mx.mx_tensor(np.sum(sent, axis=0).astype(np.float32),
+                                fmt) / n
+    np.testing.assert_array_equal(np.asarray(upd[0][k], np.float64), want,
+                                  err_msg=k)
+    np.testing.assert_allclose(res[k], grads[k] - np.stack(sent),
+                               rtol=1e-6, atol=1e-9, err_msg=k)
+
+
+def test_blocks_stay_within_each_devices_shard(monkeypatch):
+  """A sharded step (``dcn`` manual, ``fsdp=4`` auto): each device
+  compresses its shards, and its blocks start at each shard's first
+  element. ``a`` is 4 rows of 300 split by rows, rows alternating 1e-3
+  and 1.0: blocks of the whole leaf would put row 0's last 12 values with
+  row 1's first 20, blocks of the device's bucket with b's first 20; in
+  MXFP4 both give 0 there. Every shard's update equals per-tensor numpy
+  MXFP4 of the shard, the two slices as the exchange's devices."""
+  fmt = "mxfp4"
+  params = {"a": jnp.zeros((4, 300)), "b": jnp.zeros((1024,))}
+  specs = {"a": P("fsdp", None), "b": P("fsdp")}
+  monkeypatch.setitem(sharded.MESHES, "mx_dcn2_fsdp4",
+                      ({"dcn": 2, "fsdp": 4}, specs))
+  monkeypatch.setattr(harness, "battery_params", lambda: params)
+  rows = np.where(np.arange(4)[:, None] % 2, 1.0, 1e-3)
+  base = {"a": rows * np.linspace(0.75, 1.0, 300),
+          "b": np.linspace(0.5, 1.0, 1024)}
+  grads = {k: np.stack([(1 + i / 2) * v for i in range(2)]).astype(
+    np.float32) for k, v in base.items()}
+  tx = jaxcomm.mx(fmt, axis_name=sharded.DATA)
+  upd, _, _ = sharded.device_run(tx, "mx_dcn2_fsdp4", [grads])
+  blocks = sharded.block_indices("mx_dcn2_fsdp4")
+  assert len(blocks) == 4
+  for b, idx in enumerate(blocks):
+    for k in params:
+      sent = [entries_mx.mx_tensor(grads[k][i][idx[k]], fmt)
+              for i in range(2)]
+      want = entries_mx.mx_tensor(np.sum(sent, axis=0).astype(np.float32),
+                                  fmt) / 2
+      np.testing.assert_array_equal(
+        np.asarray(upd[0][k][idx[k]], np.float64), want,
+        err_msg=f"{k}, shard {b}")
+  assert np.all(np.asarray(upd[0]["a"])[0, 288:] > 0)
+
+
+def test_wire_claim_counts_the_short_blocks(mesh):
+  """20 leaves of 300 (9 blocks and 12 values each): each is sent as 10
+  blocks, 6400 elements, in chunks of 896 (6000 elements would fit 768);
+  the claim equals the compiled step's bytes."""
+  params = {"l": [jnp.zeros((3, 100)) for _ in range(20)]}
+  for fmt in ("mxfp4", "mxfp8"):
+    tx = jaxcomm.mx(fmt)
+    hlo = jaxcomm.wire.report(harness.lower_update(tx, mesh, params),
+                              params=params)
+    ops = jaxcomm.wire.claimed(tx, params, harness.N)
+    claim = jaxcomm.wire.summarize(ops, n=harness.N, params=params)
+    assert hlo.payload == claim.payload, (fmt, hlo.payload, claim.payload)
+    want = 4 * harness.N * _mx.words_per(896, fmt)
+    assert [b for kind, b in ops if kind == "all-to-all"] == [want], ops
 
 
 def test_bits_per_element_match_the_format():

@@ -23,6 +23,21 @@ FP6 and FP4, which XLA on CPU cannot convert to, round on a table of the
 element type's values (from ``ml_dtypes``) to the same codes (the two
 agree on every FP8 midpoint, its neighbours and 5M random values);
 codes are packed into ``uint32`` words.
+
+Blocks are cut within each leaf, never across two (the spec scales blocks
+of one tensor): block ``j`` of a leaf is its flattened (row-major)
+elements ``32 j .. 32 j + 31``, so a leaf ends in at most one short block,
+and only where its size is not a multiple of 32 (blocking along a matrix
+dimension, as MX matmuls do, would end every row in one). Here a short
+block of ``k < 32`` elements is scaled by its own ``k`` elements, as if the
+block size were ``k``: it travels as a whole block whose ``32 - k`` missing
+elements are zeros, which change neither ``max |V|`` nor any element's
+code, and whose codes are decoded and dropped, never returned as values
+(the wire carries up to 31 such codes per leaf; :meth:`MxCodec.wire`
+claims them). Each group of equal leaves is padded by one op, on its
+``[G, leaf_size]`` view; a bucket whose leaves are all whole blocks is
+sent as it is. In a step on a sharded model, the leaf is each device's
+shard of it: blocks start at the shard's first element.
 """
 
 from __future__ import annotations
@@ -177,6 +192,48 @@ def _chunk(size: int, n: int) -> int:
   return _core.padded_length(-(-size // n), 4 * BLOCK)
 
 
+def _whole_blocks(size: int) -> int:
+  """``size`` rounded up to whole blocks."""
+  return -(-size // BLOCK) * BLOCK
+
+
+def blocked_size(layout) -> int:
+  """Elements of ``layout``'s bucket with each leaf padded to whole blocks
+  (what the codec encodes, before the chunks' padding)."""
+  return sum(g.count * _whole_blocks(g.leaf_size) for g in layout.groups)
+
+
+def _aligned(layout) -> bool:
+  return all(g.leaf_size % BLOCK == 0 for g in layout.groups)
+
+
+def to_blocks(x, layout):
+  """``float32[layout.size]`` -> ``float32[blocked_size(layout)]``: each
+  leaf followed by zeros up to whole blocks, so that every block of 32 lies
+  in one leaf (one pad per group of equal leaves)."""
+  if _aligned(layout):
+    return x
+  parts = [jnp.pad(v, ((0, 0), (0, _whole_blocks(g.leaf_size) -
+                                g.leaf_size)))
+           for v, g in zip(layout.views(x), layout.groups)]
+  return layout.join(parts)
+
+
+def from_blocks(y, layout):
+  """Inverse of :func:`to_blocks` (``y``'s leading axes kept): the
+  padding's elements are dropped."""
+  if _aligned(layout):
+    return y
+  lead, parts, offset = y.shape[:-1], [], 0
+  for g in layout.groups:
+    width = _whole_blocks(g.leaf_size)
+    v = y[..., offset:offset + g.count * width].reshape(
+      lead + (g.count, width))
+    parts.append(v[..., :g.leaf_size])
+    offset += g.count * width
+  return layout.join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class MxCodec(_codec.CodecBase):
   """Each device's chunks in an MX format by all-to-all; the owner adds
@@ -196,26 +253,32 @@ class MxCodec(_codec.CodecBase):
     return f"mx({self.fmt})"
 
   def apply(self, x, state, ctx):
-    fmt = self.fmt
-    size = ctx.layout.size
+    fmt, layout = self.fmt, ctx.layout
+    # Every leaf padded to whole blocks; chunks are whole blocks too, so no
+    # block crosses a leaf (see the module's docstring).
+    x = to_blocks(x, layout)
+    size = blocked_size(layout)
     if ctx.axis_name is None:
       length = _chunk(size, 1)
       own = decode(encode(jnp.pad(x, (0, length - size)), fmt), length,
                    fmt)[:size]
+      own = from_blocks(own, layout)
       return _codec.CodecResult(mean=own, sent=own, state=state)
     n = ctx.num_devices
     chunk = _chunk(size, n)
     rows = jnp.pad(x, (0, chunk * n - size)).reshape(n, chunk)
     words = encode(rows, fmt)                               # [n, W]
-    sent = decode(words, chunk, fmt).reshape(-1)[:size]
+    sent = from_blocks(decode(words, chunk, fmt).reshape(-1)[:size], layout)
     got = _core.all_to_all(words, ctx.axis_name, 0, 0)      # my chunk, n x
     mine = jnp.sum(decode(got, chunk, fmt), axis=0)
     total = _core.all_gather(encode(mine, fmt), ctx.axis_name, tiled=True)
     total = decode(total.reshape(n, -1), chunk, fmt).reshape(-1)[:size]
+    total = from_blocks(total, layout)
     return _codec.CodecResult(mean=total / n, sent=sent, state=state)
 
   def wire(self, layout, n):
-    w = words_per(_chunk(layout.size, n), self.fmt)
+    # The blocks of every leaf, its short last block sent whole.
+    w = words_per(_chunk(blocked_size(layout), n), self.fmt)
     return [("all-to-all", 4 * n * w), ("all-gather", 4 * n * w)]
 
 
@@ -237,10 +300,12 @@ def mx(fmt: str = "mxfp8", *, axis_name="data", error_feedback=False,
   an all-to-all of every device's MX-coded chunks, each device decodes its
   chunk's ``n`` contributions and adds them in float32, rounds the sum to
   MX again (fresh block scales: it cannot overflow, the scale follows the
-  sum) and an all-gather of the summed chunks. Each device sends ``2 (n -
-  1) / n`` times the MX buffer: ``8.25 / 6.25 / 4.25`` bits per element
-  against bf16's 16. With ``error_feedback=True`` each device keeps its own
-  rounding (not the reducer's second one).
+  sum) and an all-gather of the summed chunks. Blocks are cut within each
+  leaf (in a sharded step, each device's shard of it); a leaf whose size
+  is not a multiple of 32 ends in a short block, sent zero-padded to 32.
+  Each device sends ``2 (n - 1) / n`` times the MX buffer: ``8.25 / 6.25 /
+  4.25`` bits per element against bf16's 16. With ``error_feedback=True``
+  each device keeps its own rounding (not the reducer's second one).
 
   Args:
     fmt: ``"mxfp8"`` (E4M3), ``"mxfp8_e5m2"``, ``"mxfp6"`` (E2M3),
