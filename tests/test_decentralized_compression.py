@@ -313,3 +313,18 @@ def test_registered_as_gossip_methods():
   for name in ("dcd_psgd", "ecd_psgd", "squarm"):
     m = jaxcomm.registry.get(name)
     assert m.family == "local" and m.gossip, name
+
+
+@pytest.mark.parametrize("method", ["dcd_psgd", "ecd_psgd"])
+def test_no_compressor_is_dpsgd(method):
+  """compressor=None sends every value (C the identity): both are D-PSGD,
+  x_i <- sum_j W_ij x_j - lr g_i(x_i) (ECD's estimates are then exact)."""
+  steps, lr = 3, 0.05
+  _, _, _, hist = L.run(getattr(jaxcomm, method)(optax.sgd(lr)), steps)
+  w = _expected("ring", N, 0)
+  xs = [L.np_params() for _ in range(N)]
+  for t, batch in enumerate(L.make_batches(steps)):
+    g = _grads(xs, batch)
+    xs = [{k: sum(w[i, j] * xs[j][k] for j in range(N)) - lr * g[i][k]
+           for k in xs[i]} for i in range(N)]
+    L.close(hist[t][0], _stack(xs), rtol=1e-4, atol=1e-5)

@@ -30,6 +30,7 @@ import optax
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _per_device
+from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _sparsification
@@ -92,6 +93,9 @@ class UnbiasedRandomk:
 def _replica_method(method, extrapolate, inner, compressor, topology,
                     unbiased, axis_name, seed):
   _check_inner("inner", inner)
+  if compressor is None:
+    compressor = _sparsification.randomk(1.0, policy=_policy.LeafPolicy(
+      min_size=1))
   spec = _gossip.gossip_compressor(method, compressor)
   _checks.choice("topology", topology, _gossip.CHOCO_TOPOLOGIES)
   _checks.boolean("unbiased", unbiased)
@@ -163,6 +167,7 @@ _ARGS_DOC = """
       :func:`jaxcomm.ef_signsgd`, :func:`jaxcomm.stc`,
       :func:`jaxcomm.sbc`); only its operator, leaf policy and buckets are
       used. Its dense leaves travel as float32 (``C`` is the identity).
+      None: every value as float32 (``C`` the identity: D-PSGD).
     topology: a fixed graph, ``"ring"`` or ``"torus"`` (the mixing matrices
       of :func:`jaxcomm.dpsgd`): every neighbour's replica is updated every
       step.
@@ -183,7 +188,7 @@ _ARGS_DOC = """
       "`C(x^{t+1/2} - x^t)`, applied to the model and its neighbours' "
       "exact replicas; ring or torus"),
     gossip=True)
-def dcd_psgd(inner: optax.GradientTransformation, compressor, *,
+def dcd_psgd(inner: optax.GradientTransformation, compressor=None, *,
              topology: str = "ring", unbiased: bool = False,
              axis_name="data", seed: int = 0
              ) -> optax.GradientTransformationExtraArgs:
@@ -217,7 +222,7 @@ def dcd_psgd(inner: optax.GradientTransformation, compressor, *,
       "x^t + (t/2) x^{t+1})`, averaged into estimates of the neighbours' "
       "models; ring or torus"),
     gossip=True)
-def ecd_psgd(inner: optax.GradientTransformation, compressor, *,
+def ecd_psgd(inner: optax.GradientTransformation, compressor=None, *,
              topology: str = "ring", unbiased: bool = False,
              axis_name="data", seed: int = 0
              ) -> optax.GradientTransformationExtraArgs:

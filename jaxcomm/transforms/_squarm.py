@@ -18,10 +18,12 @@ import optax
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _per_device
+from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _gossip as _gossip_collectives
 from jaxcomm.transforms import _gossip
+from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms._local_engine import LocalState
 from jaxcomm.transforms._local_engine import _check_inner
 
@@ -81,6 +83,15 @@ class SquarmSpec:
       self.topology, n, words, None)
 
 
+def _dense_if_none(compressor):
+  """None: random-k at ratio 1 over every leaf, i.e. ``C`` the identity
+  and every value sent as float32."""
+  if compressor is None:
+    return _sparsification.randomk(1.0, policy=_policy.LeafPolicy(
+      min_size=1))
+  return compressor
+
+
 def _schedule(name, value, lo_open):
   """A float (checked) or a schedule, as a function of the step."""
   if callable(value):
@@ -98,7 +109,7 @@ def _schedule(name, value, lo_open):
       "`||x - x_hat||^2` passes `c_t eta_t^2` (sends counted); ring or "
       "torus"),
     gossip=True)
-def squarm(inner: optax.GradientTransformation, compressor, *,
+def squarm(inner: optax.GradientTransformation, compressor=None, *,
            gamma: float, period: int = 1, threshold=0.0,
            learning_rate=None, topology: str = "ring", axis_name="data",
            seed: int = 0) -> optax.GradientTransformationExtraArgs:
@@ -135,7 +146,8 @@ def squarm(inner: optax.GradientTransformation, compressor, *,
   Args:
     inner: the local optimizer (the paper: Nesterov momentum SGD).
     compressor: a jaxcomm compressor with a gossip message (as for
-      :func:`jaxcomm.choco`).
+      :func:`jaxcomm.choco`); None: every value as float32 (no
+      compression).
     gamma: the consensus step size in ``(0, 1]``.
     period: ``H``, steps between synchronization indices (``>= 1``).
     threshold: ``c_t``, a number ``>= 0`` or a schedule of the step; 0
@@ -148,7 +160,7 @@ def squarm(inner: optax.GradientTransformation, compressor, *,
     seed: seed of the PRNG key kept in the state.
   """
   _check_inner("inner", inner)
-  spec = _gossip.gossip_compressor("squarm", compressor)
+  spec = _gossip.gossip_compressor("squarm", _dense_if_none(compressor))
   gamma = _checks.number("gamma", gamma, 0.0, 1.0, lo_open=True)
   period = _checks.integer("period", period, 1)
   c_t = _schedule("threshold", threshold, lo_open=False)
