@@ -3,7 +3,7 @@ training input, per compressor (Zhu et al. 2019, "Deep leakage from
 gradients", DLG). An evaluation, not a training method.
 
   python -m benchmarks.leakage [--quick] [--images 10] [--iters 300]
-      [--out docs/benchmarks/leakage.md]
+      [--table TABLE.md] [--figure docs/benchmarks/leakage.png]
 
 Setting (the paper's): one device holds one private digit ``x`` (8x8
 pixels in [0, 1], scikit-learn's digits through ``models.data.digits``,
@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 
@@ -504,6 +503,7 @@ def figure(rows, images, path, show: int):
 
 
 def main(argv=None) -> int:
+  global SIGN_TAU
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true",
                   help="6 settings, 3 images, 60 iterations")
@@ -512,11 +512,11 @@ def main(argv=None) -> int:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--sign-tau", type=float, default=SIGN_TAU,
                   help="sharpness of the attacker's smooth sign")
-  ap.add_argument("--out", default=None,
-                  help="write the table here and the figure beside it "
-                  "(.png); default: print only")
+  ap.add_argument("--table", default=None,
+                  help="also write the markdown table to this file")
+  ap.add_argument("--figure", default=None,
+                  help="write the figure of the reconstructions here (.png)")
   args = ap.parse_args(argv)
-  global SIGN_TAU
   SIGN_TAU = args.sign_tau
   settings = QUICK_SETTINGS if args.quick else SETTINGS
   num = 3 if args.quick else args.images
@@ -548,10 +548,11 @@ def main(argv=None) -> int:
   print(table)
   print(f"random start: MSE {np.mean([r['mse0'].mean() for _, r in rows]):.4f}"
         f"; total {time.time() - t0:.0f}s")
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
+  if args.table:
+    with open(args.table, "w", encoding="utf-8") as f:
       f.write(table + "\n")
-    figure(rows, images, os.path.splitext(args.out)[0] + ".png", show=num)
+  if args.figure:
+    figure(rows, images, args.figure, show=num)
   return 0
 
 
