@@ -147,7 +147,8 @@ def test_fedcom_matches_numpy(gate, ratio):
   steps, eta, tau, gamma = 9, 0.05, 3, 1.5
   make = jaxcomm.fedcomgate if gate else jaxcomm.fedcom
   comp = jaxcomm.topk(ratio) if ratio is not None else None
-  tx = make(eta, tau, server_lr=gamma, compressor=comp)
+  tx = make(optax.sgd(eta), tau, learning_rate=eta, server_lr=gamma,
+            compressor=comp)
   _, _, _, hist = L.run(tx, steps)
   ref, deltas = np_fedcom(steps, eta, tau, gamma, gate, ratio)
   for t, (p, st, _) in enumerate(hist):
@@ -162,7 +163,8 @@ def test_fedcom_matches_numpy(gate, ratio):
 
 def test_fedcom_without_compressor_is_local_sgd():
   steps, tau = 6, 3
-  _, _, _, a = L.run(jaxcomm.fedcom(0.05, tau), steps)
+  _, _, _, a = L.run(jaxcomm.fedcom(optax.sgd(0.05),
+      learning_rate=0.05, period=tau), steps)
   _, _, _, b = L.run(jaxcomm.local_sgd(optax.sgd(0.05), tau), steps)
   for (pa, _, _), (pb, _, _) in zip(a, b):
     L.close(pa, pb, rtol=1e-5, atol=1e-6)
@@ -170,7 +172,8 @@ def test_fedcom_without_compressor_is_local_sgd():
 
 def test_fedcom_wire_follows_the_compressor():
   params = L.params()
-  tx = jaxcomm.fedcom(0.05, 3, compressor=jaxcomm.topk(0.1))
+  tx = jaxcomm.fedcom(optax.sgd(0.05),
+      learning_rate=0.05, period=3, compressor=jaxcomm.topk(0.1))
   spec = jaxcomm.spec_of(jaxcomm.topk(0.1))
   assert wire.claimed(tx, params, N, step=2) == list(
     spec.wire([params["b"], params["w"]], N, 0))
@@ -273,10 +276,12 @@ def _methods():
   sgd = optax.sgd(0.05)
   return {
     "lupa_sgd": jaxcomm.lupa_sgd(sgd, 2, increment=2),
-    "fedcom": jaxcomm.fedcom(0.05, 3),
-    "fedcom_topk": jaxcomm.fedcom(0.05, 3, compressor=jaxcomm.topk(0.1)),
-    "fedcomgate_qsgd": jaxcomm.fedcomgate(
-      0.05, 3, compressor=jaxcomm.qsgd(4, error_feedback=True)),
+    "fedcom": jaxcomm.fedcom(optax.sgd(0.05), learning_rate=0.05, period=3),
+    "fedcom_topk": jaxcomm.fedcom(optax.sgd(0.05),
+        learning_rate=0.05, period=3, compressor=jaxcomm.topk(0.1)),
+    "fedcomgate_qsgd": jaxcomm.fedcomgate(optax.sgd(0.05),
+        learning_rate=0.05, period=3,
+        compressor=jaxcomm.qsgd(4, error_feedback=True)),
   }
 
 
@@ -307,14 +312,20 @@ def test_no_collective_outside_the_sync_branch(name):
   (lambda: jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 4,
                                     compressor=jaxcomm.topk(0.1)),
    "axis_name"),
-  (lambda: jaxcomm.fedcom(0.0, 2), "learning_rate"),
-  (lambda: jaxcomm.fedcom(0.1, 0), "period"),
-  (lambda: jaxcomm.fedcom(0.1, 2, server_lr=-1.0), "server_lr"),
-  (lambda: jaxcomm.fedcom(0.1, 2, compressor=optax.sgd(1.0)),
+  (lambda: jaxcomm.fedcom(optax.sgd(0.1),
+      learning_rate=0.0, period=2), "learning_rate"),
+  (lambda: jaxcomm.fedcom(optax.sgd(0.1),
+      learning_rate=0.1, period=0), "period"),
+  (lambda: jaxcomm.fedcom(optax.sgd(0.1),
+      learning_rate=0.1, period=2, server_lr=-1.0), "server_lr"),
+  (lambda: jaxcomm.fedcom(optax.sgd(0.1),
+      learning_rate=0.1, period=2, compressor=optax.sgd(1.0)),
    "compressor"),
-  (lambda: jaxcomm.fedcom(0.1, 2, compressor=jaxcomm.topk(
+  (lambda: jaxcomm.fedcom(optax.sgd(0.1),
+      learning_rate=0.1, period=2, compressor=jaxcomm.topk(
     0.1, axis_name="x")), "axis_name"),
-  (lambda: jaxcomm.fedcomgate(0.1, 2, compressor=jaxcomm.topk(
+  (lambda: jaxcomm.fedcomgate(optax.sgd(0.1),
+      learning_rate=0.1, period=2, compressor=jaxcomm.topk(
     0.1, error_feedback=False)), "error_feedback"),
 ])
 def test_bad_arguments_are_named(make, match):

@@ -33,6 +33,7 @@ from jaxcomm import _compressor
 from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.transforms._local_engine import LocalSpec
+from jaxcomm.transforms._local_engine import _check_inner
 from jaxcomm.transforms._local_engine import _local_engine
 from jaxcomm.transforms._local_engine import mean_leaves
 
@@ -80,15 +81,15 @@ def _check_compressor(who, compressor, axis_name, gate):
         f"compressor with error_feedback=True, got error_feedback={ef!r}")
 
 
-def _fedcom(who, learning_rate, period, server_lr, compressor, gate,
+def _fedcom(who, inner, learning_rate, period, server_lr, compressor, gate,
             axis_name):
+  _check_inner("inner", inner)
   eta = float(_checks.number("learning_rate", learning_rate, 0.0,
                              lo_open=True))
   period = _checks.step("period", period, 1)
   gamma = float(_checks.number("server_lr", server_lr, 0.0, lo_open=True))
   _checks.axis_name(axis_name)
   _check_compressor(who, compressor, axis_name, gate)
-  inner = optax.sgd(eta)
 
   def init_extra(params):
     leaves = [jnp.asarray(l) for l in jax.tree.leaves(params)]
@@ -143,12 +144,14 @@ def _fedcom(who, learning_rate, period, server_lr, compressor, gate,
 @_registry.method(
     family="local",
     static=("learning_rate", "server_lr"),
+    defaults={"learning_rate": 0.1},
     paper="Haddadpour et al. 2021 (FedCOM)",
     summary=(
       "`period` local SGD steps, then the compressed (any jaxcomm "
       "compressor) model delta `(x - x_j) / eta` averaged; the server "
       "steps `x <- x - eta gamma Q`"))
-def fedcom(learning_rate: float, period: int, *, server_lr: float = 1.0,
+def fedcom(inner: optax.GradientTransformation, period: int, *,
+           learning_rate: float, server_lr: float = 1.0,
            compressor: optax.GradientTransformation | None = None,
            axis_name="data") -> optax.GradientTransformationExtraArgs:
   """FedCOM: local SGD rounds, a compressed model delta, a server step.
@@ -165,6 +168,9 @@ def fedcom(learning_rate: float, period: int, *, server_lr: float = 1.0,
   ``server_lr = 1`` and no compressor it is FedAvg / local SGD.
 
   Args:
+    inner: the local optimizer: ``optax.sgd(learning_rate)`` in the paper
+      (another optimizer runs, but the message is still divided by
+      ``learning_rate``).
     learning_rate: the local SGD rate ``eta``, > 0.
     period: local steps per round ``tau``.
     server_lr: the server's step ``gamma``, > 0.
@@ -173,21 +179,24 @@ def fedcom(learning_rate: float, period: int, *, server_lr: float = 1.0,
 
   Example::
 
-    tx = jaxcomm.fedcom(0.1, 8, compressor=jaxcomm.qsgd(16))
+    tx = jaxcomm.fedcom(optax.sgd(0.1), 8, learning_rate=0.1,
+                        compressor=jaxcomm.qsgd(16))
   """
-  return _fedcom("fedcom", learning_rate, period, server_lr, compressor,
+  return _fedcom("fedcom", inner, learning_rate, period, server_lr, compressor,
                  False, axis_name)
 
 
 @_registry.method(
     family="local",
     static=("learning_rate", "server_lr"),
+    defaults={"learning_rate": 0.1},
     paper="Haddadpour et al. 2021 (FedCOMGATE)",
     summary=(
       "FedCOM with local gradient tracking: local gradients corrected by "
       "`delta_j`, updated by `(Q_j - Q) / tau` after each compressed "
       "round"))
-def fedcomgate(learning_rate: float, period: int, *,
+def fedcomgate(inner: optax.GradientTransformation, period: int, *,
+           learning_rate: float,
                server_lr: float = 1.0,
                compressor: optax.GradientTransformation | None = None,
                axis_name="data") -> optax.GradientTransformationExtraArgs:
@@ -208,6 +217,9 @@ def fedcomgate(learning_rate: float, period: int, *,
   ``error_feedback=True``; nothing is fed back from round to round.
 
   Args:
+    inner: the local optimizer: ``optax.sgd(learning_rate)`` in the paper
+      (another optimizer runs, but the message is still divided by
+      ``learning_rate``).
     learning_rate: the local SGD rate ``eta``, > 0.
     period: local steps per round ``tau``.
     server_lr: the server's step ``gamma``, > 0.
@@ -215,8 +227,8 @@ def fedcomgate(learning_rate: float, period: int, *,
       ``axis_name``, or None.
     axis_name: the data axis.
   """
-  return _fedcom("fedcomgate", learning_rate, period, server_lr, compressor,
-                 True, axis_name)
+  return _fedcom("fedcomgate", inner, learning_rate, period, server_lr,
+                 compressor, True, axis_name)
 
 
 __all__ = [

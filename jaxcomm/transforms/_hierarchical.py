@@ -76,6 +76,7 @@ def _leaves(params):
 @_registry.method(
     family="local",
     paper="Abad et al. 2020 (hierarchical FL)",
+    defaults={"global_period": 4},
     summary=(
       "params averaged inside each group (the fast axis) every `period` "
       "steps; across groups (the slow axis, optionally compressed, error "
