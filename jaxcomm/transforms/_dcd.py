@@ -30,7 +30,6 @@ import optax
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _per_device
-from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.transforms import _gossip
 from jaxcomm.transforms import _sparsification
@@ -94,8 +93,7 @@ def _replica_method(method, extrapolate, inner, compressor, topology,
                     unbiased, axis_name, seed):
   _check_inner("inner", inner)
   if compressor is None:
-    compressor = _sparsification.randomk(1.0, policy=_policy.LeafPolicy(
-      min_size=1))
+    compressor = _sparsification.randomk(1.0)
   spec = _gossip.gossip_compressor(method, compressor)
   _checks.choice("topology", topology, _gossip.CHOCO_TOPOLOGIES)
   _checks.boolean("unbiased", unbiased)

@@ -18,7 +18,6 @@ import optax
 from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _per_device
-from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _gossip as _gossip_collectives
@@ -84,11 +83,10 @@ class SquarmSpec:
 
 
 def _dense_if_none(compressor):
-  """None: random-k at ratio 1 over every leaf, i.e. ``C`` the identity
-  and every value sent as float32."""
+  """None: random-k at ratio 1 (its default leaf policy; the small leaves
+  go dense), i.e. ``C`` the identity and every value sent as float32."""
   if compressor is None:
-    return _sparsification.randomk(1.0, policy=_policy.LeafPolicy(
-      min_size=1))
+    return _sparsification.randomk(1.0)
   return compressor
 
 
