@@ -20,6 +20,15 @@ from tests import registry
 WORD = 32
 
 
+def chunk_of(length: int, n: int) -> int:
+  """The chunk each device owns, as ARCHITECTURE documents it: ``c =
+  ceil(length / n)`` rounded up to a multiple of ``p``, the largest power
+  of two in [32, 32768] with ``64 p <= c`` (32 when there is none)."""
+  c = -(-length // n)
+  p = max([32] + [2 ** e for e in range(5, 16) if 64 * 2 ** e <= c])
+  return -(-c // p) * p
+
+
 def _sign(x):
   return np.where(x >= 0, 1.0, -1.0)
 
@@ -67,7 +76,7 @@ def _onebit_ref_step(xs, state, step, key, n):
     sent.append(w)
     flat_w.append(_flat(w))
   avg = np.mean(flat_w, axis=0)
-  chunk = -((-(-length // n)) // -WORD) * WORD
+  chunk = chunk_of(length, n)
   ends = np.cumsum([x.size for x in like])
   starts = ends - np.asarray([x.size for x in like])
   mean = np.zeros(length)
@@ -341,7 +350,7 @@ def _requantized_ref(bits, block):
     length = sum(x.size for x in like)
     if state["server"] is None:
       state["server"] = [np.zeros(length, np.float32) for _ in range(n)]
-    chunk = -((-(-length // n)) // -WORD) * WORD
+    chunk = chunk_of(length, n)
     flats = [_flat(dev) for dev in xs]
     dec = [np.zeros(length, np.float32) for _ in range(n)]
     mean = np.zeros(length)
@@ -520,7 +529,7 @@ def _natural_ref(xs, state, t, key, n):
   if n <= 2:
     mean = np.mean(flats, axis=0)
   else:
-    chunk = -((-(-length // n)) // -WORD) * WORD
+    chunk = chunk_of(length, n)
     avg = np.zeros(n * chunk, np.float32)
     avg[:length] = np.sum(np.asarray(flats, np.float32), axis=0) / n
     mean = np.concatenate([
@@ -713,7 +722,7 @@ def dist_ef_sgdm_run(mu):
     m = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
     e = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
     server = [np.zeros(length) for _ in range(n)]
-    chunk = -((-(-length // n)) // -WORD) * WORD
+    chunk = chunk_of(length, n)
     ends = np.cumsum([x.size for x in like])
     starts = ends - np.asarray([x.size for x in like])
     out, sent_all = [], []

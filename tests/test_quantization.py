@@ -712,3 +712,55 @@ def test_pack_fields_against_numpy_and_back(bits):
   if per > 1:
     with pytest.raises(ValueError, match="multiple of"):
       collectives.pack_fields(jnp.zeros((per + 1,), jnp.uint32), bits)
+
+
+# ------------------------------------------------------------- chunks --
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 8))
+@pytest.mark.parametrize("length", (1, 31, 33, 4095 * 8, 4096 * 8 + 1,
+                                    100_003, 31_107_840, 10**9))
+def test_chunks_align_long_vectors_and_pad_little(length, n):
+  # The owned chunk follows the documented rule (tests/
+  # entries_quantization.chunk_of, written from it), covers the vector,
+  # and pads at most 31 elements or 1/64 of the chunk; long chunks are a
+  # multiple of 1,024 words of any code width (q = c / (32 / bits)).
+  c = _signs.chunk_length(length, n)
+  assert c == entries_quantization.chunk_of(length, n)
+  c0 = -(-length // n)
+  assert c * n >= length and c % 32 == 0
+  assert c - c0 <= max(31, c0 // 64)
+  if c0 >= 64 * 32768:
+    assert c % 32768 == 0
+
+
+def _data_mesh(n):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.parametrize("old,new", ((2, 4), (4, 2), (2, 1), (4, 1),
+                                     (1, 2)))
+def test_int8_state_resizes_between_the_exact_and_requantized_exchanges(
+    old, new):
+  # int8 takes the exact exchange on 1 and 2 devices and the requantized
+  # one on 4: its server error is one row per device on every count, so a
+  # state resizes between them and the step runs on it; the server error's
+  # total and the residuals' mean are kept (what the update is owed).
+  tx = jaxcomm.int8(axis_name="data")
+  _, state, layout = harness.device_run(
+    tx, _data_mesh(old), harness.make_grads(0, 2, n=old))
+  err = np.asarray(entries_quantization.codec_state(state).server_error)
+  res = np.asarray(harness.residuals_of(state)[0])
+  resized = parallel.resize_state(state, layout, new)
+  got = np.asarray(entries_quantization.codec_state(resized).server_error)
+  assert err.shape[0] == old and got.shape[0] == new
+  np.testing.assert_allclose(got.sum(axis=0), err.sum(axis=0), atol=1e-6)
+  got_res = np.asarray(harness.residuals_of(resized)[0])
+  np.testing.assert_allclose(got_res.mean(axis=0), res.mean(axis=0),
+                             atol=1e-6)
+  _, after, _ = harness.device_run(tx, _data_mesh(new),
+                                   harness.make_grads(1, 1, n=new),
+                                   state=resized)
+  assert np.asarray(
+    entries_quantization.codec_state(after).server_error).shape[0] == new

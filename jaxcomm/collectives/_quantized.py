@@ -136,9 +136,9 @@ def plan(length: int, bound: int, n: int, low: int | None = None) -> Plan:
   """
   bits = code_bits(bound, low)
   sum_bits = code_bits(n * bound, None if low is None else n * low)
-  words = _core.padded_length(length, WORD_BITS) * bits // WORD_BITS
+  words = _core.aligned_length(length) * bits // WORD_BITS
   gather = [("all-gather", n * words * 4)]
-  chunk = _core.padded_length(-(-length // n), WORD_BITS)
+  chunk = _core.chunk_length(length, n)
   scatter = [("all-to-all", n * chunk * bits // 8),
              ("all-gather", n * chunk * sum_bits // 8)]
   if n > 1 and sum(b for _, b in scatter) < sum(b for _, b in gather):
@@ -177,7 +177,7 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
   p = plan(length, bound, n, low)
   offset = jnp.int32(bound if low is None else -low)
   if p.kind == "gather":
-    padded = _core.padded_length(length, WORD_BITS)
+    padded = _core.aligned_length(length)
     u = jnp.pad(codes + offset, (0, padded - length)).astype(jnp.uint32)
     rows = _core.all_gather(pack_codes(u, p.bits), axis_name)   # [n, W]
     vals = unpack_codes(rows, p.bits, length).astype(jnp.int32) - offset
@@ -216,7 +216,8 @@ class RequantizedPlan(NamedTuple):
     bits: bits per code (2, 4 or 8).
     bound: codes lie in ``[-bound, bound]`` (``2^(bits-1) - 1``).
     chunk: elements each device owns, ``ceil(length / n)`` rounded up to
-      a multiple of 32 (:func:`jaxcomm.collectives.chunk_length`: what
+      a multiple of 32, of a larger power of two for long vectors
+      (:func:`jaxcomm.collectives.chunk_length`: what
       ``parallel.resize_state`` re-cuts a server error by).
     blocks: blocks per chunk, ``ceil(chunk / block)`` (the last one of
       each chunk may be short).
@@ -246,7 +247,7 @@ def requantized_plan(length: int, n: int, bits: int, block: int
   against 28 for a bf16 ring all-reduce.
   """
   _check_requantized(bits, block)
-  chunk = _core.padded_length(-(-length // n), WORD_BITS)
+  chunk = _core.chunk_length(length, n)
   blocks = -(-chunk // block)
   words = chunk * bits // WORD_BITS
   scale_words = -(-blocks // 2)
@@ -438,9 +439,9 @@ def natural_plan(length: int, n: int) -> Plan:
   9-bit rounded chunks (``18 L``). ``scatter`` from ``n = 3`` on (tie at 2,
   where the exact ``gather`` is kept).
   """
-  padded = _core.padded_length(length, WORD_BITS)
+  padded = _core.aligned_length(length)
   gather = [("all-gather", n * padded * 9 // 8)]
-  chunk = _core.padded_length(-(-length // n), WORD_BITS)
+  chunk = _core.chunk_length(length, n)
   scatter = [("all-to-all", n * chunk * 9 // 8),
              ("all-gather", n * chunk * 9 // 8)]
   if n > 1 and sum(b for _, b in scatter) < sum(b for _, b in gather):
@@ -478,7 +479,7 @@ def natural_allreduce(values: jax.Array, axis_name,
   n = _core.axis_size(axis_name)
   p = natural_plan(length, n)
   if p.kind == "gather":
-    padded = _core.padded_length(length, WORD_BITS)
+    padded = _core.aligned_length(length)
     rows = _core.all_gather(_nat_encode(jnp.pad(values, (0, padded - length))),
                             axis_name)
     return jnp.sum(_nat_decode(rows, padded), axis=0)[:length] / n

@@ -41,8 +41,10 @@ def _check_flat(x, name="x"):
 
 
 def chunk_length(length: int, n: int) -> int:
-  """Elements per device chunk: ``ceil(length / n)`` rounded up to 32."""
-  return _core.padded_length(-(-length // n), WORD_BITS)
+  """Elements per device chunk: ``ceil(length / n)`` rounded up to 32, and
+  for long vectors to a larger power of two (``collectives._core.
+  chunk_length``)."""
+  return _core.chunk_length(length, n)
 
 
 def _sign(x):
