@@ -18,6 +18,7 @@ from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _registry
+from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
 from jaxcomm.transforms._quantization import DEFAULT_BUCKET_SIZE
 from jaxcomm.transforms._quantization import IntegerCodec
@@ -133,10 +134,14 @@ class RequantizedCodec(_codec.CodecBase):
       # to a device count where the exact one moves fewer bytes) is sent
       # now, not lost: it joins this device's message but not its
       # residual (zero otherwise, and then nothing changes).
+      # The zeros stay one row per device (typed varying): the state's
+      # layout is the same whichever exchange a device count picks, so a
+      # checkpoint resizes between them (dcn=2 exact, dcn=4 requantized).
       err = state.server_error
       res = self.exact.apply(x + err, (), ctx)
+      zeros = _core.pvary(jnp.zeros_like(err), ctx.axis_name)
       return _codec.CodecResult(mean=res.mean, sent=res.sent - err,
-                                state=RequantizedState(jnp.zeros_like(err)))
+                                state=RequantizedState(zeros))
     mean, sent, err = _quantized.requantized_allreduce(
       x, state.server_error, ctx.axis_name, bits=self.bits,
       block=self.bucket_size)
