@@ -384,6 +384,10 @@ LOCAL_RUNS = [
                    "topk", "--compressor-args", "ratio=0.05"]),
   ("adacomm", ["--local", "adacomm", "--local-args", "period=2,interval=2",
                "--optimizer", "momentum", "--lr", 0.5]),
+  ("fedcom_topk", ["--local", "fedcom", "--local-args",
+                   "period=4,learning_rate=0.5", "--optimizer", "sgd",
+                   "--lr", 0.5, "--compressor", "topk", "--compressor-args",
+                   "ratio=0.1"]),
 ]
 
 
@@ -421,6 +425,8 @@ GOSSIP_RUNS = [
   ("choco", ["--local", "choco", "--local-args", "topology=ring,gamma=0.5",
              "--compressor", "topk", "--compressor-args", "ratio=0.1"]),
   ("sgp", ["--local", "sgp", "--local-args", "topology=exponential"]),
+  ("dcd_topk", ["--local", "dcd_psgd", "--local-args", "topology=ring",
+                "--compressor", "topk", "--compressor-args", "ratio=0.1"]),
 ]
 
 

@@ -546,6 +546,13 @@ GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
                        if m.gossip)
 
 
+# Local methods that take a compressor (``--compressor``): DiLoCo on its
+# pseudo-gradients, the compressed gossip methods on model differences,
+# FedCOM on model deltas, hierarchical averaging across groups.
+COMPRESSED_LOCAL = ("diloco", "choco", "dcd_psgd", "ecd_psgd", "squarm",
+                    "fedcom", "fedcomgate")
+
+
 def make_local_optimizer(cfg: Config, inner, compressor, schedule,
                          axis_name=AXIS):
   """``--local METHOD --local-args ...`` around the inner optimizer;
@@ -566,10 +573,10 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
     raise ValueError(
       "--local muloco quantizes its pseudo-gradients itself (--local-args "
       "bits=2|4|8): use --compressor dense")
-  if compressor is not None and cfg.local not in ("diloco", "choco"):
+  if compressor is not None and cfg.local not in COMPRESSED_LOCAL:
     raise ValueError(
       f"--local {cfg.local} averages params with a dense all-reduce; "
-      "--compressor applies to diloco's pseudo-gradients only (use "
+      f"--compressor applies to {', '.join(COMPRESSED_LOCAL)} only (use "
       "--compressor dense)")
   extra = {}
   if cfg.local in ("diloco", "muloco"):
@@ -585,8 +592,10 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
                                nesterov=bool(nesterov and mom))
     if cfg.local == "diloco":
       extra["compressor"] = compressor
-  if cfg.local == "choco":
+  if cfg.local in COMPRESSED_LOCAL and cfg.local not in ("diloco",
+                                                          "muloco"):
     extra["compressor"] = compressor
+  if cfg.local in ("choco", "squarm"):
     kwargs.setdefault("gamma", 0.5)
   if cfg.local == "adacomm":
     kwargs.setdefault("learning_rate", schedule)
