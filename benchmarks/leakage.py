@@ -463,12 +463,12 @@ def _table(rows, dense_bytes, num, iters, mean_mse) -> str:
     p = psnr(r["mse"])
     out.append(
       f"| {s.name} | {r['bytes']:,} | {r['bytes'] / dense_bytes:.3f} | "
-      f"{r['mse'].mean():.4f} | {np.median(r['mse']):.4f} | "
+      f"{r['mse'].mean():.2e} | {np.median(r['mse']):.2e} | "
       f"{p.mean():.1f} | {np.median(p):.1f} | "
       f"{int(r['label_ok'].sum())}/{num} |")
   p0 = psnr(mean_mse)
   out.append(f"| (the mean training digit, no message) | 0 | 0 | "
-             f"{mean_mse.mean():.4f} | {np.median(mean_mse):.4f} | "
+             f"{mean_mse.mean():.2e} | {np.median(mean_mse):.2e} | "
              f"{p0.mean():.1f} | {np.median(p0):.1f} | |")
   del iters
   return "\n".join(out)
