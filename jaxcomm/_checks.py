@@ -89,6 +89,17 @@ def number(name: str, value, lo: float | None = None, hi: float | None = None,
   return value
 
 
+def decay(name: str, value, who: str | None = None) -> Any:
+  """A decay or momentum in ``[0, 1)``: :func:`number` in ``[0, 1]``, then
+  1 refused (its message prefixed by ``who``, when given). Tracers pass
+  unchecked (injected hyperparameters)."""
+  number(name, value, 0.0, 1.0)
+  if not isinstance(value, jax.core.Tracer) and float(value) >= 1.0:
+    prefix = f"{who}: " if who else ""
+    raise ValueError(f"{prefix}{name} must be in [0, 1), got {value!r}")
+  return value
+
+
 def static_number(name: str, value, default: float, lo: float) -> float:
   """``value`` (``default`` when None) as a finite Python float ``>= lo``
   that sets a message size: a traced value (an injected

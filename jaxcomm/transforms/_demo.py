@@ -286,11 +286,7 @@ def demo(
   name = "demo"
   if not callable(learning_rate):
     _checks.number("learning_rate", learning_rate, 0.0, None, finite=True)
-  _checks.number("compression_decay", compression_decay, 0.0, 1.0)
-  if not isinstance(compression_decay, jax.core.Tracer) and \
-      float(compression_decay) >= 1.0:
-    raise ValueError(f"{name}: compression_decay must be in [0, 1), got "
-                     f"{compression_decay!r}")
+  _checks.decay("compression_decay", compression_decay, name)
   # Static arguments default to None: optax.inject_hyperparams then keeps
   # them out of the traced hyperparameters unless the caller passes them.
   chunk = _checks.integer("compression_chunk", 64 if compression_chunk is None

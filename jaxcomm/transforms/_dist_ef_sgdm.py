@@ -131,9 +131,7 @@ def dist_ef_sgdm(momentum: float = 0.9, *, axis_name="data",
     Momentum SGD with Error-Feedback <https://arxiv.org/abs/1905.10936>`_,
     2019.
   """
-  momentum = _checks.number("momentum", momentum, 0.0, 1.0)
-  if not isinstance(momentum, jax.core.Tracer) and float(momentum) >= 1.0:
-    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  momentum = _checks.decay("momentum", momentum)
   if error_feedback is not True:
     raise ValueError(
       f"error_feedback must be True for dist_ef_sgdm (the workers' error "

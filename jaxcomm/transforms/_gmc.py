@@ -134,9 +134,7 @@ def gmc(ratio: float, beta: float = 0.9, *, axis_name="data",
     Distributed Learning <https://arxiv.org/abs/1905.12948>`_, 2019.
   """
   ratio = _checks.ratio("ratio", ratio)
-  beta = _checks.number("beta", beta, 0.0, 1.0)
-  if not isinstance(beta, jax.core.Tracer) and float(beta) >= 1.0:
-    raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+  beta = _checks.decay("beta", beta)
   if error_feedback is not True:
     raise ValueError(
       f"error_feedback must be True for gmc (its memory u_i is the "

@@ -158,9 +158,7 @@ def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
   if not callable(learning_rate):
     _checks.number("learning_rate", learning_rate, 0.0, None, finite=True)
   for arg, value in (("b1", b1), ("b2", b2)):
-    _checks.number(arg, value, 0.0, 1.0)
-    if not isinstance(value, jax.core.Tracer) and float(value) >= 1.0:
-      raise ValueError(f"{name}: {arg} must be in [0, 1), got {value!r}")
+    _checks.decay(arg, value, name)
   _checks.number("eps", eps, 0.0, None, lo_open=True, finite=True)
   _checks.number("weight_decay", weight_decay, 0.0, None, finite=True)
   if isinstance(freeze_step, jax.core.Tracer):

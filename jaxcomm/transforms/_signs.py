@@ -253,9 +253,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant <https://arxiv.org/abs/1810.05291>`_, 2019.
   """
-  _checks.number("beta", beta, 0.0, 1.0)
-  if not isinstance(beta, jax.core.Tracer) and float(beta) >= 1.0:
-    raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+  _checks.decay("beta", beta)
   _checks.number("scale", scale, 0.0, None, lo_open=True)
   _checks.error_feedback(error_feedback)
   return _compressor.compressed(MajorityVoteCodec(scale=scale, beta=beta),

@@ -367,10 +367,7 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
   k_ratio = _checks.ratio("k_ratio", k_ratio)
   cols = _checks.integer("cols", cols, 1)
   rows = _checks.integer("rows", DEFAULT_ROWS if rows is None else rows, 1)
-  if not isinstance(momentum, jax.core.Tracer):
-    _checks.number("momentum", momentum, 0.0, 1.0)
-    if not 0.0 <= float(momentum) < 1.0:
-      raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  _checks.decay("momentum", momentum)
   masking = _checks.boolean("momentum_masking", momentum_masking)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
