@@ -100,6 +100,16 @@ def decay(name: str, value, who: str | None = None) -> Any:
   return value
 
 
+def state_type(who: str, state, cls: type, owner: str | None = None):
+  """Refuses a ``state`` that is not a ``cls``, the state ``who``'s init
+  returns (``owner`` names what built it: "this {owner}'s init"; without
+  it, "its init")."""
+  if not isinstance(state, cls):
+    init = f"this {owner}'s init" if owner else "its init"
+    raise ValueError(f"{who}: state must be the {cls.__name__} {init} "
+                     f"returned, got {type(state).__name__}")
+
+
 def static_number(name: str, value, default: float, lo: float) -> float:
   """``value`` (``default`` when None) as a finite Python float ``>= lo``
   that sets a message size: a traced value (an injected

@@ -420,10 +420,7 @@ def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
 def _check_state(state, layouts, keep_residual, use_momentum, estimates,
                  name):
   """Names what is wrong when the state does not belong to these grads."""
-  if not isinstance(state, CompressState):
-    raise ValueError(
-      f"{name}: state must be the CompressState this compressor's init "
-      f"returned, got {type(state).__name__}")
+  _checks.state_type(name, state, CompressState, "compressor")
   want = [(lay.size,) for lay in layouts]
   for field, on in (("residual", keep_residual), ("momentum", use_momentum),
                     ("estimate", estimates),

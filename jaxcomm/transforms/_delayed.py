@@ -149,9 +149,7 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
                         exchange.init(params))
 
   def update_fn(updates, state, params=None, **extra):
-    if not isinstance(state, PipeSGDState):
-      raise ValueError("pipe_sgd: state must be the PipeSGDState its init "
-                       f"returned, got {type(state).__name__}")
+    _checks.state_type("pipe_sgd", state, PipeSGDState)
     mean, inner = exchange.update(updates, state.inner, params, **extra)
     applied = _replace_floating(mean, [q[0] for q in state.pending])
     pending = [jnp.concatenate([q[1:], m[None].astype(q.dtype)])
@@ -287,9 +285,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
                       exchange.init(params))
 
   def update_fn(updates, state, params=None, **extra):
-    if not isinstance(state, StaleState):
-      raise ValueError("stale_sgd: state must be the StaleState its init "
-                       f"returned, got {type(state).__name__}")
+    _checks.state_type("stale_sgd", state, StaleState)
     n = _core.axis_size(axis)
     t = state.count
     mine = staleness(taus, tau_max, t, n, seed)[_core.axis_index(axis)]
@@ -425,9 +421,7 @@ def spy(step_size: float, l1: float, probability: float, *,
     if params is None:
       raise ValueError("jaxcomm.spy needs params: call "
                        "tx.update(grads, state, params)")
-    if not isinstance(state, SpyState):
-      raise ValueError("spy: state must be the SpyState its init returned, "
-                       f"got {type(state).__name__}")
+    _checks.state_type("spy", state, SpyState)
     g, _ = ravel_pytree(updates)
     x, unravel = ravel_pytree(params)
     x32 = x.astype(jnp.float32)

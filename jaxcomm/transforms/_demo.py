@@ -311,10 +311,7 @@ def demo(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if not isinstance(state, DeMoState):
-      raise ValueError(f"{name}: state must be the DeMoState this "
-                       f"optimizer's init returned, got "
-                       f"{type(state).__name__}")
+    _checks.state_type(name, state, DeMoState, "optimizer")
     for path, x in jax.tree_util.tree_leaves_with_path(updates):
       if _policy.is_complex(x):
         raise ValueError(

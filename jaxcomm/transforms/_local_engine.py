@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from jaxcomm import _buckets
+from jaxcomm import _checks
 from jaxcomm import _compressor
 from jaxcomm import _vma
 from jaxcomm import wire
@@ -297,10 +298,7 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
     if params is None:
       raise ValueError(f"jaxcomm.{method} needs params: call "
                        "tx.update(grads, state, params)")
-    if not isinstance(state, LocalState):
-      raise ValueError(
-        f"jaxcomm.{method}: state must be the LocalState its init returned, "
-        f"got {type(state).__name__}")
+    _checks.state_type(f"jaxcomm.{method}", state, LocalState)
     _core.check_axis(axis_name, f"jaxcomm.{method}", grads=updates)
     treedef = jax.tree.structure(params)
     p_leaves = jax.tree.leaves(params)

@@ -418,10 +418,7 @@ def onebit_adam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if not isinstance(state, OneBitAdamState):
-      raise ValueError(f"{name}: state must be the OneBitAdamState this "
-                       f"optimizer's init returned, got "
-                       f"{type(state).__name__}")
+    _checks.state_type(name, state, OneBitAdamState, "optimizer")
     flat = _check_params(name, updates, params, weight_decay, state,
                          axis_name)
 
@@ -569,10 +566,7 @@ def onebit_lamb(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if not isinstance(state, OneBitLambState):
-      raise ValueError(f"{name}: state must be the OneBitLambState this "
-                       f"optimizer's init returned, got "
-                       f"{type(state).__name__}")
+    _checks.state_type(name, state, OneBitLambState, "optimizer")
     flat = _check_params(name, updates, params, weight_decay, state,
                          axis_name)
     if params is None:
