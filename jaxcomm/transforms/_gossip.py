@@ -225,14 +225,17 @@ def check_real_params(method: str, params) -> None:
                        f"supported, got a {leaf.dtype} leaf")
 
 
-def gossip_compressor(method: str, compressor):
-  """The spec of ``compressor``, checked to have a gossip message."""
+def gossip_compressor(method: str, compressor,
+                      takes: str = "jaxcomm.topk (without value_bits), "
+                      "jaxcomm.randomk, jaxcomm.ef_signsgd, jaxcomm.stc or "
+                      "jaxcomm.sbc"):
+  """The spec of ``compressor``, checked to have a gossip message and to
+  compress from the first step (``takes``: what the refusal lists)."""
   spec = _compressor.spec_of(compressor)
   if not _codec.can_gossip(spec.codec):
     raise ValueError(
       f"compressor {spec.codec.name} has no gossip message; {method} takes "
-      "jaxcomm.topk (without value_bits), jaxcomm.randomk, "
-      "jaxcomm.ef_signsgd, jaxcomm.stc or jaxcomm.sbc")
+      f"{takes}")
   if spec.start_step:
     raise ValueError(f"compressor: {method} compresses from the first step; "
                      f"got start_step={spec.start_step}")
@@ -362,15 +365,9 @@ def choco(inner: optax.GradientTransformation, compressor, *,
     seed: seed of the PRNG key kept in the state.
   """
   _check_inner("inner", inner)
-  spec = _compressor.spec_of(compressor)
-  if not _codec.can_gossip(spec.codec):
-    raise ValueError(
-      f"compressor {spec.codec.name} has no gossip message; choco takes "
-      "jaxcomm.topk (without value_bits), jaxcomm.randomk or "
-      "jaxcomm.ef_signsgd")
-  if spec.start_step:
-    raise ValueError(f"compressor: choco compresses from the first step; "
-                     f"got start_step={spec.start_step}")
+  spec = gossip_compressor(
+    "choco", compressor, "jaxcomm.topk (without value_bits), "
+    "jaxcomm.randomk or jaxcomm.ef_signsgd")
   gamma = _checks.number("gamma", gamma, 0.0, 1.0, lo_open=True)
   _checks.choice("topology", topology, CHOCO_TOPOLOGIES)
   _checks.axis_name(axis_name)
