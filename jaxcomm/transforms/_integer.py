@@ -176,6 +176,17 @@ def _block_int(name, bits, bucket_size, exchange, error_feedback):
                           exchange=exchange)
 
 
+def _block_int_compressor(bits, bucket_size, exchange, error_feedback,
+                          axis_name, policy, options):
+  """:func:`int8` or :func:`int4` at ``bits`` bits: the compressor of
+  :func:`_block_int`'s codec."""
+  codec = _block_int(f"int{bits}", bits, bucket_size, exchange,
+                     error_feedback)
+  return _compressor.compressed(codec, axis_name=axis_name,
+                                error_feedback=error_feedback, policy=policy,
+                                **options)
+
+
 _EXCHANGE_DOC = """
   Two exchanges (``exchange``; None takes the one that moves fewer bytes
   on the step's device count: the requantized one from ``n = 2`` on):
@@ -249,10 +260,8 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     Machine Learning Acceleration <https://arxiv.org/abs/2506.17615>`_,
     2025.
   """
-  codec = _block_int("int8", 8, bucket_size, exchange, error_feedback)
-  return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy,
-                                **options)
+  return _block_int_compressor(8, bucket_size, exchange, error_feedback,
+                               axis_name, policy, options)
 
 
 @_registry.method(
@@ -299,14 +308,13 @@ def int4(bucket_size: int | None = None, *, axis_name="data",
     Machine Learning Acceleration <https://arxiv.org/abs/2506.17615>`_,
     2025.
   """
-  codec = _block_int("int4", 4, bucket_size, exchange, error_feedback)
-  return _compressor.compressed(codec, axis_name=axis_name,
-                                error_feedback=error_feedback, policy=policy,
-                                **options)
+  return _block_int_compressor(4, bucket_size, exchange, error_feedback,
+                               axis_name, policy, options)
 
 
-int8.__doc__ = int8.__doc__.replace("{exchange}", _EXCHANGE_DOC)
-int4.__doc__ = int4.__doc__.replace("{exchange}", _EXCHANGE_DOC)
+for _f in (int8, int4):
+  _f.__doc__ = _f.__doc__.replace("{exchange}", _EXCHANGE_DOC)
+del _f
 
 
 def _uint8_span(S):
