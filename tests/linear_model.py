@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import parallel
+from jaxcomm import wire
 
 N = 8
 B = 4          # examples per device per step
@@ -63,6 +64,19 @@ def run(tx, steps, batches=None, mesh=None, n=N):
     jax.block_until_ready(p)
     history.append((jax.tree.map(rows, p), s, m))
   return dp, p, s, history
+
+
+def assert_collectives_only_in_sync(tx, n=N):
+  """``tx``'s compiled step on ``n`` devices holds collectives only inside
+  the conditional's branches, and they are what ``wire.claimed`` lists."""
+  dp = parallel.DataParallel(loss_fn, tx, parallel.make_mesh(n),
+                             donate=False)
+  p, s = dp.init(params())
+  compiled = dp.lower(p, s, dp.shard_batch(make_batches(1, n=n)[0])
+                      ).compile()
+  assert wire.collectives(compiled, outside_branches=True) == []
+  got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
+  assert got == sorted(wire.claimed(tx, params(), n)), got
 
 
 def device_slices(x, y, n=N):

@@ -261,14 +261,7 @@ def test_no_collective_outside_the_sync_branch(name):
   """The compiled step holds collectives only inside the conditional's
   sync branches (a step that does not sync moves nothing), and they are
   what ``wire.claimed`` lists for one sync of every fragment."""
-  tx = _methods()[name]
-  mesh = parallel.make_mesh(N)
-  dp = parallel.DataParallel(L.loss_fn, tx, mesh, donate=False)
-  p, s = dp.init(L.params())
-  compiled = dp.lower(p, s, dp.shard_batch(L.make_batches(1)[0])).compile()
-  assert wire.collectives(compiled, outside_branches=True) == []
-  got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
-  assert got == sorted(wire.claimed(tx, L.params(), N)), got
+  L.assert_collectives_only_in_sync(_methods()[name])
 
 
 def test_nan_on_one_device_between_syncs_is_skipped_there():
