@@ -5,6 +5,7 @@ tests replay in plain numpy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxcomm import parallel
 from jaxcomm import wire
@@ -77,6 +78,30 @@ def assert_collectives_only_in_sync(tx, n=N):
   assert wire.collectives(compiled, outside_branches=True) == []
   got = sorted((op.kind, op.payload) for op in wire.collectives(compiled))
   assert got == sorted(wire.claimed(tx, params(), n)), got
+
+
+def resize_run(dp, p, s, n):
+  """A run's params and state on the host (one row per device), and both
+  resized to ``n`` devices: (host params, host state, new params, new
+  state)."""
+  host_p = jax.tree.map(rows, p)
+  host_s = jax.tree.map(rows, jax.device_get(s))
+  return (host_p, host_s, parallel.resize_params(host_p, n),
+          parallel.resize_state(host_s, dp.layout, n))
+
+
+def place(tx, host_p, host_s, n):
+  """A DataParallel of ``tx`` on the first ``n`` devices, with host params
+  and state (one row per device) placed on it: (dp, params, state)."""
+  mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  dp = parallel.DataParallel(loss_fn, tx, mesh, donate=False)
+  dp.init(params())
+  p = dp.place_params(host_p)
+  s = jax.tree.map(
+    lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
+      mesh, P("data") if b else P())), host_s, dp.layout)
+  return dp, p, s
 
 
 def device_slices(x, y, n=N):

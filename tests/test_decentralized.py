@@ -417,10 +417,7 @@ def test_gossip_memory_restarts_on_resize(make):
   for SGP: the directed one names 8 devices)."""
   tx = make()
   dp, p, s, _ = L.run(tx, 3)
-  host_p = jax.tree.map(L.rows, p)
-  host_s = jax.tree.map(L.rows, jax.device_get(s))
-  new_p = parallel.resize_params(host_p, 4)
-  new_s = parallel.resize_state(host_s, dp.layout, 4)
+  host_p, host_s, new_p, new_s = L.resize_run(dp, p, s, 4)
   for k in host_p:
     np.testing.assert_allclose(new_p[k].mean(0), host_p[k].mean(0),
                                rtol=1e-6, atol=1e-7)
@@ -441,14 +438,7 @@ def test_gossip_memory_restarts_on_resize(make):
     assert not np.allclose(host_s.compress.weight, 1.0)
     np.testing.assert_array_equal(cs.weight, np.ones(4, np.float32))
     tx4 = jaxcomm.sgp(optax.sgd(0.05, momentum=0.9))
-  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
-                        axis_types=(jax.sharding.AxisType.Auto,))
-  dp4 = parallel.DataParallel(L.loss_fn, tx4, mesh4, donate=False)
-  dp4.init(L.params())
-  p4 = dp4.place_params(new_p)
-  s4 = jax.tree.map(
-    lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
-      mesh4, P("data") if b else P())), new_s, dp4.layout)
+  dp4, p4, s4 = L.place(tx4, new_p, new_s, 4)
   for t in range(3):
     p4, s4, _ = dp4.step(p4, s4, L.make_batches(3, seed=7, n=4)[t])
     jax.block_until_ready(p4)

@@ -291,23 +291,12 @@ def test_resize_keeps_the_average_model():
   averaged in pairs (the device average is kept), and training goes on."""
   tx = jaxcomm.local_sgd(optax.sgd(0.05, momentum=0.9), 8)
   dp, p, s, _ = L.run(tx, 3)
-  host_p = jax.tree.map(L.rows, p)
-  host_s = jax.tree.map(L.rows, jax.device_get(s))
-  new_p = parallel.resize_params(host_p, 4)
-  new_s = parallel.resize_state(host_s, dp.layout, 4)
+  host_p, _, new_p, new_s = L.resize_run(dp, p, s, 4)
   for k in host_p:
     assert new_p[k].shape[0] == 4
     np.testing.assert_allclose(new_p[k].mean(0), host_p[k].mean(0),
                                rtol=1e-6, atol=1e-7)
-  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
-                        axis_types=(jax.sharding.AxisType.Auto,))
-  dp4 = parallel.DataParallel(L.loss_fn, tx, mesh4, donate=False)
-  dp4.init(L.params())
-  p4 = dp4.place_params(new_p)
-  s4 = jax.tree.map(
-    lambda v, b: parallel._global(v, jax.sharding.NamedSharding(
-      mesh4, jax.sharding.PartitionSpec("data") if b
-      else jax.sharding.PartitionSpec())), new_s, dp4.layout)
+  dp4, p4, s4 = L.place(tx, new_p, new_s, 4)
   for t in range(5):  # count 4 -> 8: a sync at 8
     p4, s4, _ = dp4.step(p4, s4, L.make_batches(5, seed=7, n=4)[t])
   assert L.agree(jax.tree.map(L.rows, p4))
