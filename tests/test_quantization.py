@@ -86,13 +86,15 @@ def test_noise_is_independent_per_device(mesh):
 # -------------------------------------------------------------- onebit --
 
 
-def test_onebit_server_error_closes_the_mass_balance(mesh):
-  """Without the server error the balance is off by a visible amount."""
-  tx = jaxcomm.onebit()
+def _server_error_closes_the_mass_balance(mesh, tx, server_mass):
+  """Three steps of ``tx``: the mass balance (what was applied plus the
+  devices' residuals against what the devices computed) is off by a
+  visible amount without ``server_mass(state)`` (one array per compressed
+  leaf), and closes with it."""
   grads = harness.make_grads(seed=1, steps=3)
   updates, state, _ = harness.device_run(tx, mesh, grads)
   res = harness.residuals_of(state)
-  extra = entries_quantization._onebit_extra_mass(state)
+  extra = server_mass(state)
   for j, k in enumerate(harness.COMPRESSED):
     total = sum(np.asarray(g[k], np.float64).sum(axis=0) for g in grads)
     applied = harness.N * sum(np.asarray(u[k], np.float64) for u in updates)
@@ -100,6 +102,12 @@ def test_onebit_server_error_closes_the_mass_balance(mesh):
     scale = np.abs(total).max()
     assert np.abs(partial - total).max() > 1e-2 * scale
     np.testing.assert_allclose(partial + extra[j], total, atol=1e-4 * scale)
+
+
+def test_onebit_server_error_closes_the_mass_balance(mesh):
+  """Without the server error the balance is off by a visible amount."""
+  _server_error_closes_the_mass_balance(
+    mesh, jaxcomm.onebit(), entries_quantization._onebit_extra_mass)
 
 
 def test_onebit_server_error_lives_on_the_chunk_owner(mesh):
@@ -620,20 +628,13 @@ def test_exchange_none_takes_the_cheaper_one_per_device_count(factory,
 def test_requantized_server_error_closes_the_mass_balance(mesh):
   """Without the owners' server error the balance is off by a visible
   amount; with it, it closes."""
-  tx = jaxcomm.int4(exchange="requantized")
-  grads = harness.make_grads(seed=1, steps=3)
-  updates, state, _ = harness.device_run(tx, mesh, grads)
-  res = harness.residuals_of(state)
-  err = np.asarray(entries_quantization.codec_state(state).server_error,
-                   np.float64).sum(axis=0)
-  extra = [err[:1152].reshape(3, 3, 8, 16), err[1152:].reshape(64, 48)]
-  for j, k in enumerate(harness.COMPRESSED):
-    total = sum(np.asarray(g[k], np.float64).sum(axis=0) for g in grads)
-    applied = harness.N * sum(np.asarray(u[k], np.float64) for u in updates)
-    partial = applied + res[j].astype(np.float64).sum(axis=0)
-    scale = np.abs(total).max()
-    assert np.abs(partial - total).max() > 1e-2 * scale
-    np.testing.assert_allclose(partial + extra[j], total, atol=1e-4 * scale)
+  def owners(state):
+    err = np.asarray(entries_quantization.codec_state(state).server_error,
+                     np.float64).sum(axis=0)
+    return [err[:1152].reshape(3, 3, 8, 16), err[1152:].reshape(64, 48)]
+
+  _server_error_closes_the_mass_balance(
+    mesh, jaxcomm.int4(exchange="requantized"), owners)
 
 
 @pytest.mark.parametrize("bound", [7, 127])
