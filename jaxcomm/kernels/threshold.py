@@ -57,16 +57,28 @@ def threshold_select_reference(x: jax.Array, threshold, capacity: int
   return values, indices, count
 
 
+def pack_bits(mask: jax.Array) -> jax.Array:
+  """A flat bool mask packed into ``uint32`` words in bitpack's bit order
+  (bit ``j`` of word ``w`` is element ``32 w + j``; zero padding bits).
+
+  The 32 neighbours of a word are gathered as the rows of a ``[32, W]``
+  byte array (words in the minor dimension) from a mask held as bytes
+  behind an optimization barrier. Reshaped to ``[W, 32]`` instead, the
+  compiler moves the reshape into the mask's producers, and the TPU tiles
+  their minor dimension of 32 to 128 lanes: DGC's step on the 8.4M MLP
+  (v5e, 2 slices) held three ``f32[65568, 32]`` arrays, 124.4 MiB of
+  temporaries against 4.4 MiB this way (the plain step: 12.9).
+  """
+  m = jnp.pad(mask.astype(jnp.uint8), (0, (-mask.shape[0]) % 32))
+  cols = lax.optimization_barrier(m).reshape(-1, 32).T.astype(jnp.uint32)
+  shifts = jnp.arange(32, dtype=jnp.uint32)[:, None]
+  return lax.reduce(cols << shifts, jnp.uint32(0), lax.bitwise_or, (0,))
+
+
 @jax.jit
 def threshold_mask_reference(x: jax.Array, threshold) -> jax.Array:
   """``|x| >= threshold`` packed into ``uint32`` words (bitpack bit order)."""
-  x = _flat(x)
-  length = x.shape[0]
-  words = bitpack.num_words(length)
-  bits = _above(x, threshold).astype(jnp.uint32)
-  bits = jnp.pad(bits, (0, words * 32 - length)).reshape(words, 32)
-  shifts = jnp.arange(32, dtype=jnp.uint32)
-  return lax.reduce(bits << shifts, jnp.uint32(0), lax.bitwise_or, (1,))
+  return pack_bits(_above(_flat(x), threshold))
 
 
 def _threshold_mask_kernel(t_ref, x_ref, o_ref):

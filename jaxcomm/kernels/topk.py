@@ -98,6 +98,7 @@ from jaxcomm.kernels import bitpack
 from jaxcomm.kernels.threshold import _flat
 from jaxcomm.kernels.threshold import compact_from_mask  # noqa: F401
 from jaxcomm.kernels.threshold import compact_segments
+from jaxcomm.kernels.threshold import pack_bits
 from jaxcomm.kernels.threshold import segment_counts
 from jaxcomm.kernels.threshold import segment_ids
 from jaxcomm.kernels.threshold import threshold_mask  # noqa: F401
@@ -307,10 +308,7 @@ def topk_abs_bracketed(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def pack_mask(mask: jax.Array) -> jax.Array:
   """A flat bool mask packed into ``uint32`` words (bitpack's bit order,
   zero padding bits)."""
-  m = jnp.pad(mask.astype(jnp.uint32), (0, (-mask.shape[0]) % 32))
-  shifts = jnp.arange(32, dtype=jnp.uint32)
-  return lax.reduce(m.reshape(-1, 32) << shifts, jnp.uint32(0),
-                    lax.bitwise_or, (1,))
+  return pack_bits(mask)
 
 
 def topk_abs_segments(x: jax.Array, groups) -> list:
