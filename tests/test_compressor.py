@@ -256,7 +256,7 @@ def test_required_arguments_are_the_registry_defaults():
   from jaxcomm import transforms  # pylint: disable=import-outside-toplevel
   public = {n for n in dir(transforms) if not n.startswith("_")
             and inspect.isfunction(getattr(transforms, n))}
-  helpers = {"apply_updates", "local_states"}
+  helpers = {"apply_updates", "local_states", "lupa_increment"}
   assert public == {m.attr for m in jaxcomm.registry.methods()} | helpers
 
 

@@ -113,7 +113,8 @@ def hierarchical_sgd(inner: optax.GradientTransformation, period: int,
     global_period: steps between global averages (``H_g``), a multiple of
       ``period``.
     compressor: a jaxcomm compressor on the ``slow`` axis, or None.
-    axis_name: ``(slow, fast)``, two distinct mesh axis names.
+    axis_name: ``(slow, fast)``, two distinct mesh axis names, or None
+      (one device, no exchange).
 
   Example::
 
@@ -128,12 +129,15 @@ def hierarchical_sgd(inner: optax.GradientTransformation, period: int,
   if global_period % period:
     raise ValueError(f"global_period must be a multiple of period="
                      f"{period}, got {global_period}")
-  if (not isinstance(axis_name, tuple) or len(axis_name) != 2
-      or not all(isinstance(a, str) and a for a in axis_name)
-      or axis_name[0] == axis_name[1]):
+  if axis_name is None:
+    slow = fast = None          # one device: every sync is the identity
+  elif (not isinstance(axis_name, tuple) or len(axis_name) != 2
+        or not all(isinstance(a, str) and a for a in axis_name)
+        or axis_name[0] == axis_name[1]):
     raise ValueError("axis_name must be (slow, fast), two distinct mesh "
-                     f"axis names, got {axis_name!r}")
-  slow, fast = axis_name
+                     f"axis names, or None (one device), got {axis_name!r}")
+  else:
+    slow, fast = axis_name
   if compressor is not None:
     spec = _compressor.spec_of(compressor)   # named if not a compressor
     if spec.axis_name != slow:

@@ -96,9 +96,12 @@ class OverTheAirCodec(_codec.CodecBase):
 
 
 def _args(snr_db, threshold):
-  snr_db = float(_checks.number("snr_db", snr_db))
-  threshold = float(_checks.number("threshold", threshold, 0.0))
-  return snr_db, threshold
+  # Python floats, or tracers under optax.inject_hyperparams (kept as
+  # they are: both enter the channel only as array arithmetic).
+  def real(v):
+    return v if isinstance(v, jax.core.Tracer) else float(v)
+  return (real(_checks.number("snr_db", snr_db)),
+          real(_checks.number("threshold", threshold, 0.0)))
 
 
 @_registry.method(
