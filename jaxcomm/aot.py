@@ -211,6 +211,93 @@ def backward_after_first_send(compiled_or_text: Any) -> float | None:
   return after / total
 
 
+# Opcodes that move data between devices (their -start/-done halves,
+# send/recv and host transfers included, by prefix).
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+                   "collective-permute", "collective-broadcast", "send",
+                   "recv", "ragged-all-to-all")
+
+
+def _hlo_graph(text: str):
+  """``(entry, {computation: {instruction: (opcode, refs, line)}})`` of an
+  HLO module's text; ``refs``: every ``%name`` the instruction mentions
+  (operands and called computations)."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
+    if head:
+      cur = head.group(2)
+      comps[cur] = {}
+      if head.group(1):
+        entry = cur
+      continue
+    ins = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$", line)
+    if ins and cur is not None:
+      rhs = ins.group(2)
+      op = re.search(r"(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(", rhs)
+      comps[cur][ins.group(1)] = (op.group(1) if op else "",
+                                  re.findall(r"%([\w.\-]+)", rhs), line)
+  return entry, comps
+
+
+def collective_dependence(compiled_or_text: Any, *,
+                          cross_slice: bool = False) -> list[bool]:
+  """For each output of a compiled program (the entry's ROOT tuple, in
+  order: the flattened outputs), whether it depends on a collective,
+  directly or through a computation that issues one (a fusion, an async
+  wrapper, a loop body, a conditional branch).
+
+  An output that depends on none can be computed before any exchange of
+  the step completes: Pipe-SGD's new params (``jaxcomm.pipe_sgd``) read
+  only the previous step's average.
+
+  Args:
+    compiled_or_text: a compiled program or its HLO text.
+    cross_slice: count only what crosses slices (TPU: ``send``/``recv``
+      with ``is_host_transfer=true``), not collectives inside a slice
+      (the sharded step's mean of a replicated leaf over its copies).
+  """
+  def moves(op, line):
+    if cross_slice:
+      return op.startswith(("send", "recv")) and (
+        "is_host_transfer=true" in line)
+    return op.startswith(_COLLECTIVE_OPS)
+
+  text = (compiled_or_text if isinstance(compiled_or_text, str)
+          else compiled_or_text.as_text())
+  entry, comps = _hlo_graph(text)
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  issues: dict[str, bool] = {}
+
+  def issues_collective(comp, seen=()):
+    if comp not in issues:
+      issues[comp] = any(
+        moves(op, line) or any(
+          r in comps and r not in seen
+          and issues_collective(r, seen + (comp,)) for r in refs)
+        for op, refs, line in comps[comp].values())
+    return issues[comp]
+
+  body = comps[entry]
+  memo: dict[str, bool] = {}
+
+  def depends(name):
+    if name not in memo:
+      memo[name] = False
+      op, refs, line = body[name]
+      memo[name] = moves(op, line) or any(
+        (r in comps and issues_collective(r)) or (r in body and depends(r))
+        for r in refs)
+    return memo[name]
+
+  root = [line for _, _, line in body.values() if "ROOT" in line][0]
+  if " tuple(" not in root:
+    return [depends(re.match(r"^\s+ROOT %([\w.\-]+)", root).group(1))]
+  args = root[root.index(" tuple(") + len(" tuple("):].split(")")[0]
+  return [depends(o) for o in re.findall(r"%([\w.\-]+)", args)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Figures:
   """What a compiled step says, per chip (bytes unless named).

@@ -4,7 +4,6 @@ the papers' updates, the compiled schedule (Pipe-SGD's new params depend on
 no collective), wire bytes from the HLO, bit-identical resumption through
 orbax, and bad arguments refused by name."""
 
-import re
 
 import chex
 import jax
@@ -15,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
+from jaxcomm import aot
 from jaxcomm import parallel
 from tests import harness
 from tests import linear_model as lm
@@ -221,64 +221,6 @@ def test_spy_is_the_papers_update(mesh, identify):
 
 # ------------------------------------------------------- compiled HLO ----
 
-_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
-                "collective-permute")
-
-
-def _hlo_graph(text):
-  """(entry name, {computation: {instruction: (opcode, refs)}}) of an HLO
-  module's text; refs are every %name the instruction mentions."""
-  comps, entry, cur = {}, None, None
-  for line in text.splitlines():
-    head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
-    if head:
-      cur = head.group(2)
-      comps[cur] = {}
-      if head.group(1):
-        entry = cur
-      continue
-    ins = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$", line)
-    if ins and cur is not None:
-      rhs = ins.group(2)
-      op = re.search(r"(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(", rhs)
-      comps[cur][ins.group(1)] = (op.group(1) if op else "",
-                                  re.findall(r"%([\w.\-]+)", rhs), line)
-  return entry, comps
-
-
-def _collective_dependence(text):
-  """For each output of the entry's ROOT tuple, whether it depends on a
-  collective (directly, or through a computation that issues one)."""
-  entry, comps = _hlo_graph(text)
-  issues = {}
-
-  def issues_collective(comp, seen=()):
-    if comp not in issues:
-      issues[comp] = any(
-        op.startswith(_COLLECTIVES) or any(
-          r in comps and r not in seen and issues_collective(r, seen + (comp,))
-          for r in refs)
-        for op, refs, _ in comps[comp].values())
-    return issues[comp]
-
-  body = comps[entry]
-  memo = {}
-
-  def depends(name):
-    if name not in memo:
-      memo[name] = False
-      op, refs, _ = body[name]
-      memo[name] = op.startswith(_COLLECTIVES) or any(
-        (r in comps and issues_collective(r)) or (r in body and depends(r))
-        for r in refs)
-    return memo[name]
-
-  root = [line for _, _, line in body.values() if "ROOT" in line][0]
-  args = root[root.index(" tuple(") + len(" tuple("):].split(")")[0]
-  outs = re.findall(r"%([\w.\-]+)", args)
-  return [depends(o) for o in outs]
-
-
 def _step_outputs(tx):
   """The compiled DataParallel step of ``tx`` on the linear model, its
   per-output collective dependence and the number of param leaves."""
@@ -286,7 +228,7 @@ def _step_outputs(tx):
   dp = parallel.DataParallel(lm.loss_fn, tx, mesh, donate=False)
   p, s = dp.init(lm.params())
   text = dp.lower(p, s, lm.make_batches(1)[0]).compile().as_text()
-  return _collective_dependence(text), len(jax.tree.leaves(p)), s
+  return aot.collective_dependence(text), len(jax.tree.leaves(p)), s
 
 
 def test_pipe_sgd_new_params_depend_on_no_collective():

@@ -328,6 +328,59 @@ def test_backward_after_first_send_reads_the_schedule():
                                        ) is None
 
 
+def test_collective_dependence_reads_outputs_through_calls():
+  """Against a hand-written module: an output fed by a send's done, one
+  fed by a fusion whose computation holds an all-reduce, one fed by
+  neither."""
+  text = "\n".join([
+    "HloModule m", "%sum (a: f32[8]) -> f32[8] {",
+    "  %a = f32[8] parameter(0)",
+    "  ROOT %r = f32[8] all-reduce(%a), to_apply=%add", "}",
+    "ENTRY %main (p: f32[8]) -> (f32[8], f32[8], f32[8]) {",
+    "  %p = f32[8] parameter(0)",
+    "  %s = (f32[8], u32[], token[]) send(%p, %t), is_host_transfer=true",
+    "  %d = token[] send-done(%s)",
+    "  %x = f32[8] add(%p, %d)",
+    "  %y = f32[8] fusion(%p), kind=kLoop, calls=%sum",
+    "  %z = f32[8] multiply(%p, %p)",
+    "  ROOT %t2 = (f32[8], f32[8], f32[8]) tuple(%x, %y, %z)", "}"])
+  assert aot.collective_dependence(text) == [True, True, False]
+  assert aot.collective_dependence(text, cross_slice=True) == [
+    True, False, False]
+
+
+@pytest.mark.parametrize("mode", ("sharded", "block"))
+def test_pipe_sgd_update_waits_on_no_cross_slice_transfer(mode):
+  """Pipe-SGD compiled for two TPU slices: the new params read only the
+  previous step's average, so the weights depend on no cross-slice
+  send/recv (the exchange flows into the state's pending average alone);
+  int8 alone makes every param wait. The bytes crossing are int8's claim,
+  as for int8 alone."""
+  gen = "v5e" if mode == "sharded" else "v6e"
+  loss_fn, params, batch, specs = _model(gen, mode)
+  n_params = len(jax.tree.leaves(params))
+  for tx, waits in ((jaxcomm.int8(axis_name="dcn"), True),
+                    (jaxcomm.pipe_sgd(jaxcomm.int8(axis_name="dcn")), False)):
+    dp = parallel.DataParallel(
+      loss_fn, optax.chain(tx, optax.sgd(0.1)), _mesh(gen), axis_name="dcn",
+      auto_axes=("fsdp",) if mode == "sharded" else (), donate=False)
+    p, state = dp.init(params)
+    compiled, secs = aot.compile_lowered(dp.lower(p, state, batch))
+    deps = aot.collective_dependence(compiled, cross_slice=True)
+    # Outputs in tree order: b, w1, w2. The weights (compressed leaves)
+    # read the pending average only. The replicated bias is sent dense;
+    # in the sharded step the compiler combines its mean over fsdp with
+    # the reduction of the step's non-finite flag (summed across slices)
+    # into one all-reduce, so there it waits on that 4-byte flag.
+    assert deps[1:n_params] == [waits] * (n_params - 1), (mode, waits, deps)
+    if mode == "block" or waits:
+      assert deps[0] == waits, (mode, waits, deps)
+    fig = aot.analyze(compiled, secs, slices=SLICES)
+    claim = _claim(tx, params, specs, gen, mode)
+    assert fig.transfers
+    assert abs(fig.crossing - claim) <= 2 * SCALARS * len(fig.transfers)
+
+
 def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
   """``python -m jaxcomm.aot`` on the MLP: the plain step's and bf16's
   figures; bf16 crosses half the plain step's bytes (the all-to-all's
