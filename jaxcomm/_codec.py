@@ -210,6 +210,10 @@ class CodecBase:
   mean_of_sent: ClassVar[bool] = True
   unbiased: ClassVar[bool] = False
   wants_gradient: ClassVar[bool] = False
+  # When the bytes on the wire depend on the data (a collective that runs
+  # only on some steps, decided by the values), what ``wire`` assumes, for
+  # tables; "" when they do not.
+  wire_condition: ClassVar[str] = ""
 
   def init(self, layout) -> Any:
     del layout

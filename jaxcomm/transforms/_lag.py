@@ -83,6 +83,8 @@ class LagCodec(_codec.CodecBase):
       state=LagState(g.astype(jnp.float32),
                      state.sent_steps + send.astype(jnp.int32), senders))
 
+  wire_condition = "on a step where any device sends"
+
   def wire(self, layout, n):
     # Both collectives the compiled step holds; the second runs only on
     # steps where some device sends (LagState.senders > 0).
