@@ -934,3 +934,137 @@ registry.register(registry.Entry(
   kwargs={"ratio": 0.05, "backward_seconds": 0.1},
   bad_args=_MGS_BAD,
 ))
+
+
+# ------------------------------------------- variance-based (Tsuzuku) ----
+
+def variance_capacity_ref(size, capacity_ratio):
+  """Words of a bucket's message: ``max(1, ceil(ratio * L))``, at most L."""
+  return min(size, max(1, math.ceil(capacity_ratio * size * (1 - 1e-9))))
+
+
+def _nearest_pow2_exponent(x32):
+  """Biased float32 exponent of the power of two nearest ``|x|`` (ties
+  up, at most 254); 0 for zeros and subnormals."""
+  bits = np.abs(x32).astype(np.float32).view(np.int32)
+  e = bits >> 23
+  up = ((bits & 0x7FFFFF) >= 0x400000).astype(np.int32)
+  return np.where(e == 0, 0, np.minimum(e + up, 254))
+
+
+def variance_bucket_ref(xs, vs, ss, alpha, zeta, capacity_ratio,
+                        exponent_bits):
+  """Tsuzuku et al. 2018 on one device's bucket (leaves in bucket order):
+  ``v = zeta^2 v + s``; candidates ``alpha v < r^2`` (``r = x``); ``|r|``
+  rounded to the nearest power of two ``2^k``; per leaf ``E`` the largest
+  ``k`` of its candidates, code ``E - k`` below ``2^exponent_bits``; at
+  most the capacity, the largest ``2^k`` first (equal ones by position);
+  sent ``sign(r) 2^k``; ``v = 0`` where sent. All in float32 arithmetic,
+  as the transform's. Returns (sent per leaf (float64), new v per leaf
+  (float32), count meeting the criterion with a code)."""
+  f32 = np.float32
+  sizes = [x.size for x in xs]
+  x = np.concatenate([np.asarray(a, f32).ravel() for a in xs])
+  v = np.concatenate([np.asarray(a, f32).ravel() for a in vs])
+  s = np.concatenate([np.asarray(a, f32).ravel() for a in ss])
+  if float(zeta) != 1.0:
+    z = f32(zeta)
+    v = (f32(z * z) * v).astype(f32)
+  v = (v + s).astype(f32)
+  k = _nearest_pow2_exponent(x)
+  cand = (f32(alpha) * v < x * x) & (k > 0)
+  code = np.zeros(x.size, np.int64)
+  start = 0
+  for size in sizes:
+    seg = slice(start, start + size)
+    top = k[seg][cand[seg]].max() if cand[seg].any() else 0
+    code[seg] = top - k[seg]
+    start += size
+  ok = cand & (code < 2 ** exponent_bits)
+  chosen = np.flatnonzero(ok)
+  cap = variance_capacity_ref(x.size, capacity_ratio)
+  if chosen.size > cap:
+    # The largest powers of two first, then the lower positions.
+    order = np.lexsort((chosen, -k[chosen]))
+    chosen = chosen[order[:cap]]
+  sent = np.zeros(x.size)
+  sent[chosen] = np.sign(x[chosen]) * np.ldexp(1.0, k[chosen] - 127)
+  v[chosen] = 0.0
+  out_s, out_v, start = [], [], 0
+  for a, size in zip(xs, sizes):
+    out_s.append(sent[start:start + size].reshape(np.shape(a)))
+    out_v.append(v[start:start + size].reshape(np.shape(a)))
+    start += size
+  return out_s, out_v, int(ok.sum())
+
+
+def variance_run_ref(alpha, zeta, capacity_ratio, exponent_bits,
+                     comp=("conv", "w"), dense=("b",)):
+  """The whole loop (``r = zeta e + g`` in float32, as compressed() forms
+  it; the codec's ``v`` per device): ``run(grads_seq, n, variances=None)``
+  with ``variances[t]`` the handed ``grad_variance`` trees (None: each
+  device's ``g^2``, the statistic the codec forms without one). Returns
+  (updates, residuals, sent) as ``Entry.numpy_run``, and keeps the last
+  ``v`` and counts in ``run.last``."""
+  f32 = np.float32
+
+  def run(grads_seq, n, variances=None):
+    shapes = [np.shape(grads_seq[0][k])[1:] for k in comp]
+    res = [[np.zeros(s, f32) for s in shapes] for _ in range(n)]
+    var = [[np.zeros(s, f32) for s in shapes] for _ in range(n)]
+    out, sent_all, counts = [], [], []
+    for t, grads in enumerate(grads_seq):
+      sent, step_counts = [], []
+      for i in range(n):
+        gs = [np.asarray(grads[k][i], f32) for k in comp]
+        if variances is None:
+          ss = [(g * g).astype(f32) for g in gs]
+        else:
+          ss = [np.asarray(variances[t][k][i], f32) for k in comp]
+        es = res[i] if float(zeta) == 1.0 else [
+          (f32(zeta) * e).astype(f32) for e in res[i]]
+        xs = [(e + g).astype(f32) for e, g in zip(es, gs)]
+        dev, var[i], count = variance_bucket_ref(
+          xs, var[i], ss, alpha, zeta, capacity_ratio, exponent_bits)
+        res[i] = [(x - s).astype(f32) for x, s in zip(xs, dev)]
+        sent.append(dev)
+        step_counts.append(count)
+      upd = {k: sum(sent[i][j] for i in range(n)) / n
+             for j, k in enumerate(comp)}
+      for k in dense:
+        upd[k] = np.asarray(grads[k], np.float64).mean(axis=0)
+      out.append(upd)
+      sent_all.append(sent)
+      counts.append(step_counts)
+    run.last = {"variance": var, "selected": counts}
+    return out, [[r.astype(np.float64) for r in dev] for dev in res], \
+      sent_all
+  return run
+
+
+def _variance_no_ref_step(xs, state, t, key, n):
+  raise AssertionError("variance_sparsification's reference is its "
+                       "numpy_run (its statistic needs g)")
+
+
+registry.register(registry.Entry(
+  # Without a handed grad_variance the codec's statistic is each device's
+  # g^2 (its step's gradient as the batch's one sample); the reference
+  # forms the same from the gradients (numpy_run: ref_step sees only x).
+  # alpha 0.5 sends at the first step (r^2 = g^2 > 0.5 v); the capacity
+  # (10% of the bucket) binds at the steps after.
+  name="variance_sparsification",
+  ref_init=lambda shapes: None,
+  ref_step=_variance_no_ref_step,
+  numpy_run=variance_run_ref(0.5, 1.0, 0.1, 3),
+  factory=jaxcomm.variance_sparsification,
+  kwargs={"alpha": 0.5, "capacity_ratio": 0.1, "exponent_bits": 3,
+          "residual_decay": 1.0},
+  bad_args=[({"alpha": -1.0}, "alpha"), ({"alpha": float("nan")}, "alpha"),
+            ({"capacity_ratio": 0.0}, "capacity_ratio"),
+            ({"capacity_ratio": 1.5}, "capacity_ratio"),
+            ({"exponent_bits": 0}, "exponent_bits"),
+            ({"exponent_bits": 9}, "exponent_bits"),
+            ({"residual_decay": 1.5}, "residual_decay"),
+            ({"error_feedback": False}, "error_feedback")],
+))

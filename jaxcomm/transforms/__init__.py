@@ -43,6 +43,7 @@ from jaxcomm.transforms import _sparcml
 from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms import _squarm
 from jaxcomm.transforms import _ternary
+from jaxcomm.transforms import _variance
 from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._adacomp import *
 from jaxcomm.transforms._atomo import *
@@ -81,6 +82,7 @@ from jaxcomm.transforms._sparcml import *
 from jaxcomm.transforms._sparsification import *
 from jaxcomm.transforms._squarm import *
 from jaxcomm.transforms._ternary import *
+from jaxcomm.transforms._variance import *
 from jaxcomm.transforms._zero_one_adam import *
 
 __all__ = []
@@ -121,4 +123,5 @@ __all__ += _sketch.__all__
 __all__ += _sparsification.__all__
 __all__ += _squarm.__all__
 __all__ += _ternary.__all__
+__all__ += _variance.__all__
 __all__ += _zero_one_adam.__all__
