@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomm import _checks
@@ -22,6 +21,7 @@ from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _gossip as _gossip_collectives
 from jaxcomm.transforms import _gossip
+from jaxcomm.transforms import _local_engine
 from jaxcomm.transforms import _sparsification
 from jaxcomm.transforms._local_engine import LocalState
 from jaxcomm.transforms._local_engine import _check_inner
@@ -218,18 +218,22 @@ def squarm(inner: optax.GradientTransformation, compressor=None, *,
         mixed = tuple(m + q for m, q in zip(cs.mixed, mixed_q))
         new_x = tuple(h + gamma * (m - p)
                       for h, m, p in zip(hs, mixed, public))
-        return (new_x, public, mixed, _core.pvary(fire.astype(jnp.int32), axis_name), zero + 1)
+        sent = _core.pvary(fire.astype(jnp.int32), axis_name)
+        return new_x, public, mixed, sent, zero + 1
 
       def quiet(_):
         return hs, public0, mixed0, zero, zero
 
-      return jax.lax.cond(fired, send, quiet, None)
+      return _local_engine.switch(fired.astype(jnp.int32), [quiet, send],
+                                  None)
 
     def idle(_):
       return hs, public0, mixed0, zero, zero
 
-    new_x, public, mixed, sent, ran = jax.lax.cond(
-      (count + 1) % period == 0, talk, idle, None)
+    # Branches typed alike (any extra manual mesh axis included: a
+    # block-mode step varies over the model axes too).
+    new_x, public, mixed, sent, ran = _local_engine.switch(
+      ((count + 1) % period == 0).astype(jnp.int32), [idle, talk], None)
     return _gossip.from_buffers(spec, params, list(new_x)), LocalState(
       count=count + 1, anchor=(), synced=(), inner=inner_new,
       skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
