@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import aot
 from jaxcomm import parallel
+from tests import harness
 from tests import registry
 
 # libtpu is published for Linux x86_64 (pyproject's test extra).
@@ -326,6 +327,64 @@ def test_backward_after_first_send_reads_the_schedule():
   assert aot.backward_after_first_send(text) == pytest.approx(0.3)
   assert aot.backward_after_first_send(text.replace(" send(", " copy(")
                                        ) is None
+
+
+LOCAL_NAMES = [m.name for m in jaxcomm.registry.methods("local")
+               if m.name != "hierarchical_sgd"]
+
+
+@pytest.mark.parametrize("name", LOCAL_NAMES)
+def test_local_and_gossip_steps_compile_for_tpu_and_cross_as_claimed(name):
+  """Every local-update and decentralized method's step (sync and gossip
+  branches included), block mode on two v6e slices: it compiles, and the
+  bytes crossing the slices are its claim (every branch the program
+  holds) within two tiles a transfer."""
+  m = jaxcomm.registry.get(name)
+  args = {k: v for k, v in harness.required_args(m).items() if k != "inner"}
+  tx = m.factory(optax.sgd(0.1), **args, axis_name="dcn")
+  loss_fn, params, batch, specs = _model("v6e", "block")
+  dp = parallel.DataParallel(loss_fn, tx, _mesh("v6e"), axis_name="dcn",
+                             auto_axes=(), donate=False)
+  p, state = dp.init(params)
+  compiled, secs = aot.compile_lowered(dp.lower(p, state, batch))
+  fig = aot.analyze(compiled, secs, slices=SLICES)
+  claim = _claim(tx, params, specs, "v6e", "block")
+  assert fig.transfers, name
+  assert abs(fig.crossing - claim) <= 2 * SCALARS * len(fig.transfers), (
+    name, fig.crossing, claim, fig.transfers)
+
+
+def test_hierarchical_sgd_crosses_slices_only_on_its_global_sync():
+  """Hierarchical SGD on the pod mesh's two data axes (dcn across slices,
+  ici inside one), the MLP replicated: its group average stays inside
+  the slice; what crosses is the global sync's delta, as claimed for the
+  slow axis."""
+  mesh = aot.slice_mesh(GENERATIONS["v5e"], SLICES, axes=("dcn", "ici"))
+  sh = NamedSharding(mesh, P())
+  params = {"w1": jax.ShapeDtypeStruct((DIM, 4 * DIM), jnp.float32,
+                                       sharding=sh),
+            "w2": jax.ShapeDtypeStruct((4 * DIM, DIM), jnp.float32,
+                                       sharding=sh)}
+  data = jax.ShapeDtypeStruct((64, DIM), jnp.float32,
+                              sharding=NamedSharding(mesh, P(("dcn", "ici"))))
+
+  def loss_fn(p, b):
+    return jnp.mean((jax.nn.gelu(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+  tx = jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 8,
+                                axis_name=("dcn", "ici"))
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name=("dcn", "ici"),
+                             donate=False)
+  p, state = dp.init(params)
+  compiled, secs = aot.compile_lowered(
+    dp.lower(p, state, {"x": data, "y": data}))
+  fig = aot.analyze(compiled, secs, slices=SLICES)
+  size = 8 * DIM * DIM * 4
+  # One dense all-reduce of the delta across the 2 slices: each slice
+  # sends its half of the reduction (wire's convention), rows of 128.
+  assert fig.transfers
+  assert abs(fig.crossing - size) <= 2 * SCALARS * len(fig.transfers), (
+    fig.crossing, size, fig.transfers)
 
 
 def test_collective_dependence_reads_outputs_through_calls():
