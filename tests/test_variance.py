@@ -374,3 +374,60 @@ def test_bad_statistic_and_oversized_buckets_are_refused_by_name():
     jax.eval_shape(jaxcomm.variance_sparsification(
       exponent_bits=8, axis_name=None).init, big)
   assert _variance.max_bucket(8) == (1 << 23) - 2
+
+
+def test_data_parallel_hands_each_devices_batch_statistic(mesh):
+  """``DataParallel(update_args=...)``: each device's per-example
+  statistic reaches ``tx.update`` (``grad_variance``), and the step equals
+  the codec handed numpy's per-device ``(1 / B^2) sum_z g_z^2`` by hand;
+  without it the step differs (the ``g^2`` fallback)."""
+  rng = np.random.RandomState(5)
+  d, b = 256, 4
+  w = rng.randn(d).astype(np.float32) * 0.1
+  x = rng.randn(N * b, d).astype(np.float32)
+  y = rng.randn(N * b).astype(np.float32)
+
+  def loss_fn(p, batch):
+    return _linear_loss(p["w"], batch)
+
+  stat = jaxcomm.variance_sparsification.grad_and_variance(loss_fn)
+  kw = dict(alpha=1.0, capacity_ratio=0.5, axis_name="data")
+  tx = optax.chain(jaxcomm.variance_sparsification(**kw), optax.sgd(1.0))
+  batch = parallel.shard_batch({"x": x, "y": y}, mesh, "data")
+
+  def one_step(update_args):
+    dp = parallel.DataParallel(loss_fn, tx, mesh, update_args=update_args,
+                               donate=False)
+    p, s = dp.init({"w": jnp.asarray(w)})
+    p, _, _ = dp.step(p, s, batch)
+    return np.asarray(jax.device_get(p["w"]))
+
+  got = one_step(lambda p, bt: {"grad_variance": stat(p, bt)[2]})
+  fallback = one_step(None)
+  # By hand: per device, per-example gradients in numpy.
+  r = (x @ w - y)[:, None] * x                      # [N b, d]
+  per = r.reshape(N, b, d)
+  grads = per.mean(axis=1)
+  var = np.square(per).sum(axis=1) / np.float32(b * b)
+  params = {"w": jnp.asarray(w)}
+  layout = parallel.state_layout(tx, params, mesh, "data")
+  specs = parallel.state_specs(layout, "data")
+
+  def step(params, state, g, v):
+    local = parallel.to_local(state, layout)
+    upd, _ = tx.update({"w": g[0]}, local, params,
+                       grad_variance={"w": v[0]})
+    return upd
+
+  fn = jax.jit(jax.shard_map(step, mesh=mesh,
+                             in_specs=(P(), specs, P("data"), P("data")),
+                             out_specs=P()))
+  state = parallel.init_state(tx, params, mesh, "data", layout)
+  upd = fn(parallel.replicate(params, mesh), state,
+           parallel.shard_batch(grads, mesh, "data"),
+           parallel.shard_batch(var, mesh, "data"))
+  want = w + np.asarray(jax.device_get(upd["w"]))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert np.abs(got - fallback).max() > 1e-4
+  with pytest.raises(ValueError, match="update_args"):
+    parallel.DataParallel(loss_fn, tx, mesh, update_args=3)

@@ -98,6 +98,13 @@ class DataParallel:
       on the same examples).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are
       averaged over devices.
+    update_args: ``update_args(params, batch) -> dict``, run on each
+      device's own batch, its items passed to ``tx.update`` as keyword
+      arguments (``optax.chain`` hands them to every transformation that
+      takes extra arguments): the batch statistic of
+      :func:`jaxcomm.variance_sparsification` (``{"grad_variance": ...}``
+      from its ``grad_and_variance``). Block mode only (a sharded step's
+      update runs on shards the statistic is not cut to).
     donate: donate params and state buffers to the step.
     block: wait for the previous step's params and state before
       dispatching the next step. ``None`` (default): on a mesh of several
@@ -118,8 +125,17 @@ class DataParallel:
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
                mesh, axis_name: str = "data", *, auto_axes=(),
                batch_axes=None, has_aux: bool = False, donate: bool = True,
-               block: bool | None = None):
+               block: bool | None = None,
+               update_args: Callable | None = None):
     _placement._data_size(mesh, axis_name)
+    if update_args is not None and not callable(update_args):
+      raise ValueError("update_args must be a callable (params, batch) -> "
+                       f"dict, got {type(update_args).__name__}")
+    if update_args is not None and auto_axes:
+      raise ValueError(
+        "update_args runs in block mode only: with auto_axes the update "
+        "runs on each device's shards, which the statistic is not cut to")
+    self.update_args = update_args
     self.auto_axes = (_shards.check_auto_axes(mesh, axis_name, auto_axes)
                       if auto_axes else ())
     names = _layout._names(axis_name)
@@ -293,7 +309,7 @@ class DataParallel:
     step = functools.partial(
       _device_step, self.loss_fn, update, axis,
       has_aux=self.has_aux, per_device=per_device, with_state=with_state,
-      with_rng=with_rng)
+      with_rng=with_rng, update_args=self.update_args)
     m_spec = P(axis) if per_device else P()
     extra_specs = (P(),) * (with_state + with_rng)
     mapped = jax.shard_map(
@@ -446,7 +462,7 @@ def _update_here(tx, layout, axis, grads, state, params, **value):
 
 def _device_step(loss_fn, update, axis, params, state, batch, *extra,
                  has_aux: bool, per_device: bool, with_state: bool,
-                 with_rng: bool):
+                 with_rng: bool, update_args=None):
   """One device's train step inside shard_map (see DataParallel): local
   gradient, ``update`` (``tx.update`` and the updates applied: here, or on
   each device's shards with auto axes), new params; ``extra`` holds the
@@ -465,6 +481,16 @@ def _device_step(loss_fn, update, axis, params, state, batch, *extra,
                       with_state=with_state, has_aux=has_aux),
     has_aux=True)(_core.pvary(params, axis))
   value = {"value": loss} if per_device else {}
+  if update_args is not None:
+    # Params typed varying, as for the gradient above: a derivative taken
+    # there is this device's own (with invariant params JAX sums it over
+    # the data axes).
+    more = update_args(_core.pvary(params, axis), batch)
+    if not isinstance(more, dict) or not all(isinstance(k, str)
+                                             for k in more):
+      raise ValueError("update_args must return a dict of keyword "
+                       f"arguments for tx.update, got {type(more).__name__}")
+    value.update(more)
   new_params, new_state = update(grads, state, params, **value)
   if per_device:
     new_params = jax.tree.map(lambda x: x[None], new_params)

@@ -23,8 +23,9 @@ device's words are all-gathered (a static capacity) and added everywhere.
 The statistic comes in as an extra argument of the update,
 ``tx.update(grads, state, params, grad_variance=s)`` (``optax.chain``
 forwards it), e.g. from :func:`grad_and_variance` (``jax.vmap`` over
-micro-batches). ``DataParallel`` passes none: then each step's device
-gradient is its batch's only sample, ``s = g^2``.
+micro-batches); ``DataParallel(..., update_args=...)`` hands it from each
+device's own batch. Without it each step's device gradient is its batch's
+only sample, ``s = g^2``.
 """
 
 from __future__ import annotations
@@ -485,8 +486,9 @@ def variance_sparsification(
   ``micro_batches`` equal parts) and returns their mean and ``(1 / M^2)
   sum_m g_m^2``; it holds ``M`` gradients at once (the paper computes the
   sum alongside backpropagation, at negligible cost).
-  :class:`jaxcomm.parallel.DataParallel` (and so ``train.py``) calls the
-  optimizer without extra arguments: there each step's device gradient is
+  :class:`jaxcomm.parallel.DataParallel` hands it with ``update_args=
+  lambda p, b: {"grad_variance": grad_and_variance(loss_fn)(p, b)[2]}``
+  (block mode). Without it (``train.py``) each step's device gradient is
   its batch's only sample, ``s = g^2`` (with ``momentum``, DGC's ``u``),
   and an element is sent once ``r`` has kept its sign over about
   ``alpha`` steps (``(g_1 + g_2)^2 > alpha (g_1^2 + g_2^2)``; with ``alpha
