@@ -34,6 +34,7 @@ _HEADERS = {
                  "(digits) |\n|---|---|---:|---|---|"),
   "optimizer": "| factory | what it does | paper |\n|---|---|---|",
   "local": "| factory | sync | paper |\n|---|---|---|",
+  "delay": "| factory | when the average is applied | paper |\n|---|---|---|",
 }
 
 

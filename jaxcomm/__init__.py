@@ -27,7 +27,6 @@ from jaxcomm._compressor import spec_of
 from jaxcomm._compressor import stats
 from jaxcomm._policy import LeafPolicy
 from jaxcomm.transforms import *  # pylint: disable=wildcard-import
-from jaxcomm.transforms._delayed import *  # pylint: disable=wildcard-import
 
 __version__ = "0.1.0"
 

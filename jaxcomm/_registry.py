@@ -35,6 +35,9 @@ FAMILIES = {
                "momentum: jaxcomm.<name>(lr, ...)",
   "local": "local-update and decentralized methods around an inner "
            "optimizer: jaxcomm.<name>(inner, ...)",
+  "delay": "when the averaged gradient is applied, around a compressor "
+           "and before the optimizer: optax.chain(jaxcomm.<name>(jaxcomm."
+           "<compressor>(...)), optax.<opt>(lr))",
 }
 
 # Annotations of hyperparameters optax.inject_hyperparams may trace (after

@@ -256,7 +256,9 @@ def test_required_arguments_are_the_registry_defaults():
   from jaxcomm import transforms  # pylint: disable=import-outside-toplevel
   public = {n for n in dir(transforms) if not n.startswith("_")
             and inspect.isfunction(getattr(transforms, n))}
-  helpers = {"apply_updates", "local_states", "lupa_increment"}
+  # spy: a solver for L1-regularized problems (Grishchenko et al.), not a
+  # method for train.py's models.
+  helpers = {"apply_updates", "local_states", "lupa_increment", "spy"}
   assert public == {m.attr for m in jaxcomm.registry.methods()} | helpers
 
 

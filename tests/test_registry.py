@@ -21,7 +21,9 @@ from tests import registry as battery
 _README = os.path.join(os.path.dirname(os.path.dirname(__file__)),
                        "README.md")
 # Public callables that are helpers, not methods.
-_HELPERS = {"apply_updates", "local_states", "lupa_increment"}
+# spy: a solver for L1-regularized problems (Grishchenko et al.), not a
+# method for train.py's models.
+_HELPERS = {"apply_updates", "local_states", "lupa_increment", "spy"}
 
 
 def test_every_public_factory_is_registered_and_exported():

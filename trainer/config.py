@@ -215,6 +215,8 @@ class Config:
   local: str = "none"          # none | local_sgd | adacomm |
   #                              overlap_local_sgd | diloco
   local_args: str = ""         # e.g. period=50,outer_lr=0.7 (see --local)
+  delay: str = "none"          # none | pipe_sgd | stale_sgd
+  delay_args: str = ""         # e.g. width=2 (pipe_sgd), tau=1 (stale_sgd)
   lr: float = 3e-3
   momentum: float = 0.9
   weight_decay: float = 0.0
@@ -304,7 +306,8 @@ def methods_epilog() -> str:
   one line each, from ``jaxcomm.registry``."""
   titles = {"compressor": "--compressor (chained before --optimizer)",
             "optimizer": "--optimizer (whole jaxcomm optimizers)",
-            "local": "--local (around --optimizer, run per device)"}
+            "local": "--local (around --optimizer, run per device)",
+            "delay": "--delay (around --compressor)"}
   lines = []
   lrs = measured_lr()
   for family, title in titles.items():
@@ -376,6 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
                  "period; choco: topology=ring|torus, gamma=0.5, "
                  "compressing with --compressor; sgp: "
                  "topology=exponential)")
+  g.add_argument("--delay", default=d.delay, choices=("none",)
+                 + DELAY_METHODS,
+                 help="apply the compressor's average late: pipe_sgd "
+                 "(width - 1 steps), stale_sgd (each device's gradient "
+                 "tau_i steps old); around --compressor, before "
+                 "--optimizer")
+  g.add_argument("--delay-args", default=d.delay_args,
+                 help="arguments of --delay, e.g. width=3 (pipe_sgd) or "
+                 "tau=2 / tau_max=4 (stale_sgd; no tau: random up to "
+                 "tau_max)")
   g.add_argument("--lr", type=float, default=d.lr,
                  help="peak learning rate of --optimizer (of the inner "
                  "optimizer with --local)")
@@ -541,6 +554,30 @@ def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
 
 
 LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
+DELAY_METHODS = tuple(jaxcomm.registry.names("delay"))
+
+
+def make_delay(cfg: Config, comp):
+  """``--delay METHOD --delay-args ...`` around the compressor ``comp``
+  (``comp`` itself with ``--delay none``)."""
+  if cfg.delay == "none":
+    return comp
+  if cfg.local != "none":
+    raise ValueError(f"--delay {cfg.delay} delays the averaged gradient; "
+                     f"--local {cfg.local} averages params: use one")
+  kwargs = parse_kwargs(cfg.delay_args)
+  factory = getattr(jaxcomm, cfg.delay)
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params
+             or k in ("exchange", "axis_name")]
+  if unknown:
+    valid = [k for k in params if k not in ("exchange", "axis_name")]
+    raise ValueError(f"--delay {cfg.delay} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  if "tau" in kwargs and isinstance(kwargs["tau"], str) and (
+      kwargs["tau"] == "none"):
+    kwargs["tau"] = None
+  return factory(comp, **kwargs)
 # Decentralized methods: no sync period, params never agree exactly.
 GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
                        if m.gossip)

@@ -9,6 +9,7 @@ in either), and methods are described in ``jaxcomm.registry``.
 from jaxcomm.transforms import _adacomp
 from jaxcomm.transforms import _atomo
 from jaxcomm.transforms import _dcd
+from jaxcomm.transforms import _delayed
 from jaxcomm.transforms import _demo
 from jaxcomm.transforms import _dense
 from jaxcomm.transforms import _dgc
@@ -48,6 +49,7 @@ from jaxcomm.transforms import _zero_one_adam
 from jaxcomm.transforms._adacomp import *
 from jaxcomm.transforms._atomo import *
 from jaxcomm.transforms._dcd import *
+from jaxcomm.transforms._delayed import *
 from jaxcomm.transforms._demo import *
 from jaxcomm.transforms._dense import *
 from jaxcomm.transforms._dgc import *
@@ -89,6 +91,7 @@ __all__ = []
 __all__ += _adacomp.__all__
 __all__ += _atomo.__all__
 __all__ += _dcd.__all__
+__all__ += _delayed.__all__
 __all__ += _demo.__all__
 __all__ += _dense.__all__
 __all__ += _ecq.__all__

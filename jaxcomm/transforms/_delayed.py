@@ -25,14 +25,17 @@ from jax.flatten_util import ravel_pytree
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _registry
 from jaxcomm.collectives import _core
 from jaxcomm.transforms import _dense
 
 
-def _exchange_of(exchange, who: str):
-  """``exchange`` (a jaxcomm compressor) or the dense mean, and its spec."""
+def _exchange_of(exchange, who: str, axis_name="data"):
+  """``exchange`` (a jaxcomm compressor) or the dense mean over
+  ``axis_name``, and its spec."""
+  given = exchange is not None
   if exchange is None:
-    exchange = _dense.mean_gradients()
+    exchange = _dense.mean_gradients(axis_name=axis_name)
   if not isinstance(exchange, optax.GradientTransformation):
     raise ValueError(f"{who}: exchange must be a jaxcomm compressor (an "
                      f"optax transformation), got {type(exchange).__name__}")
@@ -44,6 +47,11 @@ def _exchange_of(exchange, who: str):
       "jaxcomm.topk(0.01), jaxcomm.mean_gradients(), ...), not an "
       "optax.chain or an optimizer: the delay applies to the averaged "
       "gradient, before the optimizer") from None
+  if given and axis_name not in ("data", spec.axis_name):
+    raise ValueError(
+      f"{who}: axis_name={axis_name!r} names another axis than the "
+      f"exchange's ({spec.axis_name!r}); axis_name is the dense mean's "
+      "when no exchange is given")
   return optax.with_extra_args_support(exchange), spec
 
 
@@ -90,8 +98,13 @@ class PipeSGDState(NamedTuple):
   inner: optax.OptState
 
 
+@_registry.method(
+    family="delay", paper="Li et al. 2018 (Pipe-SGD)",
+    summary="the exchange's average applied width - 1 steps late, so the "
+    "exchange of step t overlaps step t + 1")
 def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
-             width: int = 2) -> optax.GradientTransformationExtraArgs:
+             width: int = 2,
+             axis_name="data") -> optax.GradientTransformationExtraArgs:
   """Pipe-SGD: the averaged gradient is applied ``width - 1`` steps late.
 
   .. math::
@@ -130,6 +143,8 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
   Args:
     exchange: a jaxcomm compressor (``jaxcomm.mean_gradients()`` when
       None); its ``axis_name`` is the data axis.
+    axis_name: the dense mean's axis when ``exchange`` is None (a given
+      exchange keeps its own).
     width: the pipeline width ``K >= 2``: the update is ``K - 1`` steps
       late.
 
@@ -142,7 +157,7 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
     NeurIPS 2018.
   """
   width = _checks.integer("width", width, 2)
-  exchange, spec = _exchange_of(exchange, "pipe_sgd")
+  exchange, spec = _exchange_of(exchange, "pipe_sgd", axis_name)
 
   def init_fn(params):
     return PipeSGDState(jnp.zeros([], jnp.int32), _buffers(params, width - 1),
@@ -222,10 +237,17 @@ def staleness(tau, tau_max: int, count, n: int, seed: int = 0) -> jax.Array:
   return jnp.full((n,), tau, jnp.int32)
 
 
+@_registry.method(
+    family="delay",
+    paper="Grishchenko et al. 2018; Bogoychev et al. 2018 (bounded "
+    "staleness)",
+    summary="each device's gradient reaches the exchange tau_i steps old "
+    "(fixed per device or random up to tau_max)")
 def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
               tau: int | Sequence[int] | None = 1,
               tau_max: int | None = None,
-              seed: int = 0) -> optax.GradientTransformationExtraArgs:
+              seed: int = 0,
+              axis_name="data") -> optax.GradientTransformationExtraArgs:
   """Bounded-staleness SGD simulated in SPMD: device ``i``'s contribution to
   the average is its gradient of ``tau_i`` steps ago.
 
@@ -258,6 +280,8 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
   Args:
     exchange: a jaxcomm compressor (``jaxcomm.mean_gradients()`` when
       None).
+    axis_name: the dense mean's axis when ``exchange`` is None (a given
+      exchange keeps its own).
     tau: an int ``>= 0`` (every device), a sequence of ints (one per
       device along the exchange's axis), or None (random per step).
     tau_max: the bound (the ring buffer holds ``tau_max + 1`` gradients);
@@ -276,7 +300,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
   """
   taus, tau_max = _taus(tau, tau_max)
   seed = _checks.integer("seed", seed, 0)
-  exchange, spec = _exchange_of(exchange, "stale_sgd")
+  exchange, spec = _exchange_of(exchange, "stale_sgd", axis_name)
   axis = spec.axis_name
   slots = tau_max + 1
 
