@@ -1,4 +1,6 @@
 """``train.py``'s code: the command line and config (:mod:`trainer.config`),
 model and data (:mod:`trainer.model`), checkpoints on orbax's
-``CheckpointManager`` (:mod:`trainer.checkpoints`) and the training loop with
-its reports (:mod:`trainer.loop`)."""
+``CheckpointManager`` (:mod:`trainer.checkpoints`), the training loop
+(:mod:`trainer.loop`), resuming a run (:mod:`trainer.resume`), the bytes its
+steps move (:mod:`trainer.accounting`) and its reports
+(:mod:`trainer.reporting`)."""
