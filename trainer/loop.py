@@ -53,6 +53,7 @@ from trainer.config import SLOW
 from trainer.config import Config
 from trainer.config import build_compressor
 from trainer.config import make_comm_optimizer
+from trainer.config import make_delay
 from trainer.config import make_local_optimizer
 from trainer.config import make_optimizer
 from trainer.config import make_schedule
@@ -200,6 +201,13 @@ def _build_optimizer(cfg: Config, canon: str, params, data_axis: str,
   compressor's arguments."""
   comp, _, comp_kwargs = build_compressor(
     canon, cfg.compressor_args, axis_name=data_axis)
+  if cfg.delay != "none":
+    if cfg.optimizer in COMM_OPTIMIZERS or cfg.sharded_exchange:
+      raise ValueError(
+        f"--delay {cfg.delay} wraps --compressor; it does not combine with "
+        + ("--optimizer " + cfg.optimizer if cfg.optimizer in
+           COMM_OPTIMIZERS else "--sharded-exchange"))
+    comp = make_delay(cfg, comp)
   schedule = make_schedule(cfg)
   local_tx = None
   if cfg.local != "none":
