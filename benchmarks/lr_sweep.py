@@ -45,7 +45,8 @@ LRS = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
 
 # The registry's optimizer text -> train.py's --optimizer.
 _OPTIMIZER = {"sgd": "sgd", "sgd momentum 0.9": "momentum",
-              "sgd (momentum inside dgc)": "sgd"}
+              "sgd (momentum inside dgc)": "sgd",
+              "sgd (momentum inside dist_ef_sgdm)": "sgd"}
 
 
 def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
