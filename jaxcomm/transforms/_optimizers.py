@@ -20,7 +20,8 @@ so the error feedback, the leaf policy (small leaves in the fused dense
 psum), the non-finite agreement, the wire accounting and
 ``parallel.resize_state`` are the ones every compressor uses. The
 optimizer's own state (``mu``, ``nu``) is replicated: every device holds
-the same averaged momentum.
+the same averaged momentum. What the two share (the flat buffer, the checks,
+the two-phase exchange) is in :mod:`jaxcomm.transforms._onebit_common`.
 """
 
 from __future__ import annotations
@@ -31,19 +32,26 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
-from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
-from jaxcomm.kernels import threshold as _threshold
 from jaxcomm.transforms import _signs
+from jaxcomm.transforms._onebit_common import _check_common
+from jaxcomm.transforms._onebit_common import _check_params
+from jaxcomm.transforms._onebit_common import _corrections
+from jaxcomm.transforms._onebit_common import _Flat
+from jaxcomm.transforms._onebit_common import _floating  # noqa: F401
+from jaxcomm.transforms._onebit_common import _keep
+from jaxcomm.transforms._onebit_common import _learning_rate
+from jaxcomm.transforms._onebit_common import _momentum_exchange
+from jaxcomm.transforms._onebit_common import _output
+from jaxcomm.transforms._onebit_common import _Phase
+from jaxcomm.transforms._onebit_common import _variance
 
 
 class OneBitAdamState(NamedTuple):
@@ -87,182 +95,6 @@ class OneBitLambState(NamedTuple):
   coeff: jax.Array
   factor: jax.Array
 
-
-def _floating(x) -> bool:
-  return _policy.is_float(x)
-
-
-class _Flat(NamedTuple):
-  """The floating leaves of a tree as one float32 buffer (static layout)."""
-
-  index: tuple      # positions of the floating leaves in tree order
-  shapes: tuple
-  bounds: tuple     # 0 = b_0 <= ... <= b_L = F
-
-  @classmethod
-  def of(cls, tree) -> "_Flat":
-    leaves = jax.tree.leaves(tree)
-    index = tuple(i for i, x in enumerate(leaves) if _floating(x))
-    shapes = tuple(tuple(leaves[i].shape) for i in index)
-    bounds = tuple(np.cumsum([0] + [int(np.prod(s)) for s in shapes]))
-    return cls(index, shapes, tuple(int(b) for b in bounds))
-
-  @property
-  def size(self) -> int:
-    return self.bounds[-1]
-
-  def flatten(self, tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return _buckets.flatten([leaves[i] for i in self.index])
-
-  def unflatten(self, flat, like):
-    """``flat`` back into ``like``'s tree (non-floating leaves of ``like``
-    kept), each leaf in ``like``'s dtype."""
-    leaves, treedef = jax.tree.flatten(like)
-    out = list(leaves)
-    for i, x in zip(self.index, _buckets.unflatten(flat, self.shapes)):
-      out[i] = x.astype(leaves[i].dtype)
-    return jax.tree.unflatten(treedef, out)
-
-  def segments(self) -> jax.Array:
-    """The leaf of each position (built once, see ``segment_ids``), in the
-    narrowest integer type that holds the leaf count (int8 below 128
-    leaves: a quarter of int32's memory per position)."""
-    if not self.index:
-      return jnp.zeros((0,), jnp.int32)
-    return _threshold.segment_ids(self.bounds,
-                                  _threshold.narrowest_ids(len(self.index)))
-
-  def _reduce(self, scatter, x, ids, init) -> jax.Array:
-    # lax's scatter takes the ids in their own type (jax.ops.segment_sum
-    # converts them to int32: one more array of the buffer's length).
-    dims = jax.lax.ScatterDimensionNumbers(
-      update_window_dims=(), inserted_window_dims=(0,),
-      scatter_dims_to_operand_dims=(0,))
-    out = jnp.full((len(self.index),), init, x.dtype)
-    return scatter(_vma.match_varying(out, x), ids[:, None], x, dims,
-                   indices_are_sorted=True, mode="drop")
-
-  def leaf_sum(self, x, ids) -> jax.Array:
-    return self._reduce(jax.lax.scatter_add, x, ids, 0.0)
-
-  def leaf_max(self, x, ids) -> jax.Array:
-    return self._reduce(jax.lax.scatter_max, x, ids, -jnp.inf)
-
-  def expand(self, v, ids) -> jax.Array:
-    return v[ids]
-
-
-def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
-                  freeze_step, bias_correction):
-  if not callable(learning_rate):
-    _checks.number("learning_rate", learning_rate, 0.0, None, finite=True)
-  for arg, value in (("b1", b1), ("b2", b2)):
-    _checks.decay(arg, value, name)
-  _checks.number("eps", eps, 0.0, None, lo_open=True, finite=True)
-  _checks.number("weight_decay", weight_decay, 0.0, None, finite=True)
-  if isinstance(freeze_step, jax.core.Tracer):
-    raise ValueError(
-      f"{name}: freeze_step decides which exchange the step compiles and "
-      "must be static: list it in optax.inject_hyperparams(static_args=...)")
-  freeze_step = _checks.step("freeze_step", freeze_step)
-  _checks.boolean("bias_correction", bias_correction)
-  return freeze_step
-
-
-def _check_params(name, updates, params, weight_decay, state, axis_name):
-  """Gradients must fit the params (when given) and the state's moments:
-  otherwise they would broadcast into the momentum; and they must be each
-  device's own (not already summed over the data axis)."""
-  _core.check_axis(axis_name, name, grads=updates)
-  if params is not None:
-    _compressor._check_like_params(updates, params, name)
-  for path, x in jax.tree_util.tree_leaves_with_path(updates):
-    if _policy.is_complex(x):
-      raise ValueError(
-        f"{name}: gradient leaf {jax.tree_util.keystr(path)} is complex; "
-        "complex parameters are not supported")
-  # The params decide which leaves are floating (as at init): a clipping
-  # transform before this one may have made an int leaf's update float.
-  flat = _Flat.of(params if params is not None else updates)
-  if (flat.size,) != tuple(jnp.shape(state.mu)):
-    raise ValueError(
-      f"{name}: the gradients do not match the state: their floating "
-      f"leaves hold {flat.size} elements, the state's momentum "
-      f"{tuple(jnp.shape(state.mu))} (gradients of other params than "
-      "init's?)")
-  if params is None and not (isinstance(weight_decay, (int, float))
-                             and weight_decay == 0):
-    raise ValueError(f"{name}: weight_decay needs params: call "
-                     "tx.update(grads, state, params)")
-  return flat
-
-
-class _Phase(NamedTuple):
-  """One step of the shared two-phase momentum exchange (flat buffers)."""
-
-  count: jax.Array      # the step counter before this step
-  warm: jax.Array       # bool: still in the warm-up
-  gbar: jax.Array       # the exact mean gradient (meaningful when warm)
-  mu: jax.Array         # the new momentum, identical on every device
-  bad: jax.Array        # some device saw a non-finite value: skip
-  exchange: _compressor.CompressState
-
-
-def _momentum_exchange(ex, flat, freeze_step, b1, updates, state, params):
-  """Warm-up: the exact mean ``gbar`` and ``m = b1 m + (1 - b1) gbar``;
-  then: ``m = mean_i (b1 m + (1 - b1) g_i)`` by the 1-bit exchange.
-
-  The exchange's input is chosen per phase by a select (``g_i`` or the
-  local momentum), so one ``compressed`` transform with
-  ``start_step=freeze_step`` does both: its dense branch averages
-  exactly, its codec branch compresses with error feedback.
-  """
-  count = state.exchange.count
-  warm = (count < freeze_step) if freeze_step > 0 else jnp.zeros([], bool)
-  g = flat.flatten(updates)
-  x_in = jnp.where(warm, g, b1 * state.mu + (1.0 - b1) * g)
-  as_f32 = jax.tree.map(
-    lambda u: u.astype(jnp.float32) if _floating(u) else u, updates)
-  r, ex_state = ex.update(flat.unflatten(x_in, as_f32), state.exchange,
-                          params)
-  r = flat.flatten(r)
-  mu = jnp.where(warm, b1 * state.mu + (1.0 - b1) * r, r)
-  bad = ~jnp.all(jnp.isfinite(r))
-  return _Phase(count=count, warm=warm, gbar=r, mu=mu, bad=bad,
-                exchange=ex_state)
-
-
-def _variance(b2, ph, nu):
-  return jnp.where(ph.warm, b2 * nu + (1.0 - b2) * jnp.square(ph.gbar), nu)
-
-
-def _corrections(count, nu_count, b1, b2, bias_correction):
-  """Adam's bias corrections of ``m`` and ``v`` (``v``'s counts its own
-  updates: it stops at the freeze)."""
-  if not bias_correction:
-    return jnp.float32(1.0), jnp.float32(1.0)
-  c1 = 1.0 - b1 ** (count + 1).astype(jnp.float32)
-  c2 = jnp.where(nu_count > 0, 1.0 - b2 ** nu_count.astype(jnp.float32),
-                 1.0)
-  return c1, c2
-
-
-def _learning_rate(learning_rate, count):
-  lr = learning_rate(count) if callable(learning_rate) else learning_rate
-  return jnp.asarray(lr, jnp.float32)
-
-
-def _output(flat, step, updates, bad):
-  """The update in the gradients' dtypes; non-floating leaves pass through;
-  a skipped step is NaN everywhere (``optax.apply_if_finite`` after it
-  skips on every device alike)."""
-  step = jnp.where(bad, jnp.float32(jnp.nan), step)
-  return flat.unflatten(step, updates)
-
-
-def _keep(bad, new, old):
-  return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)
 
 
 @dataclasses.dataclass(frozen=True)
