@@ -216,6 +216,7 @@ METHODS = [
     for lr in (1.0, 0.3)],
   _m("QCS 5/16, s=7 + EF, lr 1", "qcs", "ratio=0.3125,levels=7",
      ("momentum", "", 1.0), "momentum SGD"),
+  _m("variance-based", "variance_sparsification", "", MSGD, "momentum SGD"),
   # The paper's warm-up: densities 25%, 6.25%, 1.56%, 0.4%, then 0.1%
   # (here 80 steps each, 20% of the run, as its 4 of ~100 epochs are not).
   _m("DGC 0.001, warm-up 4 x 80 steps", "dgc",
