@@ -1,5 +1,7 @@
 """Per-device optimizer state: which leaves are per device, and their
-layout (a leading device axis sharded over the data axes)."""
+layout (a leading device axis sharded over the data axes). The specs of
+params and of one device's blocks are :mod:`jaxcomm.parallel._specs`
+(importable from here too)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,22 @@ from jaxcomm.collectives import _core
 from jaxcomm.parallel._placement import _data_size
 from jaxcomm.parallel._placement import _global
 from jaxcomm.parallel._resize import _check_state_tree
+from jaxcomm.parallel._specs import _axes_of
+from jaxcomm.parallel._specs import _copies  # noqa: F401
+from jaxcomm.parallel._specs import _local_shape
+from jaxcomm.parallel._specs import _names
+from jaxcomm.parallel._specs import _spec_axes
+from jaxcomm.parallel._specs import _with_data
+from jaxcomm.parallel._specs import contract  # noqa: F401
+from jaxcomm.parallel._specs import copied
+from jaxcomm.parallel._specs import expand
+from jaxcomm.parallel._specs import expand_specs
+from jaxcomm.parallel._specs import missing_axes  # noqa: F401
+from jaxcomm.parallel._specs import own
+from jaxcomm.parallel._specs import param_specs
+from jaxcomm.parallel._specs import restrict
+from jaxcomm.parallel._specs import shard_shapes  # noqa: F401
+from jaxcomm.parallel._specs import shard_splits
 from jaxcomm.transforms import _local_engine
 
 # ----------------------------------------------------------- state layout --
@@ -37,218 +55,6 @@ def local_params(tx: optax.GradientTransformation, params) -> bool:
                                                  _abstract(params))))
 
 
-def _names(axis_name) -> tuple:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def _axes_of(b, axis_name):
-  """The mesh axes a layout leaf's leading axis is sharded over: all data
-  axes (``True``), a set of axes (data axes in their order, then model
-  axes sorted), or none (``False``)."""
-  if b is True:
-    return axis_name
-  if not b:
-    return None
-  names = _names(axis_name)
-  return tuple(a for a in names if a in b) + tuple(
-    sorted(a for a in b if a not in names))
-
-
-def _spec_axes(spec) -> set:
-  out = set()
-  for e in spec:
-    if e is None:
-      continue
-    out |= set(e) if isinstance(e, tuple) else {e}
-  return out
-
-
-def param_specs(params, mesh, axis_name="data"):
-  """Each params leaf's PartitionSpec over the mesh's non-data axes (its
-  NamedSharding on ``mesh``; ``P()`` for host arrays and replicated ones).
-
-  Raises a ValueError naming a leaf sharded over a data axis: data
-  parallelism replicates params over those.
-  """
-  names = set(_names(axis_name))
-
-  def spec(path, x):
-    sh = getattr(x, "sharding", None)
-    if not isinstance(sh, NamedSharding) or \
-        tuple(sh.mesh.axis_names) != tuple(mesh.axis_names):
-      return P()
-    used = _spec_axes(sh.spec)
-    if used & names:
-      raise ValueError(
-        f"params leaf {jax.tree_util.keystr(path)} is sharded as {sh.spec}, "
-        f"over the data axis {sorted(used & names)}: shard params over "
-        "model axes only (data parallelism replicates them over the data "
-        "axes)")
-    return sh.spec
-
-  return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def _local_shape(shape, spec, mesh) -> tuple:
-  """The shape of one device's block of a global ``shape`` split by
-  ``spec``."""
-  out = list(shape)
-  for i, e in enumerate(spec):
-    if e is None:
-      continue
-    k = int(np.prod([mesh.shape[a] for a in (e if isinstance(e, tuple)
-                                             else (e,))]))
-    if out[i] % k:
-      raise ValueError(f"dimension {i} of shape {tuple(shape)} does not "
-                       f"split over {e} ({k} devices)")
-    out[i] //= k
-  return tuple(out)
-
-
-def shard_shapes(params, specs, mesh):
-  """One device's shards of ``params`` split by ``specs`` on ``mesh``, as
-  ShapeDtypeStructs: what a compressor in the update on shards (or block
-  mode) works on, e.g. for :func:`jaxcomm.wire.claimed`."""
-  return jax.tree.map(
-    lambda x, sp: jax.ShapeDtypeStruct(_local_shape(np.shape(x), sp, mesh),
-                                       jnp.result_type(x)), params, specs,
-    is_leaf=lambda x: isinstance(x, P) and not hasattr(x, "shape"))
-
-
-def shard_splits(specs, mesh) -> list:
-  """Per params leaf (``jax.tree.leaves`` order of ``specs``), how the
-  whole leaf is split into one device's block: ``((dim, axes, size),
-  ...)`` for each dimension a spec entry splits over mesh axes
-  (``size`` the devices along them), ``()`` for a whole leaf. What
-  compressors see inside :func:`update_on_shards` (``Layout.splits``), and
-  what :func:`jaxcomm.wire.claimed` takes as ``splits=`` to claim the bytes
-  of one device's blocks."""
-  shape = dict(mesh.shape)
-  out = []
-  for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
-    entry = []
-    for i, e in enumerate(tuple(sp)):
-      if e is None:
-        continue
-      axes = tuple(e) if isinstance(e, tuple) else (e,)
-      size = 1
-      for a in axes:
-        size *= int(shape[a])
-      entry.append((i, axes, size))
-    out.append(tuple(entry))
-  return out
-
-
-def _with_data(spec, axis_name) -> P:
-  """``spec`` with a leading axis over the data axes (per-device rows)."""
-  return P(axis_name, *spec)
-
-
-def restrict(spec: P, keep) -> P:
-  """``spec`` naming only the axes in ``keep`` (the others dropped, a
-  dimension left with none becomes ``None``)."""
-  out = []
-  for e in spec:
-    if e is None:
-      out.append(None)
-      continue
-    kept = tuple(a for a in (e if isinstance(e, tuple) else (e,))
-                 if a in keep)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-  while out and out[-1] is None:
-    out.pop()
-  return P(*out)
-
-
-def missing_axes(spec, auto_axes) -> tuple:
-  """The auto axes a leaf's ``spec`` does not split it over."""
-  used = _spec_axes(spec)
-  return tuple(a for a in auto_axes if a not in used)
-
-
-def expand_specs(specs, auto_axes):
-  """Each leaf's spec for the update on shards: a leaf replicated over some
-  auto axes gets a leading axis of one copy per device of those axes
-  (``P(missing, *spec)``), so that every device updates a block of its
-  own (see :func:`expand`)."""
-  def one(sp):
-    miss = missing_axes(sp, auto_axes)
-    if not miss:
-      return sp
-    return P(miss[0] if len(miss) == 1 else miss, *sp)
-  return jax.tree.map(one, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def _copies(spec, mesh, auto_axes) -> int:
-  return int(np.prod([mesh.shape[a] for a in missing_axes(spec, auto_axes)]))
-
-
-def expand(tree, specs, mesh, auto_axes):
-  """``tree`` (params or gradients: host, global or traced arrays, or
-  ShapeDtypeStructs) with every leaf replicated over some auto axes
-  broadcast to one copy per device of those axes (:func:`expand_specs`).
-
-  Inside the update on shards each copy is one device's own: a replicated
-  leaf (a bias, a norm scale, anything no dimension of which is split) is
-  compressed on every device of the fast axes from the same slice
-  gradient, and :func:`contract` averages the copies' results, so the
-  state each device keeps stays the state of its own (virtual) block and
-  every update stays one value per leaf.
-  """
-  def one(x, sp):
-    # An axis of size 1 still gets its (single) copy: expand_specs names
-    # it, whatever its size.
-    if not missing_axes(sp, auto_axes):
-      return x
-    shape = (_copies(sp, mesh, auto_axes),) + tuple(np.shape(x))
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(shape, x.dtype)
-    if isinstance(x, jax.core.Tracer):
-      return jnp.broadcast_to(x[None], shape)
-    return np.broadcast_to(np.asarray(jax.device_get(x))[None], shape)
-  return jax.tree.map(one, tree, specs)
-
-
-def copied(specs, auto_axes):
-  """Per leaf: whether :func:`expand` gives it copies (a bool tree)."""
-  return jax.tree.map(lambda sp: bool(missing_axes(sp, auto_axes)), specs,
-                      is_leaf=lambda x: isinstance(x, P))
-
-
-def own(tree, copies):
-  """Inside the update on shards: each copy (a leading axis of size 1)
-  as the leaf itself."""
-  if copies is None:
-    return tree
-
-  def one(x, c):
-    if not c:
-      return x
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    return x[0]
-  return jax.tree.map(one, tree, copies)
-
-
-def contract(tree, specs, mesh, auto_axes):
-  """Inverse of :func:`expand` inside the step: the copies of each expanded
-  leaf averaged (exactly their common value where they agree, as after a
-  dense mean; the first for non-floating leaves)."""
-  def one(x, sp):
-    if not missing_axes(sp, auto_axes):
-      return x
-    # Reductions over the copies' axis only (all-reduces over the auto
-    # axes; reading one copy, x[0], would gather them): where the largest
-    # and smallest copy agree, that value, exactly.
-    if jnp.iscomplexobj(x):
-      return jax.lax.complex(one(jnp.real(x), sp), one(jnp.imag(x), sp))
-    hi = jnp.max(x, axis=0)
-    if not _core.is_inexact(x):
-      return hi
-    lo = jnp.min(x, axis=0)
-    mean = jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
-    return jnp.where(hi == lo, hi, mean)
-  return jax.tree.map(one, tree, specs)
 
 
 def _leaf_spec(b, axis_name) -> P:
