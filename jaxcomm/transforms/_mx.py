@@ -266,6 +266,10 @@ class MxCodec(_codec.CodecBase):
       return _codec.CodecResult(mean=own, sent=own, state=state)
     n = ctx.num_devices
     chunk = _chunk(size, n)
+    # x is the residual plus the gradient: left fused, XLA transposes
+    # both into the blocks' layout (two bucket-sized copies, and the
+    # gradient's flat copy besides); computed once, one copy of x is.
+    x = _compressor._materialized(x, ctx.step)
     rows = jnp.pad(x, (0, chunk * n - size)).reshape(n, chunk)
     words = encode(rows, fmt)                               # [n, W]
     sent = from_blocks(decode(words, chunk, fmt).reshape(-1)[:size], layout)
