@@ -47,10 +47,12 @@ already complete trains nothing: it re-evaluates and reports the train loss
 recorded in ``metrics.jsonl``.
 
 The code is in the ``trainer`` package: ``trainer.config`` (the command
-line, :class:`Config`, building compressors and optimizers from
-``jaxcomm.registry``), ``trainer.model`` (model and data),
-``trainer.checkpoints`` and ``trainer.loop`` (:func:`run`, evaluation,
-reports). This file is the entry point and re-exports their public names.
+line, :class:`Config`), ``trainer.optimizers`` (compressors and optimizers
+from ``jaxcomm.registry``), ``trainer.model`` (model and data),
+``trainer.checkpoints``, ``trainer.loop`` (:func:`run`, evaluation),
+``trainer.resume``, ``trainer.accounting`` (bytes) and
+``trainer.reporting``. This file is the entry point and re-exports their
+public names.
 
 Multi-process: pass ``--coordinator host:port --num-processes P
 --process-id i`` to every process (``--num-devices`` is the global count).

@@ -1,4 +1,5 @@
 """``train.py``'s code: the command line and config (:mod:`trainer.config`),
+compressors and optimizers from the registry (:mod:`trainer.optimizers`),
 model and data (:mod:`trainer.model`), checkpoints on orbax's
 ``CheckpointManager`` (:mod:`trainer.checkpoints`), the training loop
 (:mod:`trainer.loop`), resuming a run (:mod:`trainer.resume`), the bytes its
