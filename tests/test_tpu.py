@@ -154,7 +154,7 @@ def _state_bytes(state) -> int:
 MEMORY_OVER = {
   ("adacomp_ef", "sharded"): 1.74, ("adacomp_ef", "block"): 1.63,
   ("atomo_s2", "sharded"): 1.46,
-  ("demo", "sharded"): 2.14, ("demo", "block"): 2.66,
+  ("demo", "sharded"): 2.00, ("demo", "block"): 1.98,
   ("fetchsgd", "block"): 2.20,
   ("lag", "sharded"): 1.83, ("lag", "block"): 1.58,
   ("mx_mxfp4_ef", "sharded"): 1.51,

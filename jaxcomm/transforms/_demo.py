@@ -153,6 +153,9 @@ class DemoCodec(_codec.CodecBase):
   def apply(self, x, state, ctx):
     topk = self.topk
     plan = _plan(ctx.layout, topk, self.chunk)
+    # x is the decayed momentum plus the gradient: computed once into its
+    # own buffer, not fused into each consumer as transposed copies of both.
+    x = _compressor._materialized(x, ctx.step)
     vals, idx = [], []
     for coef in _forward(x, plan.groups):
       _, i = jax.lax.top_k(jnp.abs(coef), topk)   # ties: lower index first
