@@ -201,13 +201,8 @@ def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
   one, defaults to 20% of the steps)."""
   factory = getattr(jaxcomm, cfg.optimizer)
   kwargs = parse_kwargs(cfg.optimizer_args)
-  params = inspect.signature(factory).parameters
-  unknown = [k for k in kwargs if k not in params
-             or k in ("learning_rate", "axis_name")]
-  if unknown:
-    valid = [k for k in params if k not in ("learning_rate", "axis_name")]
-    raise ValueError(f"--optimizer {cfg.optimizer} takes no argument(s) "
-                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  params = _check_flag_args("--optimizer", cfg.optimizer, factory, kwargs,
+                            ("learning_rate", "axis_name"))
   freeze = ("var_freeze_step" if cfg.optimizer == "zero_one_adam"
             else "freeze_step")
   if freeze in params:   # the Adam family's warm-up (not DeMo's)
@@ -221,6 +216,20 @@ def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
       "with --resume, to continue a run whose warm-up is done")
   kwargs.setdefault("weight_decay", cfg.weight_decay)
   return factory(schedule, axis_name=axis_name, **kwargs)
+
+
+def _check_flag_args(flag: str, name: str, factory, kwargs: dict,
+                     reserved: tuple, also_valid: tuple = ()):
+  """``flag NAME --...-args`` names only ``factory``'s parameters, none of
+  the ``reserved`` ones the trainer passes itself; returns the
+  parameters."""
+  params = inspect.signature(factory).parameters
+  unknown = [k for k in kwargs if k not in params or k in reserved]
+  if unknown:
+    valid = [k for k in params if k not in reserved] + list(also_valid)
+    raise ValueError(f"{flag} {name} takes no argument(s) "
+                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  return params
 
 
 LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
@@ -237,13 +246,8 @@ def make_delay(cfg: Config, comp):
                      f"--local {cfg.local} averages params: use one")
   kwargs = parse_kwargs(cfg.delay_args)
   factory = getattr(jaxcomm, cfg.delay)
-  params = inspect.signature(factory).parameters
-  unknown = [k for k in kwargs if k not in params
-             or k in ("exchange", "axis_name")]
-  if unknown:
-    valid = [k for k in params if k not in ("exchange", "axis_name")]
-    raise ValueError(f"--delay {cfg.delay} takes no argument(s) "
-                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  _check_flag_args("--delay", cfg.delay, factory, kwargs,
+                   ("exchange", "axis_name"))
   if "tau" in kwargs and isinstance(kwargs["tau"], str) and (
       kwargs["tau"] == "none"):
     kwargs["tau"] = None
@@ -308,16 +312,11 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
     kwargs.setdefault("gamma", 0.5)
   if cfg.local == "adacomm":
     kwargs.setdefault("learning_rate", schedule)
-  params = inspect.signature(factory).parameters
-  unknown = [k for k in kwargs if k not in params
-             or k in ("inner", "outer", "compressor", "axis_name")]
-  if unknown:
-    valid = [k for k in params if k not in ("inner", "outer", "compressor",
-                                            "axis_name")]
-    if cfg.local in ("diloco", "muloco"):
-      valid += ["outer_lr", "outer_momentum", "outer_nesterov"]
-    raise ValueError(f"--local {cfg.local} takes no argument(s) "
-                     f"{', '.join(unknown)}; valid: {', '.join(valid)}")
+  _check_flag_args(
+    "--local", cfg.local, factory, kwargs,
+    ("inner", "outer", "compressor", "axis_name"),
+    ("outer_lr", "outer_momentum", "outer_nesterov")
+    if cfg.local in ("diloco", "muloco") else ())
   return factory(inner, axis_name=axis_name, **extra, **kwargs)
 
 
