@@ -335,6 +335,35 @@ def test_backward_after_first_send_reads_the_schedule():
                                        ) is None
 
 
+# Registered methods the battery does not hold (their references replay a
+# simulated channel, or wrap another compressor): each compiled as the tier
+# compiles an entry, within its memory bound and crossing as claimed.
+OUTSIDE_BATTERY = {
+  "ota_analog": lambda: jaxcomm.ota_analog(10.0, axis_name="dcn"),
+  "ota_onebit": lambda: jaxcomm.ota_onebit(10.0, axis_name="dcn"),
+  "pipe_sgd_topk": lambda: jaxcomm.pipe_sgd(jaxcomm.topk(
+    0.01, axis_name="dcn")),
+  "stale_sgd_topk": lambda: jaxcomm.stale_sgd(jaxcomm.topk(
+    0.01, axis_name="dcn"), tau=1),
+}
+
+
+@pytest.mark.parametrize("gen,mode", [("v5e", "sharded"), ("v6e", "block")])
+@pytest.mark.parametrize("name", sorted(OUTSIDE_BATTERY))
+def test_methods_outside_the_battery_compile_for_tpu(name, gen, mode):
+  tx = OUTSIDE_BATTERY[name]()
+  fig, state, params, specs = _compile(optax.chain(tx, optax.sgd(0.1)), gen,
+                                       mode)
+  claim = _claim(tx, params, specs, gen, mode)
+  assert fig.transfers, name
+  assert abs(fig.crossing - claim) <= 2 * SCALARS * len(fig.transfers), (
+    name, fig.crossing, claim, fig.transfers)
+  base = _plain(gen)
+  used = fig.temp + fig.argument - _state_bytes(state)
+  plain = base.temp + base.argument
+  assert used <= TEMP_RATIO * plain + TEMP_SLACK, (name, used, plain)
+
+
 LOCAL_NAMES = [m.name for m in jaxcomm.registry.methods("local")
                if m.name != "hierarchical_sgd"]
 

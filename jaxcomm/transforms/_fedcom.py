@@ -196,8 +196,7 @@ def fedcom(inner: optax.GradientTransformation, period: int, *,
       "`delta_j`, updated by `(Q_j - Q) / tau` after each compressed "
       "round"))
 def fedcomgate(inner: optax.GradientTransformation, period: int, *,
-           learning_rate: float,
-               server_lr: float = 1.0,
+               learning_rate: float, server_lr: float = 1.0,
                compressor: optax.GradientTransformation | None = None,
                axis_name="data") -> optax.GradientTransformationExtraArgs:
   """FedCOMGATE: FedCOM with local gradient tracking, for heterogeneous
