@@ -60,6 +60,32 @@ def test_warmup_is_optax_on_the_mean_gradient(mesh, which):
                                  atol=1e-7, err_msg=f"{which} {k} step {t}")
 
 
+@pytest.mark.parametrize("bias", [64, 5])
+def test_lamb_layer_norms_by_blocks_and_by_positions(mesh, bias):
+  """LAMB's per-layer norms, through either id path of ``_Flat``: leaves of
+  64 and 4,096 values tile by blocks of 64 (per-block partials, then per
+  leaf), a leaf of 5 does not (an id per position). Both warm-up steps
+  equal optax's LAMB on the mean gradient, layer by layer."""
+  from jaxcomm.transforms import _onebit_common
+  r = np.random.RandomState(bias)
+  params = {"b": jnp.asarray(r.randn(bias) * 0.1, jnp.float32),
+            "w": jnp.asarray(r.randn(64, 64) * 0.1, jnp.float32)}
+  block, _ = _onebit_common._Flat.of(params).segments()
+  assert block == (64 if bias == 64 else 1)
+  tx = jaxcomm.onebit_lamb(0.1, weight_decay=0.01, freeze_step=10,
+                           min_coeff=1e-12, max_coeff=1e12)
+  ref = optax.lamb(0.1, weight_decay=0.01)
+  grads = harness.make_grads(7, 2, params=params)
+  updates, _, _ = harness.device_run(tx, mesh, grads, params=params)
+  state = ref.init(params)
+  for t, g in enumerate(grads):
+    mean = {k: jnp.asarray(np.asarray(v).mean(axis=0)) for k, v in g.items()}
+    want, state = ref.update(mean, state, params)
+    for k in want:
+      np.testing.assert_allclose(updates[t][k], want[k], rtol=2e-5,
+                                 atol=1e-7, err_msg=f"{bias} {k} step {t}")
+
+
 def _mu_leaves(mu):
   """The flat momentum (floating leaves b, conv, w in tree order) per leaf."""
   p = harness.battery_params()

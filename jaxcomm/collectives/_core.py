@@ -363,15 +363,45 @@ def _dense_rows_psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
   x = jnp.asarray(x)
   if x.size < LANES:
     return jax.lax.psum(x, axis_name)
+  rows, restore = _tile_rows(x)
+  return restore(jax.lax.psum(rows, axis_name))
+
+
+def _tile_rows(x: jax.Array):
+  """``(rows, restore)``: ``x``'s flattened values as whole (8, 128) tiles
+  of rows of 128, and the function that takes such rows back to ``x``'s
+  shape."""
   flat = x.reshape(-1)
   size = flat.shape[0]
-  tile = 8 * LANES
   # A tail of zeros (to whole tiles, or one more row when already whole):
   # the concatenate keeps the compiler from moving the sum back above the
   # flattening, into the layout of the arrays flattened.
-  tail = (-size) % tile or LANES
+  tail = (-size) % (8 * LANES) or LANES
   rows = jnp.pad(flat, (0, tail)).reshape(-1, LANES)
-  return jax.lax.psum(rows, axis_name).reshape(-1)[:size].reshape(x.shape)
+  return rows, lambda r: r.reshape(-1)[:size].reshape(x.shape)
+
+
+def psum_layout(x: jax.Array):
+  """``(laid_out, restore)``: ``x`` as :func:`psum` sums it on this
+  platform (on TPU whole tiles of its values, see ``_dense_rows_psum``;
+  elsewhere ``x`` itself), and the way back. For a psum inside a
+  ``lax.cond``: with ``x`` laid out before the cond and restored after it
+  (:func:`psum_laid_out` in the branch), the branch holds only the
+  collective. LAG's cond on two v5e slices (sharded MLP): 1.83x the plain
+  step's memory per chip with the padding and slicing inside the branch,
+  1.31x outside."""
+  from jaxcomm.kernels import _dispatch  # collectives load before kernels
+  x = jnp.asarray(x)
+  if _dispatch.platform() != "tpu" or x.size < LANES:
+    return x, lambda r: r
+  return _tile_rows(x)
+
+
+def psum_laid_out(laid_out: jax.Array, axis_name: AxisName) -> jax.Array:
+  """The sum over devices of :func:`psum_layout`'s array, as laid out."""
+  if axis_name is None:
+    return laid_out
+  return jax.lax.psum(laid_out, axis_name)
 
 
 def padded_length(size: int, n: int) -> int:

@@ -65,19 +65,24 @@ class LagCodec(_codec.CodecBase):
     senders = _core.psum(send.astype(jnp.int32), ctx.axis_name)
     sent = jnp.where(send, x, jnp.zeros_like(x))
 
-    def exchange(_):
-      return _core.psum(sent, ctx.axis_name) / ctx.num_devices
+    # Laid out for the sum outside the cond: the branch holds only the
+    # collective (see _core.psum_layout).
+    rows, restore = _core.psum_layout(sent)
+
+    def exchange(r):
+      return _core.psum_laid_out(r, ctx.axis_name)
 
     # Typed as the psum's result: varying over the axes x varies over
     # except the data axes (the model's own axes under a sharded model).
     data = set(_core._names(ctx.axis_name)) if ctx.axis_name else set()
     others = _vma.varying_axes(x) - data
 
-    def skip(_):
-      return _vma.mark_varying(jnp.zeros(x.shape, jnp.float32), others)
+    def skip(r):
+      return _vma.mark_varying(jnp.zeros(r.shape, jnp.float32), others)
 
     # No device sends: the step moves the 4-byte count only.
-    mean = jax.lax.cond(senders > 0, exchange, skip, None)
+    mean = restore(jax.lax.cond(senders > 0, exchange, skip, rows)
+                   ) / ctx.num_devices
     return _codec.CodecResult(
       mean=mean, sent=sent,
       state=LagState(g.astype(jnp.float32),

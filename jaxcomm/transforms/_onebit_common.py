@@ -58,18 +58,32 @@ class _Flat(NamedTuple):
       out[i] = x.astype(leaves[i].dtype)
     return jax.tree.unflatten(treedef, out)
 
-  def segments(self) -> jax.Array:
-    """The leaf of each position (built once, see ``segment_ids``), in the
-    narrowest integer type that holds the leaf count (int8 below 128
-    leaves: a quarter of int32's memory per position)."""
+  def segments(self):
+    """The leaf of each position, built once per step: with a block width
+    ``B`` that tiles every leaf (:func:`jaxcomm._buckets.leaf_blocks`),
+    ``(B, ids)`` with ``ids`` the leaf of each block (``L / B`` values;
+    per-leaf reductions are then a reduction over the ``[L / B, B]`` view,
+    a free reshape, and a segment reduction of the blocks' partials);
+    otherwise ``(1, ids)`` with the leaf of each position, in the narrowest
+    integer type that holds the leaf count (see ``segment_ids``). On TPU
+    a position's id is a gradient-sized array the compiler keeps beside the
+    scatter's operands (1-bit LAMB on two v6e slices: 3.50x the plain
+    step's memory per chip with per-position ids)."""
     if not self.index:
-      return jnp.zeros((0,), jnp.int32)
-    return _threshold.segment_ids(self.bounds,
-                                  _threshold.narrowest_ids(len(self.index)))
+      return 1, jnp.zeros((0,), jnp.int32)
+    sizes = np.diff(self.bounds)
+    block = _buckets.leaf_blocks(sizes)
+    if block is not None:
+      return block, _buckets.block_leaf_ids(sizes, block)
+    return 1, _threshold.segment_ids(
+      self.bounds, _threshold.narrowest_ids(len(self.index)))
 
-  def _reduce(self, scatter, x, ids, init) -> jax.Array:
+  def _reduce(self, scatter, x, segments, init, combine) -> jax.Array:
     # lax's scatter takes the ids in their own type (jax.ops.segment_sum
     # converts them to int32: one more array of the buffer's length).
+    block, ids = segments
+    if block > 1:
+      x = combine(x.reshape(-1, block), axis=1)
     dims = jax.lax.ScatterDimensionNumbers(
       update_window_dims=(), inserted_window_dims=(0,),
       scatter_dims_to_operand_dims=(0,))
@@ -77,14 +91,18 @@ class _Flat(NamedTuple):
     return scatter(_vma.match_varying(out, x), ids[:, None], x, dims,
                    indices_are_sorted=True, mode="drop")
 
-  def leaf_sum(self, x, ids) -> jax.Array:
-    return self._reduce(jax.lax.scatter_add, x, ids, 0.0)
+  def leaf_sum(self, x, segments) -> jax.Array:
+    return self._reduce(jax.lax.scatter_add, x, segments, 0.0, jnp.sum)
 
-  def leaf_max(self, x, ids) -> jax.Array:
-    return self._reduce(jax.lax.scatter_max, x, ids, -jnp.inf)
+  def leaf_max(self, x, segments) -> jax.Array:
+    return self._reduce(jax.lax.scatter_max, x, segments, -jnp.inf, jnp.max)
 
-  def expand(self, v, ids) -> jax.Array:
-    return v[ids]
+  def expand(self, v, segments) -> jax.Array:
+    block, ids = segments
+    per = v[ids]
+    if block == 1:
+      return per
+    return jnp.broadcast_to(per[:, None], (per.shape[0], block)).reshape(-1)
 
 
 def _check_common(name, learning_rate, b1, b2, eps, weight_decay,
