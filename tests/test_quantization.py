@@ -689,16 +689,17 @@ def test_ef21_with_exchange_none_takes_the_exact_exchange():
     jaxcomm.int8(error_feedback="ef21", exchange="requantized")
 
 
+@pytest.mark.parametrize("words", [4, 256])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8, 16, 32])
-def test_pack_fields_against_numpy_and_back(bits):
+def test_pack_fields_against_numpy_and_back(bits, words):
   """``collectives.pack_fields``: word ``i`` of ``q`` holds code ``j q + i``
   in bits ``[j bits, (j + 1) bits)`` (numpy's arithmetic), rows packed
   independently; ``unpack_fields`` inverts it; a bad width or length is
-  named."""
+  named. ``q = 256``: whole rows of 128 lanes (the other layout)."""
   from jaxcomm import collectives
   per = 32 // bits
   rng = np.random.default_rng(bits)
-  u = rng.integers(0, 2 ** bits, size=(3, 4 * per), dtype=np.uint64)
+  u = rng.integers(0, 2 ** bits, size=(3, words * per), dtype=np.uint64)
   q = u.shape[1] // per
   want = np.zeros((3, q), np.uint64)
   for j in range(per):
