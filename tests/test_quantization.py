@@ -741,6 +741,38 @@ def _data_mesh(n):
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
+@pytest.mark.parametrize("shape", ((100,), (1000,), (1024,), (3, 1024),
+                                   (2, 256, 2)))
+def test_psum_as_tiles_of_rows_is_the_sum(shape):
+  """The TPU path of ``collectives._core.psum`` (rows of 128 padded to
+  whole (8, 128) tiles, one more tile when already whole), run here on 8
+  CPU devices: numpy's sum over the devices, in ``x``'s shape; and
+  ``psum_layout`` / ``psum_laid_out`` give it too (on CPU the values as
+  they are)."""
+  from jaxcomm.collectives import _core
+  mesh = _data_mesh(8)
+  x = np.random.default_rng(len(shape)).normal(size=(8,) + shape)
+  x = x.astype(np.float32)
+
+  def run(a):
+    a = a[0]
+    rows, restore = _core.psum_layout(a)
+    return (_core._dense_rows_psum(a, "data")[None],
+            restore(_core.psum_laid_out(rows, "data"))[None])
+
+  spec = jax.sharding.PartitionSpec("data")
+  tiles, laid = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec,
+                                      out_specs=(spec, spec)))(x)
+  for got in (tiles, laid):
+    assert got.shape == (8,) + shape
+    np.testing.assert_allclose(np.asarray(got)[3], x.sum(axis=0),
+                               rtol=1e-5, atol=1e-5)
+  if int(np.prod(shape)) >= 128:
+    rows, _ = _core._tile_rows(jnp.zeros(shape))
+    assert rows.shape[1] == 128 and rows.size % 1024 == 0
+    assert rows.size > int(np.prod(shape))
+
+
 @pytest.mark.parametrize("old,new", ((2, 4), (4, 2), (2, 1), (4, 1),
                                      (1, 2)))
 def test_int8_state_resizes_between_the_exact_and_requantized_exchanges(

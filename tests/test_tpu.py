@@ -156,10 +156,9 @@ MEMORY_OVER = {
   ("atomo_s2", "sharded"): 1.46,
   ("demo", "sharded"): 2.00, ("demo", "block"): 1.98,
   ("fetchsgd", "block"): 2.20,
-  ("lag", "block"): 1.56,
   ("mx_mxfp4_ef", "sharded"): 1.51,
-  ("onebit_adam", "sharded"): 2.10, ("onebit_adam", "block"): 1.88,
-  ("onebit_lamb", "sharded"): 2.23, ("onebit_lamb", "block"): 2.02,
+  ("onebit_adam", "sharded"): 2.10, ("onebit_adam", "block"): 1.61,
+  ("onebit_lamb", "sharded"): 2.23, ("onebit_lamb", "block"): 1.75,
 }
 
 
