@@ -396,7 +396,10 @@ class CompressState(NamedTuple):
     count: steps taken (int32).
     residual: error-feedback residual per bucket (flat float32, per
       device); empty without error feedback. ``Spec.leaves_of`` (through
-      :func:`spec_of`) gives it back per leaf.
+      :func:`spec_of`) gives it back per leaf. Each bucket buffer here
+      (``residual``, ``momentum``, ``estimate``, ``estimate_mean``) is
+      ``Layout.stored_size`` long: a long bucket's size rounded up to
+      whole 1,024-value tiles (the tail zeros; see ``_buckets``).
     momentum: momentum-correction buffer ``u`` per bucket (per device);
       empty unless ``momentum`` is set.
     codec: the codec's own state, one per bucket (a tuple).

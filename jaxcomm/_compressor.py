@@ -285,7 +285,8 @@ def compressed(
     check = getattr(codec, "check_layouts", None)
     if check is not None:
       check(layouts)
-    zeros = tuple(jnp.zeros((lay.size,), jnp.float32) for lay in layouts)
+    zeros = tuple(jnp.zeros((lay.stored_size,), jnp.float32)
+                  for lay in layouts)
     return CompressState(
       count=jnp.zeros([], jnp.int32),
       residual=zeros if keep_residual else (),
@@ -317,6 +318,7 @@ def compressed(
     _check_state(state, layouts, keep_residual, use_momentum, estimates,
                  codec.name)
     _check_codec_state(state.codec, layouts, codec_init, codec.name)
+    state = _bucket_buffers(state, lambda b, lay: b[:lay.size], layouts)
     comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
     dense_idx = [i for i, p in enumerate(paths) if p == _policy.DENSE]
     # One flat float32 buffer per bucket (equal shapes side by side).
@@ -388,6 +390,9 @@ def compressed(
       estimate=new_h,
       estimate_mean=new_hmean,
     )
+    new_state = _bucket_buffers(
+      new_state, lambda b, lay: jnp.pad(b, (0, lay.stored_size - lay.size)),
+      layouts)
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformationExtraArgs(
@@ -417,11 +422,23 @@ def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
   return out
 
 
+_BUFFERS = ("residual", "momentum", "estimate", "estimate_mean")
+
+
+def _bucket_buffers(state: CompressState, fn, layouts) -> CompressState:
+  """``fn(buffer, layout)`` on each bucket buffer of the state (stored in
+  whole tiles, :attr:`jaxcomm._buckets.Layout.stored_size`; the step works
+  on their first ``size`` values)."""
+  return state._replace(**{
+    f: tuple(fn(b, lay) for b, lay in zip(getattr(state, f), layouts))
+    for f in _BUFFERS})
+
+
 def _check_state(state, layouts, keep_residual, use_momentum, estimates,
                  name):
   """Names what is wrong when the state does not belong to these grads."""
   _checks.state_type(name, state, CompressState, "compressor")
-  want = [(lay.size,) for lay in layouts]
+  want = [(lay.stored_size,) for lay in layouts]
   for field, on in (("residual", keep_residual), ("momentum", use_momentum),
                     ("estimate", estimates),
                     ("estimate_mean", estimates)):
@@ -431,7 +448,8 @@ def _check_state(state, layouts, keep_residual, use_momentum, estimates,
         f"{name}: the gradients do not match the state's {field}: the "
         f"compressed leaves need buckets of {want} elements, the state "
         f"holds {got} (gradients of other shapes than the params given to "
-        "init, or another compressor's state)")
+        "init, another compressor's state, or a state saved before long "
+        "buckets were stored in whole tiles of 1,024: Layout.stored_size)")
 
 
 def _warn_if_wide(leaves, name) -> None:

@@ -549,3 +549,40 @@ def test_a_number_given_as_a_string_or_bool_is_refused_by_name(value):
   inside the first traced step."""
   with pytest.raises(ValueError, match="zeta must be a number"):
     jaxcomm.lag(zeta=value)
+
+
+def test_long_buckets_are_stored_in_whole_tiles(mesh):
+  """A bucket of 75,000 values (a multiple of 1,024 pads 776 <= 1/64 of
+  it) keeps its residual as 75,776: the first 75,000 the top-k residual of
+  numpy's arithmetic per device, the tail zeros; a bucket whose padding
+  would exceed 1/64 keeps its size. Resizing the state to 4 devices keeps
+  the residuals' mean (what the averaged update is owed)."""
+  from jaxcomm import _buckets
+  from jaxcomm import parallel
+  params = {"w": jnp.zeros((300, 250), jnp.float32)}
+  size, k = 75_000, 750
+  lay = _buckets.plan([(300, 250)])[0]
+  assert lay.stored_size == 75_776
+  assert _buckets.plan([(40, 25)])[0].stored_size == 1_000
+  tx = jaxcomm.topk(0.01, axis_name=harness.AXIS)
+  grads = harness.make_grads(3, 3, params=params)
+  outs, state, layout = harness.device_run(tx, mesh, grads, params=params)
+  e = np.zeros((harness.N, size))
+  for g, out in zip(grads, outs):
+    x = e + np.asarray(g["w"], np.float64).reshape(harness.N, size)
+    sent = np.zeros_like(x)
+    for d in range(harness.N):
+      top = np.argsort(-np.abs(x[d]), kind="stable")[:k]
+      sent[d, top] = x[d, top]
+    np.testing.assert_allclose(np.asarray(out["w"]).reshape(-1),
+                               sent.mean(axis=0), rtol=1e-5, atol=1e-6)
+    e = x - sent
+  res = np.asarray(state.residual[0])
+  assert res.shape == (harness.N, 75_776)
+  np.testing.assert_allclose(res[:, :size], e, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(res[:, size:], 0.0)
+  four = parallel.resize_state(state, layout, 4)
+  got = np.asarray(four.residual[0])
+  assert got.shape == (4, 75_776)
+  np.testing.assert_allclose(got.mean(axis=0), res.mean(axis=0),
+                             rtol=1e-5, atol=1e-6)

@@ -152,13 +152,12 @@ def _state_bytes(state) -> int:
 # expected failure of the memory check only, and strict: an entry that
 # comes within the bound fails until it is removed from here.
 MEMORY_OVER = {
-  ("adacomp_ef", "sharded"): 1.74, ("adacomp_ef", "block"): 1.63,
+  ("adacomp_ef", "sharded"): 1.68, ("adacomp_ef", "block"): 1.63,
   ("atomo_s2", "sharded"): 1.46,
-  ("demo", "sharded"): 2.00, ("demo", "block"): 1.98,
+  ("demo", "sharded"): 1.97, ("demo", "block"): 1.98,
   ("fetchsgd", "block"): 2.20,
-  ("mx_mxfp4_ef", "sharded"): 1.51,
-  ("onebit_adam", "sharded"): 2.10, ("onebit_adam", "block"): 1.61,
-  ("onebit_lamb", "sharded"): 2.23, ("onebit_lamb", "block"): 1.75,
+  ("onebit_adam", "sharded"): 1.82, ("onebit_adam", "block"): 1.61,
+  ("onebit_lamb", "sharded"): 1.95, ("onebit_lamb", "block"): 1.75,
 }
 
 
