@@ -64,8 +64,9 @@ class Group:
 
 
 # A bucket's buffers in a compressor's state are stored in whole tiles of
-# the TPU's 1-D layout (where that pads at most 1/64: long buckets). A state row (``[1, N]``: per device, or per model
-# shard, inside shard_map) reads as the flat ``[N]`` for free only then;
+# the TPU's 1-D layout (where that pads at most 1/64: long buckets). A
+# state row (``[1, N]``: per device, or per model shard, inside shard_map)
+# reads as the flat ``[N]`` for free only then;
 # otherwise the compiler copies it (the row's tiles of 128 and the 1-D
 # tiles of 1,024 pad differently), a gradient-sized buffer per field:
 # MXFP4 + EF sharded on two v5e slices held 1.51x the plain step's memory

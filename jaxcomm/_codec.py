@@ -389,6 +389,11 @@ class CompressStats(NamedTuple):
   nonfinite_steps: jax.Array
 
 
+# CompressState's bucket buffers: flat per bucket, stored in whole tiles
+# (``Layout.stored_size``), re-cut by leaves when model axes change.
+BUFFER_FIELDS = ("residual", "momentum", "estimate", "estimate_mean")
+
+
 class CompressState(NamedTuple):
   """State of a compressor built by :func:`compressed`.
 

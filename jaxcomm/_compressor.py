@@ -422,16 +422,14 @@ def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
   return out
 
 
-_BUFFERS = ("residual", "momentum", "estimate", "estimate_mean")
-
-
 def _bucket_buffers(state: CompressState, fn, layouts) -> CompressState:
   """``fn(buffer, layout)`` on each bucket buffer of the state (stored in
   whole tiles, :attr:`jaxcomm._buckets.Layout.stored_size`; the step works
   on their first ``size`` values)."""
   return state._replace(**{
-    f: tuple(fn(b, lay) for b, lay in zip(getattr(state, f), layouts))
-    for f in _BUFFERS})
+    f: tuple(b if lay.stored_size == lay.size else fn(b, lay)
+             for b, lay in zip(getattr(state, f), layouts))
+    for f in _codec.BUFFER_FIELDS})
 
 
 def _check_state(state, layouts, keep_residual, use_momentum, estimates,

@@ -27,11 +27,11 @@ def _loss(p, batch):
   return jnp.mean((h @ p["v"] - y) ** 2)
 
 
-def _data(steps, seed=0):
+def _data(steps, seed=0, hidden=64):
   rng = np.random.RandomState(seed)
-  w0 = {"w": rng.randn(32, 64).astype(np.float32) * 0.2,
-        "v": rng.randn(64, 64).astype(np.float32) * 0.2,
-        "b": np.zeros(64, np.float32)}
+  w0 = {"w": rng.randn(32, hidden).astype(np.float32) * 0.2,
+        "v": rng.randn(hidden, 64).astype(np.float32) * 0.2,
+        "b": np.zeros(hidden, np.float32)}
   batches = [(rng.randn(16, 32).astype(np.float32),
               rng.randn(16, 64).astype(np.float32)) for _ in range(steps)]
   return w0, batches
@@ -93,39 +93,48 @@ def test_an_elementwise_compressor_continues_as_if_never_resharded():
                                rtol=2e-5, atol=2e-6, err_msg=k)
 
 
-def _slice_residuals(state_rows, fsdp):
+def _slice_residuals(state_rows, fsdp, hidden=64):
   """Per slice, each compressed leaf's residual put back together by hand:
-  the bucket of a (dcn, fsdp) device holds its "v" block (64 x 64/fsdp;
-  leaves in tree order: "b" (dense, too small), "v", "w") then its "w"
-  block (32/fsdp x 64)."""
+  the bucket of a (dcn, fsdp) device holds its "v" block (hidden x
+  64/fsdp; leaves in tree order: "b" (dense), "v", "w") then its "w" block
+  (32/fsdp x hidden), then the zeros of a bucket stored in whole tiles."""
   out = []
   rows = np.asarray(state_rows).reshape(2, fsdp, -1)
-  nv = 64 * (64 // fsdp)
+  nv, nw = hidden * (64 // fsdp), (32 // fsdp) * hidden
   for d in range(2):
-    w = np.concatenate([rows[d, f, nv:].reshape(32 // fsdp, 64)
+    w = np.concatenate([rows[d, f, nv:nv + nw].reshape(32 // fsdp, hidden)
                         for f in range(fsdp)], axis=0)
-    v = np.concatenate([rows[d, f, :nv].reshape(64, 64 // fsdp)
+    v = np.concatenate([rows[d, f, :nv].reshape(hidden, 64 // fsdp)
                         for f in range(fsdp)], axis=1)
+    np.testing.assert_array_equal(rows[d, :, nv + nw:], 0.0)
     out.append((w, v))
   return out
 
 
-@pytest.mark.parametrize("fsdp_new", [2, 1])
-def test_topk_residuals_land_on_the_elements_they_belong_to(fsdp_new):
+@pytest.mark.parametrize("fsdp_new,hidden", [(2, 64), (1, 64), (2, 2600)])
+def test_topk_residuals_land_on_the_elements_they_belong_to(fsdp_new,
+                                                           hidden):
   """Top-k's residuals after three steps on fsdp=4, moved to fsdp=2 (and
   1): each slice's residual of each leaf, assembled by hand from the
-  device rows, is the same array before and after; the run goes on."""
-  comp = jaxcomm.topk(0.05, axis_name="dcn")
+  device rows, is the same array before and after; the run goes on. With
+  ``hidden=2600`` a device's bucket (62,400 values on fsdp=4, 124,800 on
+  fsdp=2) is stored in whole tiles of 1,024 on both sides, zeros after."""
+  comp = jaxcomm.topk(0.05, axis_name="dcn",
+                      policy=jaxcomm.LeafPolicy(min_size=hidden + 1))
   tx = optax.chain(comp, optax.sgd(0.1))
-  w0, batches = _data(5)
+  w0, batches = _data(5, hidden=hidden)
   _, dp4, p, s = _setup(tx, 4, w0)
   p, s = _train(dp4, p, s, batches[:3])
   host = jax.device_get(s)
-  before = _slice_residuals(host[0].residual[0], 4)
+  if hidden == 2600:
+    assert np.shape(host[0].residual[0])[-1] == 62_464
+  before = _slice_residuals(host[0].residual[0], 4, hidden)
   assert all(np.abs(w).sum() > 0 for w, _ in before)
   mesh, dp2, _, state, _ = _reshard(tx, [comp], host, dp4.layout, 4,
                                     fsdp_new, jax.device_get(p))
-  after = _slice_residuals(state[0].residual[0], fsdp_new)
+  if hidden == 2600:
+    assert np.shape(state[0].residual[0])[-1] == 124_928
+  after = _slice_residuals(state[0].residual[0], fsdp_new, hidden)
   for (w0_, v0_), (w1, v1) in zip(before, after):
     np.testing.assert_array_equal(w1, w0_)
     np.testing.assert_array_equal(v1, v0_)

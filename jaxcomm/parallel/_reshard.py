@@ -43,7 +43,7 @@ from jaxcomm.collectives import _signs
 from jaxcomm.parallel._resize import _check_rows
 from jaxcomm.parallel._resize import _check_state_tree
 
-_BUFFERS = ("residual", "momentum", "estimate", "estimate_mean")
+_BUFFERS = _codec.BUFFER_FIELDS
 
 
 class _Geometry:
