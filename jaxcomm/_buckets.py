@@ -74,6 +74,16 @@ class Group:
 STORED_TILE = 1024
 
 
+def stored_length(size: int) -> int:
+  """Length of a state buffer for ``size`` values: ``size`` rounded up to
+  whole 1-D TPU tiles (:data:`STORED_TILE`) where that pads at most 1/64 of
+  it (as ``collectives._core.chunk_length`` aligns chunks), else ``size``.
+  A per-device row ``[1, N]`` is read as ``[N]`` through a copy on TPU
+  when ``N`` is not whole tiles (the comment above)."""
+  whole = -(-int(size) // STORED_TILE) * STORED_TILE
+  return whole if (whole - size) * 64 <= size else int(size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The static layout of one bucket.
@@ -112,12 +122,9 @@ class Layout:
   @property
   def stored_size(self) -> int:
     """Length of the bucket's buffers in a compressor's state (residual,
-    momentum, estimates): :attr:`size` rounded up to whole 1-D TPU tiles
-    (:data:`STORED_TILE`) where that pads at most 1/64 of it (as
-    ``collectives._core.chunk_length`` aligns chunks), else :attr:`size`;
-    the tail is zeros."""
-    whole = -(-self.size // STORED_TILE) * STORED_TILE
-    return whole if (whole - self.size) * 64 <= self.size else self.size
+    momentum, estimates, a chunk owner's server error):
+    :func:`stored_length` of :attr:`size`; the tail is zeros."""
+    return stored_length(self.size)
 
   @property
   def num_segments(self) -> int:

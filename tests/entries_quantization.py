@@ -29,6 +29,15 @@ def chunk_of(length: int, n: int) -> int:
   return -(-c // p) * p
 
 
+def stored_of(length: int) -> int:
+  """A state buffer's width, as ARCHITECTURE documents it: ``length``
+  rounded up to a multiple of 1,024 where that pads at most 1/64 of it,
+  else ``length``. A chunk owner's server error is that wide, and the
+  chunks are those of its width."""
+  whole = -(-length // 1024) * 1024
+  return whole if 64 * (whole - length) <= length else length
+
+
 def _sign(x):
   return np.where(x >= 0, 1.0, -1.0)
 
@@ -76,7 +85,7 @@ def _onebit_ref_step(xs, state, step, key, n):
     sent.append(w)
     flat_w.append(_flat(w))
   avg = np.mean(flat_w, axis=0)
-  chunk = chunk_of(length, n)
+  chunk = chunk_of(stored_of(length), n)
   ends = np.cumsum([x.size for x in like])
   starts = ends - np.asarray([x.size for x in like])
   mean = np.zeros(length)
@@ -321,8 +330,8 @@ def _requantized_ref(bits, block):
   error (in gradient-sum units, as onebit's).
 
   ``q = 2^(bits-1) - 1``. The flat vector (leaves in tree order) is cut
-  into ``n`` chunks of ``C = ceil(L / n)`` rounded up to 32 elements,
-  each chunk into blocks of ``block`` elements (the last block of a chunk
+  into ``n`` chunks of ``C = ceil(S / n)`` rounded up to 32 elements
+  (``S = stored_of(L)``, the server error's width), each chunk into blocks of ``block`` elements (the last block of a chunk
   short; elements past ``L`` are not there). A block ``v`` has the step
   ``s``, the smallest bfloat16 value >= ``max|v| (1 / q)``, and is sent
   as ``round(v (1 / s))`` (half to even), decoding to ``code * s``; each
@@ -350,7 +359,7 @@ def _requantized_ref(bits, block):
     length = sum(x.size for x in like)
     if state["server"] is None:
       state["server"] = [np.zeros(length, np.float32) for _ in range(n)]
-    chunk = chunk_of(length, n)
+    chunk = chunk_of(stored_of(length), n)
     flats = [_flat(dev) for dev in xs]
     dec = [np.zeros(length, np.float32) for _ in range(n)]
     mean = np.zeros(length)
@@ -708,8 +717,9 @@ def _l1_scaled_sign(v):
 def dist_ef_sgdm_run(mu):
   """Zheng, Huang, Kwok 2019, dist-EF-BlockSGDM with the leaves as
   blocks: per device ``m = mu m + g``, ``p = m + e``, ``D = C(p)``, ``e =
-  p - D``; the server (each device for its chunk of ``ceil(L / n)``
-  rounded up to 32, one block per leaf segment of the chunk) ``p~ =
+  p - D``; the server (each device for its chunk of ``ceil(S / n)``
+  rounded up to 32, ``S = stored_of(L)``, one block per leaf segment of
+  the chunk) ``p~ =
   mean_i D_i + e~``, ``D~ = C(p~)``, ``e~ = p~ - D~`` (kept as ``n e~``,
   the documented units); the update is ``D~``. Momentum and worker error
   in float32, as the transform keeps them."""
@@ -722,7 +732,7 @@ def dist_ef_sgdm_run(mu):
     m = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
     e = [[np.zeros(x.shape, f32) for x in like] for _ in range(n)]
     server = [np.zeros(length) for _ in range(n)]
-    chunk = chunk_of(length, n)
+    chunk = chunk_of(stored_of(length), n)
     ends = np.cumsum([x.size for x in like])
     starts = ends - np.asarray([x.size for x in like])
     out, sent_all = [], []

@@ -60,6 +60,58 @@ def test_warmup_is_optax_on_the_mean_gradient(mesh, which):
                                  atol=1e-7, err_msg=f"{which} {k} step {t}")
 
 
+@pytest.mark.parametrize("which", ["adamw", "lamb"])
+def test_long_moments_are_stored_in_whole_tiles(mesh, which):
+  """50,750 floating values (a 202 x 250 matrix and a bias): the flat
+  moments are stored as 51,200 (whole tiles of 1,024, zeros past 50,750).
+  The warm-up is still optax's on the mean gradient, and the stored
+  momentum and variance are optax's, leaf by leaf in tree order; a state of
+  the unpadded width is refused by name. Then a compressed step."""
+  lr = 0.01
+  kw = dict(weight_decay=0.01, freeze_step=2)
+  if which == "adamw":
+    tx = jaxcomm.onebit_adam(lr, **kw)
+    ref = optax.adamw(lr, weight_decay=0.01)
+  else:
+    tx = jaxcomm.onebit_lamb(lr, **kw, min_coeff=1e-12, max_coeff=1e12)
+    ref = optax.lamb(lr, weight_decay=0.01)
+  r = np.random.RandomState(2)
+  params = {"b": jnp.asarray(r.randn(250) * 0.1, jnp.float32),
+            "w": jnp.asarray(r.randn(202, 250) * 0.1, jnp.float32)}
+  size, width = 50_750, entries_quantization.stored_of(50_750)
+  assert width == 51_200
+  grads = harness.make_grads(6, 3, params=params)
+  updates, state, _ = harness.device_run(tx, mesh, grads[:2], params=params)
+  ref_state = ref.init(params)
+  for t, g in enumerate(grads[:2]):
+    mean = {k: jnp.asarray(np.asarray(v).mean(axis=0)) for k, v in g.items()}
+    want, ref_state = ref.update(mean, ref_state, params)
+    for k in want:
+      np.testing.assert_allclose(updates[t][k], want[k], rtol=2e-5,
+                                 atol=1e-7, err_msg=f"{which} {k} step {t}")
+  adam = next(s for s in jax.tree.leaves(
+    ref_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if isinstance(s, optax.ScaleByAdamState))
+  fields = ["mu", "nu"] + (["nu_fresh"] if which == "lamb" else [])
+  for f in fields:
+    got = np.asarray(getattr(state, f))
+    assert got.shape == (width,), f
+    np.testing.assert_array_equal(got[size:], 0.0)
+  for f in ("mu", "nu"):
+    want = np.concatenate([np.ravel(x) for x in
+                           jax.tree.leaves(getattr(adam, f))])
+    np.testing.assert_allclose(np.asarray(getattr(state, f))[:size], want,
+                               rtol=2e-5, atol=1e-9, err_msg=f)
+  after, state3, _ = harness.device_run(tx, mesh, grads[2:], params=params,
+                                        state=state)
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in
+             jax.tree.leaves(after))
+  np.testing.assert_array_equal(np.asarray(state3.mu)[size:], 0.0)
+  short = state._replace(mu=np.asarray(state.mu)[:size])
+  with pytest.raises(ValueError, match="momentum"):
+    harness.device_run(tx, mesh, grads[2:], params=params, state=short)
+
+
 @pytest.mark.parametrize("bias", [64, 5])
 def test_lamb_layer_norms_by_blocks_and_by_positions(mesh, bias):
   """LAMB's per-layer norms, through either id path of ``_Flat``: leaves of

@@ -123,6 +123,59 @@ def test_onebit_server_error_lives_on_the_chunk_owner(mesh):
     assert np.any(err[k][~outside] != 0)
 
 
+# A leaf of 50,500 values: its server error is stored as 51,200 (whole
+# tiles of 1,024), and on 8 devices the chunks of that width (6,400) are
+# not those of the leaves' total (6,336).
+_LONG = (202, 250)
+
+
+@pytest.mark.parametrize("name,tx,ref", [
+  ("onebit", lambda: jaxcomm.onebit(axis_name=harness.AXIS),
+   entries_quantization._onebit_ref_step),
+  ("int8", lambda: jaxcomm.int8(bucket_size=128, exchange="requantized",
+                                axis_name=harness.AXIS),
+   entries_quantization._requantized_ref(8, 128))])
+def test_server_error_of_a_long_bucket_is_stored_in_whole_tiles(
+    mesh, name, tx, ref):
+  """The exchange's updates equal the numpy reference's (chunks of the
+  stored width, ``stored_of``) over 3 steps with worker error feedback;
+  the server error is 51,200 wide, zero past 50,500, and each device's is
+  zero outside its own chunk of the stored width; resized to 4 devices its
+  total is kept, on the new chunks' owners."""
+  size = _LONG[0] * _LONG[1]
+  width = entries_quantization.stored_of(size)
+  assert (size, width) == (50_500, 51_200)
+  c8 = entries_quantization.chunk_of(width, harness.N)
+  assert c8 != entries_quantization.chunk_of(size, harness.N)
+  params = {"w": jnp.zeros(_LONG, jnp.float32)}
+  grads = harness.make_grads(5, 3, params=params)
+  outs, state, layout = harness.device_run(tx(), mesh, grads, params=params)
+  e = [np.zeros(_LONG) for _ in range(harness.N)]
+  rstate = {"server": None, "shapes": None}
+  for t, (g, out) in enumerate(zip(grads, outs)):
+    xs = [[np.asarray(g["w"][i], np.float64) + e[i]] for i in
+          range(harness.N)]
+    mean, sent, rstate = ref(xs, rstate, t, None, harness.N)
+    np.testing.assert_allclose(np.asarray(out["w"], np.float64), mean[0],
+                               rtol=1e-4, atol=1e-5, err_msg=f"{name} {t}")
+    e = [x[0] - s[0] for x, s in zip(xs, sent)]
+  err = np.asarray(entries_quantization.codec_state(state).server_error)
+  assert err.shape == (harness.N, width)
+  np.testing.assert_array_equal(err[:, size:], 0.0)
+  for k in range(harness.N):
+    mine = np.zeros(width, bool)
+    mine[k * c8:(k + 1) * c8] = True
+    assert np.all(err[k][~mine] == 0) and np.any(err[k][mine] != 0), k
+  four = np.asarray(entries_quantization.codec_state(
+    parallel.resize_state(state, layout, 4)).server_error)
+  c4 = entries_quantization.chunk_of(width, 4)
+  np.testing.assert_allclose(four.sum(axis=0), err.sum(axis=0), rtol=1e-6,
+                             atol=1e-6)
+  for k in range(4):
+    np.testing.assert_array_equal(four[k][:k * c4], 0.0)
+    np.testing.assert_array_equal(four[k][(k + 1) * c4:], 0.0)
+
+
 @pytest.mark.parametrize("new", (2, 4, 16))
 def test_onebit_server_error_resize_lands_on_the_new_owners(mesh, new):
   # Resizing 8 -> new devices keeps the total server error, and every

@@ -156,8 +156,7 @@ MEMORY_OVER = {
   ("atomo_s2", "sharded"): 1.46,
   ("demo", "sharded"): 1.97, ("demo", "block"): 1.98,
   ("fetchsgd", "block"): 2.20,
-  ("onebit_adam", "sharded"): 1.82, ("onebit_adam", "block"): 1.61,
-  ("onebit_lamb", "sharded"): 1.95, ("onebit_lamb", "block"): 1.75,
+  ("onebit_lamb", "block"): 1.46,
 }
 
 

@@ -360,8 +360,10 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
 
   Args:
     x: ``float[L]``, this device's vector.
-    server_error: ``float32[L]``; this device reads and writes only its
-      own chunk ``[j C, (j + 1) C)`` (zero elsewhere).
+    server_error: ``float32[S]``, ``S >= L`` (a state buffer stored in
+      whole tiles, zeros past ``L``); the chunks are those of its width
+      (``requantized_plan(S, ...)``), and this device reads and writes only
+      its own chunk ``[j C, (j + 1) C)`` (zero elsewhere).
     axis_name: the axis, or None.
     bits: 4 or 8 (static).
     block: elements per step, ``>= 1`` (static).
@@ -381,11 +383,12 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
   length = x.shape[0]
   server_error = _core.vector(server_error, "server_error", jnp.floating,
                               jnp.float32)
-  if server_error.shape != (length,):
-    raise ValueError(f"server_error must have shape ({length},), got "
-                     f"{server_error.shape}")
+  width = server_error.shape[0]
+  if width < length:
+    raise ValueError(f"server_error must have at least the vector's "
+                     f"{length} elements, got shape {server_error.shape}")
   n = _core.axis_size(axis_name)
-  p = requantized_plan(length, n, bits, block)
+  p = requantized_plan(width, n, bits, block)
   c, nb = p.chunk, p.blocks
   idx = _core.axis_index(axis_name)
 
@@ -401,14 +404,14 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
   y = rows[0]
   for i in range(1, n):
     y = y + rows[i]
-  err_pad = jnp.pad(server_error, (0, n * c - length))
+  err_pad = jnp.pad(server_error, (0, n * c - width))
   y = y + jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
   r, big = block_quantize(_blocked(y, c, nb, block), p.bound)
   z = _decode_blocks(r, big, c)
   new_err = jax.lax.dynamic_update_slice(err_pad, y - z, (idx * c,))
   rows = _core.all_gather(_encode(r, big, p), axis_name)
   mean = _decode(rows, p, block).reshape(-1)[:length] / n
-  return mean, sent, new_err[:length]
+  return mean, sent, new_err[:width]
 
 
 # ------------------------------------------------------ natural compression --

@@ -209,8 +209,11 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   Args:
     x: ``float[L]``, this device's vector (leaves flattened and concatenated).
     sizes: the leaves' sizes (static), summing to ``L``.
-    server_error: ``float32[L]``; this device reads and writes only its own
-      chunk ``[k C, (k + 1) C)`` (zero elsewhere).
+    server_error: ``float32[S]``, ``S >= L`` (a state buffer stored in
+      whole tiles, zeros past ``L``; see
+      :attr:`jaxcomm._buckets.Layout.stored_size`); the chunks are those
+      of its width, ``C = chunk_length(S, n)``, and this device reads and
+      writes only its own chunk ``[k C, (k + 1) C)`` (zero elsewhere).
     axis_name: the axis, or None.
     norm: ``"l2"`` (default, DeepSpeed's ``||v||_2 / sqrt(d)``) or
       ``"l1"`` (``||v||_1 / d``, the scaled sign of Karimireddy et al.
@@ -232,9 +235,10 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     raise ValueError(f"sizes {sizes} do not sum to the length {length}")
   if norm not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+  width = _server_width(server_error, length)
   k = len(sizes)
   n = _core.axis_size(axis_name)
-  c = chunk_length(length, n)
+  c = chunk_length(width, n)
   cw = c // WORD_BITS
   idx = _core.axis_index(axis_name)
 
@@ -250,7 +254,7 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
   signs = bitpack.unpack_signs(got[:, :cw].reshape(-1), n * c).reshape(n, c)
   their = jnp.concatenate(
     [_words_f32(got[:, cw:]), jnp.zeros((n, 1), jnp.float32)], axis=1)
-  err_pad = jnp.pad(server_error, (0, n * c - length))
+  err_pad = jnp.pad(server_error, (0, n * c - width))
   mine = jax.lax.dynamic_slice(err_pad, (idx * c,), (c,))
   tiles = _chunk_blocks(sizes, n * c - length, c)
   if tiles is not None:
@@ -263,7 +267,19 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     mean, z, y = _server_per_element(signs, their, mine, sizes, idx, n, c,
                                      k, length, axis_name, cw, norm)
   new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
-  return mean[:length], sent, new_err[:length]
+  return mean[:length], sent, new_err[:width]
+
+
+def _server_width(server_error, length: int) -> int:
+  """The width ``S`` of a chunk owner's server error for a vector of
+  ``length``: one row of at least ``length`` float32 values."""
+  shape = tuple(jnp.shape(server_error))
+  if len(shape) != 1 or shape[0] < length or not jnp.issubdtype(
+      jnp.result_type(server_error), jnp.floating):
+    raise ValueError(
+      f"server_error must be a float vector of at least the vector's "
+      f"{length} elements, got {jnp.result_type(server_error)}{list(shape)}")
+  return shape[0]
 
 
 def _chunk_blocks(sizes, pad: int, c: int):
@@ -339,9 +355,11 @@ def _server_per_element(signs, their, mine, sizes, idx, n, c, k, length,
   return mean, z, y
 
 
-def compressed_allreduce_wire(sizes: Sequence[int], n: int) -> list:
-  """The collectives of :func:`compressed_allreduce` (kind, payload)."""
-  length = int(sum(sizes))
+def compressed_allreduce_wire(sizes: Sequence[int], n: int,
+                              width: int | None = None) -> list:
+  """The collectives of :func:`compressed_allreduce` (kind, payload);
+  ``width``: the server error's (default: the leaves' total)."""
+  length = int(sum(sizes)) if width is None else int(width)
   cw = chunk_length(length, n) // WORD_BITS
   return [("all-to-all", 4 * n * (cw + len(sizes))),
           ("all-gather", 4 * n * (cw + len(sizes)))]

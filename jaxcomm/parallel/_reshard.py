@@ -418,9 +418,10 @@ class _Resharder:
             flat.append(np.zeros(int(np.prod(shape)), np.float64))
         vec = np.concatenate(flat) if flat else np.zeros(0)
         if owned:
+          # Chunks of the stored width (as the exchange cuts them).
           n = geo.data_size
           k = int(c.get(geo.data, 0))
-          ln = _signs.chunk_length(vec.shape[-1], n)
+          ln = _signs.chunk_length(out[bi].shape[-1], n)
           mine = np.zeros_like(vec)
           mine[k * ln:(k + 1) * ln] = vec[k * ln:(k + 1) * ln]
           vec = mine
@@ -428,9 +429,8 @@ class _Resharder:
         out[bi][r][..., :vec.shape[-1]] = vec.astype(out[bi].dtype)
     return tuple(out)
 
-  def _check_widths(self, spec, geo, local, bufs, path, which, owned):
-    want = [lay.size if owned else lay.stored_size
-            for lay in spec.layouts(local, geo.splits())]
+  def _check_widths(self, spec, geo, local, bufs, path, which):
+    want = [lay.stored_size for lay in spec.layouts(local, geo.splits())]
     got = [int(np.shape(b)[-1]) for b in bufs]
     if got != want:
       raise ValueError(
@@ -442,8 +442,8 @@ class _Resharder:
 
   def buffers(self, spec, xv, bv, tv, tbv, path, owned=False):
     (l_old, c_old), (l_new, c_new) = self._plans(spec, path)
-    self._check_widths(spec, self.old, l_old, xv, path, "state", owned)
-    self._check_widths(spec, self.new, l_new, tv, path, "template", owned)
+    self._check_widths(spec, self.old, l_old, xv, path, "state")
+    self._check_widths(spec, self.new, l_new, tv, path, "template")
     axes_old = self.row_axes(bv[0])
     axes_new = self.row_axes(tbv[0])
     whole = self._to_leaves(spec, xv, self.old, l_old, c_old, axes_old,

@@ -38,7 +38,8 @@ class DistEfSgdmState(NamedTuple):
   """Codec state of :func:`dist_ef_sgdm`.
 
   Attributes:
-    server_error: ``float32[L]`` per device (``L`` the bucket's size);
+    server_error: ``float32[S]`` per device (``S`` the bucket's stored
+      size, :attr:`jaxcomm._buckets.Layout.stored_size`);
       device ``k`` is the server of chunk ``[k C, (k + 1) C)`` and keeps
       its error there, in gradient-sum units (``n`` times the paper's
       ``e``); zero elsewhere.
@@ -63,7 +64,7 @@ class DistEfSgdmCodec(_codec.CodecBase):
   mean_of_sent = False
 
   def init(self, layout):
-    return DistEfSgdmState(jnp.zeros([layout.size], jnp.float32))
+    return DistEfSgdmState(jnp.zeros([layout.stored_size], jnp.float32))
 
   def apply(self, x, state, ctx):
     mean, sent, err = _signs.compressed_allreduce(
@@ -72,7 +73,8 @@ class DistEfSgdmCodec(_codec.CodecBase):
                               state=DistEfSgdmState(err))
 
   def wire(self, layout, n):
-    return _signs.compressed_allreduce_wire(layout.sizes, n)
+    return _signs.compressed_allreduce_wire(layout.sizes, n,
+                                            layout.stored_size)
 
 
 @_registry.method(

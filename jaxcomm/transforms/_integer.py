@@ -30,7 +30,8 @@ class RequantizedState(NamedTuple):
   ``exchange="exact"``).
 
   Attributes:
-    server_error: ``float32[L]`` per device (``L`` the bucket's size):
+    server_error: ``float32[S]`` per device (``S`` the bucket's stored
+      size, :attr:`jaxcomm._buckets.Layout.stored_size`):
       what the chunk owner's requantization of the chunk sums left out,
       in gradient-sum units; device ``k`` uses only its chunk ``[k C, (k
       + 1) C)`` (:func:`jaxcomm.collectives.requantized_allreduce`).
@@ -119,14 +120,14 @@ class RequantizedCodec(_codec.CodecBase):
       return self.exchange
     if n <= 1:
       return "exact"
-    requant = _quantized.requantized_plan(layout.size, n, self.bits,
-                                          self.bucket_size).wire
+    requant = _quantized.requantized_plan(layout.stored_size, n,
+                                          self.bits, self.bucket_size).wire
     if _sent_cost(requant) < _sent_cost(self.exact.wire(layout, n)):
       return "requantized"
     return "exact"
 
   def init(self, layout):
-    return RequantizedState(jnp.zeros([layout.size], jnp.float32))
+    return RequantizedState(jnp.zeros([layout.stored_size], jnp.float32))
 
   def apply(self, x, state, ctx):
     if self._choose(ctx.layout, ctx.num_devices) == "exact":
@@ -137,9 +138,9 @@ class RequantizedCodec(_codec.CodecBase):
       # The zeros stay one row per device (typed varying): the state's
       # layout is the same whichever exchange a device count picks, so a
       # checkpoint resizes between them (dcn=2 exact, dcn=4 requantized).
-      err = state.server_error
+      err = state.server_error[:x.shape[0]]
       res = self.exact.apply(x + err, (), ctx)
-      zeros = _core.pvary(jnp.zeros_like(err), ctx.axis_name)
+      zeros = _core.pvary(jnp.zeros_like(state.server_error), ctx.axis_name)
       return _codec.CodecResult(mean=res.mean, sent=res.sent - err,
                                 state=RequantizedState(zeros))
     mean, sent, err = _quantized.requantized_allreduce(
@@ -151,7 +152,7 @@ class RequantizedCodec(_codec.CodecBase):
   def wire(self, layout, n):
     if self._choose(layout, n) == "exact":
       return self.exact.wire(layout, n)
-    return _quantized.requantized_plan(layout.size, n, self.bits,
+    return _quantized.requantized_plan(layout.stored_size, n, self.bits,
                                        self.bucket_size).wire
 
 

@@ -26,6 +26,10 @@ def _floating(x) -> bool:
   return _policy.is_float(x)
 
 
+# The state's flat moments (stored in whole tiles: _Flat.stored_size).
+_MOMENTS = ("mu", "nu", "nu_fresh")
+
+
 class _Flat(NamedTuple):
   """The floating leaves of a tree as one float32 buffer (static layout)."""
 
@@ -44,6 +48,26 @@ class _Flat(NamedTuple):
   @property
   def size(self) -> int:
     return self.bounds[-1]
+
+  @property
+  def stored_size(self) -> int:
+    """Length of the flat moments in the state (``mu``, ``nu``,
+    ``nu_fresh``): whole 1-D TPU tiles, zeros past :attr:`size`
+    (:func:`jaxcomm._buckets.stored_length`; 1-bit Adam sharded on two
+    v5e slices: 1.82x the plain step's memory per chip with ``[F]`` rows,
+    1.53x with whole tiles)."""
+    return _buckets.stored_length(self.size)
+
+  def load(self, state):
+    """``state`` with its flat moments cut to :attr:`size` (the step's)."""
+    return state._replace(**{f: getattr(state, f)[:self.size]
+                             for f in _MOMENTS if f in state._fields})
+
+  def store(self, state):
+    """``state`` with its flat moments padded to :attr:`stored_size`."""
+    pad = self.stored_size - self.size
+    return state._replace(**{f: jnp.pad(getattr(state, f), (0, pad))
+                             for f in _MOMENTS if f in state._fields})
 
   def flatten(self, tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
@@ -137,12 +161,13 @@ def _check_params(name, updates, params, weight_decay, state, axis_name):
   # The params decide which leaves are floating (as at init): a clipping
   # transform before this one may have made an int leaf's update float.
   flat = _Flat.of(params if params is not None else updates)
-  if (flat.size,) != tuple(jnp.shape(state.mu)):
+  if (flat.stored_size,) != tuple(jnp.shape(state.mu)):
     raise ValueError(
       f"{name}: the gradients do not match the state: their floating "
-      f"leaves hold {flat.size} elements, the state's momentum "
-      f"{tuple(jnp.shape(state.mu))} (gradients of other params than "
-      "init's?)")
+      f"leaves hold {flat.size} elements (stored as {flat.stored_size}), "
+      f"the state's momentum {tuple(jnp.shape(state.mu))} (gradients of "
+      "other params than init's, or a state saved before the moments were "
+      "stored in whole tiles of 1,024?)")
   if params is None and not (isinstance(weight_decay, (int, float))
                              and weight_decay == 0):
     raise ValueError(f"{name}: weight_decay needs params: call "

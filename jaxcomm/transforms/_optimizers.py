@@ -59,11 +59,13 @@ class OneBitAdamState(NamedTuple):
 
   The moments are flat float32 buffers over the floating leaves (in
   ``jax.tree.leaves`` order), so the optimizer's arithmetic is a few ops
-  on one buffer whatever the number of leaves.
+  on one buffer whatever the number of leaves. Their ``F`` values are
+  stored in whole 1-D TPU tiles (``S`` values, zeros past ``F``;
+  :func:`jaxcomm._buckets.stored_length`).
 
   Attributes:
-    mu: the momentum, identical on every device (``float32[F]``).
-    nu: the variance, frozen from ``freeze_step`` (``float32[F]``).
+    mu: the momentum, identical on every device (``float32[S]``).
+    nu: the variance, frozen from ``freeze_step`` (``float32[S]``).
     nu_count: how many times ``nu`` was updated (its bias correction).
     exchange: the 1-bit exchange's :class:`jaxcomm.CompressState` (step
       counter, per-device worker error, per-device server error).
@@ -81,7 +83,7 @@ class OneBitLambState(NamedTuple):
   Attributes:
     mu, nu, nu_count, exchange: as :class:`OneBitAdamState`.
     nu_fresh: the variance re-estimated after the freeze from the
-      momentum's change (``(m - b1 m_prev) / (1 - b1)``), ``float32[F]``.
+      momentum's change (``(m - b1 m_prev) / (1 - b1)``), ``float32[S]``.
     coeff: per floating leaf (layer), the moving average of LAMB's trust
       ratio during the warm-up; frozen with the variance.
     factor: per floating leaf, the last scaling factor of the frozen ratio.
@@ -230,7 +232,7 @@ def onebit_adam(
     spec = _dense_first_spec(spec)
 
   def init_fn(params):
-    zeros = jnp.zeros((_Flat.of(params).size,), jnp.float32)
+    zeros = jnp.zeros((_Flat.of(params).stored_size,), jnp.float32)
     return OneBitAdamState(mu=zeros, nu=zeros,
                            nu_count=jnp.zeros([], jnp.int32),
                            exchange=ex.init(params))
@@ -253,6 +255,7 @@ def onebit_adam(
     _checks.state_type(name, state, OneBitAdamState, "optimizer")
     flat = _check_params(name, updates, params, weight_decay, state,
                          axis_name)
+    state = flat.load(state)
 
     def compressed_step(_):
       ph = _momentum_exchange(ex, flat, freeze_step, b1, updates, state,
@@ -271,8 +274,9 @@ def onebit_adam(
       return finish(flat, updates, state, params, state.exchange.count, mu,
                     nu, nu_count, bad, exchange)
 
-    return _dense_while_fresh(freeze_step, state.nu_count, dense_step,
-                              compressed_step)
+    out, new = _dense_while_fresh(freeze_step, state.nu_count, dense_step,
+                                  compressed_step)
+    return out, flat.store(new)
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, spec), update_fn)
@@ -390,7 +394,7 @@ def onebit_lamb(
 
   def init_fn(params):
     flat = _Flat.of(params)
-    zeros = jnp.zeros((flat.size,), jnp.float32)
+    zeros = jnp.zeros((flat.stored_size,), jnp.float32)
     ones = jnp.ones((len(flat.index),), jnp.float32)
     return OneBitLambState(
       mu=zeros, nu=zeros, nu_count=jnp.zeros([], jnp.int32),
@@ -404,6 +408,7 @@ def onebit_lamb(
     if params is None:
       raise ValueError(f"{name}: LAMB's trust ratio needs params: call "
                        "tx.update(grads, state, params)")
+    state = flat.load(state)
 
     def lamb_step(ph):
       warm = ph.warm
@@ -465,8 +470,9 @@ def onebit_lamb(
                               warm=jnp.ones([], bool), gbar=gbar, mu=mu,
                               bad=bad, exchange=exchange))
 
-    return _dense_while_fresh(freeze_step, state.nu_count, dense_step,
-                              compressed_step)
+    out, new = _dense_while_fresh(freeze_step, state.nu_count, dense_step,
+                                  compressed_step)
+    return out, flat.store(new)
 
   return optax.GradientTransformationExtraArgs(
     _compressor._Init(init_fn, spec), update_fn)

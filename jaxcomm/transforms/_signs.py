@@ -26,9 +26,11 @@ class OneBitState(NamedTuple):
   """Codec state of :func:`onebit`.
 
   Attributes:
-    server_error: ``float32[L]`` per device (``L`` the compressed leaves'
-      total size); device ``k`` uses only its chunk ``[k C, (k + 1) C)``;
-      kept in gradient-sum units (``n`` times the error of the mean).
+    server_error: ``float32[S]`` per device (``S`` the bucket's stored
+      size, :attr:`jaxcomm._buckets.Layout.stored_size`: whole tiles,
+      zeros past the leaves' total); device ``k`` uses only its chunk
+      ``[k C, (k + 1) C)`` of it; kept in gradient-sum units (``n`` times
+      the error of the mean).
   """
 
   server_error: jax.Array
@@ -49,7 +51,7 @@ class OneBitCodec(_codec.CodecBase):
   mean_of_sent = False
 
   def init(self, layout):
-    return OneBitState(jnp.zeros([layout.size], jnp.float32))
+    return OneBitState(jnp.zeros([layout.stored_size], jnp.float32))
 
   def apply(self, x, state, ctx):
     mean, sent, err = _signs.compressed_allreduce(
@@ -57,7 +59,8 @@ class OneBitCodec(_codec.CodecBase):
     return _codec.CodecResult(mean=mean, sent=sent, state=OneBitState(err))
 
   def wire(self, layout, n):
-    return _signs.compressed_allreduce_wire(layout.sizes, n)
+    return _signs.compressed_allreduce_wire(layout.sizes, n,
+                                            layout.stored_size)
 
 
 @_registry.method(
