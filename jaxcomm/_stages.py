@@ -255,11 +255,13 @@ def update_estimates(opts: _Options, state: CompressState, g: list,
 def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
                  dense: jax.Array, n: int, exchanged: list = ()):
   """One decision, the same on every device: did any device see a NaN or
-  Inf in its gradients (``inputs``) or in what the compressor made of
-  them (``mean``, and ``kept``: the residual or estimates, or what was
-  sent where the mean is not its device mean), or hand the exchange
-  values whose sum over the ``n`` devices overflows float32
-  (``exchanged``: ``|x| > max_float32 / n``)? An overflow inside the
+  Inf in its gradients (``inputs``: the dense leaves; a compressed
+  gradient is seen in the codec's input ``x``, non-finite wherever it is)
+  or in what the compressor made of them (``mean``, and ``kept``: the
+  residual or estimates, or what was sent where the mean is not its
+  device mean), or hand the exchange values whose sum over the ``n``
+  devices overflows float32 (``exchanged``: ``|x| > max_float32 / n``, or
+  a NaN)? An overflow inside the
   exchange need not show in its outputs (int8's scale became inf and every
   code 0; the residual kept the value for good), so it is caught where it
   enters.
@@ -281,7 +283,9 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   limit = jnp.float32(float(jnp.finfo(jnp.float32).max) / max(n, 1))
   for x in exchanged:
     if x.size:
-      local_bad = local_bad | ~(jnp.max(jnp.abs(x)) <= limit)
+      # A NaN counts as an Inf: XLA's CPU max reduction can skip a NaN.
+      mag = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+      local_bad = local_bad | ~(jnp.max(mag) <= limit)
   for x in list(mean) + list(kept):
     local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
   flat = jnp.concatenate([dense / n, local_bad.astype(jnp.float32)[None]])

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import math
 import os
 import re
@@ -44,9 +43,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxcomm._aot_models import SIZES  # noqa: F401  (re-exported)
+from jaxcomm._aot_models import mlp  # noqa: F401
+from jaxcomm._aot_models import transformer  # noqa: F401
 
 # HBM per chip, bytes (public TPU documentation).
 HBM = {"v4": 32 << 30, "v5e": 16 << 30, "v5litepod": 16 << 30,
@@ -384,94 +388,41 @@ def compile_lowered(lowered) -> tuple[Any, float]:
   return compiled, time.perf_counter() - t
 
 
-def plain_step(loss_fn, learning_rate: float = 0.1):
+def plain_step(loss_fn, learning_rate: float = 0.1, optimizer=None):
   """The plain jit step a sharded trainer writes: the gradient of the loss
   on whole arrays, SGD, XLA's own reductions (the baseline every compiled
-  jaxcomm step is compared with)."""
-  def step(params, batch):
+  jaxcomm step is compared with).
+
+  With an optax ``optimizer`` (the one a whole optimizer such as 1-bit
+  Adam replaces: Adam), the step is ``step(params, opt_state, batch)``
+  applying it, its state laid out by :func:`optimizer_state`."""
+  if optimizer is None:
+    def step(params, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+    return jax.jit(step, donate_argnums=0)
+
+  def opt_step(params, opt_state, batch):
     grads = jax.grad(loss_fn)(params, batch)
-    return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
-  return jax.jit(step, donate_argnums=0)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return jax.jit(opt_step, donate_argnums=(0, 1))
 
 
-# ------------------------------------------------------------ the models --
-
-# The transformer LM at named sizes (``models.transformer.TransformerLM``):
-# d_model, heads, layers, d_ff, vocab, sequence, global batch.
-SIZES = {
-  "small": dict(d_model=512, num_heads=8, num_layers=4, d_ff=2048,
-                vocab_size=8192, max_len=512, batch=16),
-  "124m": dict(d_model=768, num_heads=12, num_layers=12, d_ff=3072,
-               vocab_size=50304, max_len=1024, batch=16),
-  "350m": dict(d_model=1024, num_heads=16, num_layers=24, d_ff=4096,
-               vocab_size=50304, max_len=1024, batch=16),
-  "1b": dict(d_model=2048, num_heads=16, num_layers=18, d_ff=8192,
-             vocab_size=50304, max_len=1024, batch=16),
-}
-
-
-def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
-                batch: int | None = None):
-  """The repository's transformer LM at ``size`` (:data:`SIZES`), abstract:
-  ``(loss_fn, params, batch)`` with ``params`` ``jax.ShapeDtypeStruct``
-  leaves sharded over ``mesh``'s model axes by the model's logical rules,
-  and a token batch (``batch`` sequences, default the size's) split over
-  all of ``mesh``'s axes. Needs the
-  repository's ``models`` package (run from the repository root)."""
-  if size not in SIZES:
-    raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
-  try:
-    tmod = importlib.import_module("models.transformer")
-  except ImportError as e:
-    raise ValueError(
-      "model 'transformer' needs the repository's models package: run "
-      "from the repository root") from e
-  import optax
-  from flax import nnx
-  cfg = dict(SIZES[size])
-  batch_size = cfg.pop("batch")
-  if batch is not None:
-    batch_size = int(batch)
-  model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
-                                                    rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model, nnx.Param)
-  model_axes = [a for a in mesh.axis_names if a not in data_axes]
-  specs = tmod.partition_specs(params, model_axes)
-  params = jax.tree.map(
-    lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=NamedSharding(mesh, sp)),
-    params, specs, is_leaf=lambda x: isinstance(x, P))
-
-  def loss_fn(p, batch):
-    logits = nnx.merge(graphdef, p)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]).mean()
-
-  tokens = jax.ShapeDtypeStruct(
-    (batch_size, cfg["max_len"]), jnp.int32,
-    sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))))
-  return loss_fn, params, {"x": tokens, "y": tokens}
-
-
-def mlp(mesh: Mesh, dim: int = 1024, batch: int = 64, model_axis="fsdp"):
-  """A two-layer MLP of ``8 dim^2 + dim`` params, abstract: ``w1 (dim, 4
-  dim)`` split over ``model_axis`` by rows, ``w2`` by columns, a replicated
-  bias; ``(loss_fn, params, batch)``."""
-  sh = lambda *s: NamedSharding(mesh, P(*s))
-  params = {
-    "w1": jax.ShapeDtypeStruct((dim, 4 * dim), jnp.float32,
-                               sharding=sh(model_axis, None)),
-    "w2": jax.ShapeDtypeStruct((4 * dim, dim), jnp.float32,
-                               sharding=sh(None, model_axis)),
-    "b": jax.ShapeDtypeStruct((dim,), jnp.float32, sharding=sh())}
-  data = jax.ShapeDtypeStruct((batch, dim), jnp.float32,
-                              sharding=sh(tuple(mesh.axis_names), None))
-
-  def loss_fn(p, b):
-    h = jax.nn.gelu(b["x"] @ p["w1"]) @ p["w2"] + p["b"]
-    return jnp.mean((h - b["y"]) ** 2)
-
-  return loss_fn, params, {"x": data, "y": data}
+def optimizer_state(optimizer, params):
+  """``optimizer``'s state for abstract ``params`` (``jax.ShapeDtypeStruct``
+  with shardings), abstract: each leaf that mirrors a param (Adam's
+  moments) sharded as that param, the rest (step counts) replicated on the
+  params' mesh."""
+  state = jax.eval_shape(optimizer.init, params)
+  mesh = next(p.sharding.mesh for p in jax.tree.leaves(params))
+  whole = NamedSharding(mesh, P())
+  like = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                           sharding=p.sharding)
+  return optax.tree_map_params(
+    optimizer, like, state, params,
+    transform_non_params=lambda s: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=whole))
 
 
 # ----------------------------------------------------------- the command --
@@ -534,8 +485,6 @@ def _report(name, fig: Figures, base: Figures | None, gbps):
 
 
 def main(argv=None) -> int:
-  import optax
-
   from jaxcomm import registry
   parser = argparse.ArgumentParser(
     prog="python -m jaxcomm.aot",

@@ -115,8 +115,7 @@ for _name, _factory, _lamb, _dense, _extra in (
     # momentum's balance is checked in tests/test_optimizers.py.
     conserves=False,
     rtol=2e-4, atol=1e-5,
-    dense_baseline=(lambda dense=_dense: optax.chain(
-      jaxcomm.mean_gradients(), dense(LR))),
+    dense_optimizer=(lambda dense=_dense: dense(LR)),
   ))
 
 
@@ -235,6 +234,5 @@ registry.register(registry.Entry(
   # their sign: no gradient balance (the momentum's is checked in
   # tests/test_optimizers.py with sign=False).
   conserves=False,
-  dense_baseline=lambda: optax.chain(jaxcomm.mean_gradients(),
-                                     optax.signum(LR, beta=0.9)),
+  dense_optimizer=lambda: optax.signum(LR, beta=0.9),
 ))

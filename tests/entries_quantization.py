@@ -331,8 +331,9 @@ def _requantized_ref(bits, block):
 
   ``q = 2^(bits-1) - 1``. The flat vector (leaves in tree order) is cut
   into ``n`` chunks of ``C = ceil(S / n)`` rounded up to 32 elements
-  (``S = stored_of(L)``, the server error's width), each chunk into blocks of ``block`` elements (the last block of a chunk
-  short; elements past ``L`` are not there). A block ``v`` has the step
+  (``S = stored_of(L)``, the server error's width), each chunk into
+  blocks of ``block`` elements (the last block of a chunk short; elements
+  past ``L`` are not there). A block ``v`` has the step
   ``s``, the smallest bfloat16 value >= ``max|v| (1 / q)``, and is sent
   as ``round(v (1 / s))`` (half to even), decoding to ``code * s``; each
   product and quotient is rounded to float32 as the compressor rounds it

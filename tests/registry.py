@@ -20,6 +20,7 @@ from typing import Any
 from typing import Callable
 
 import numpy as np
+import optax
 
 import jaxcomm
 
@@ -70,9 +71,10 @@ class Entry:
       of the gradient): ``numpy_run(grads_seq, n) -> (updates, residuals,
       sent)`` replaces the harness's error-feedback loop around
       ``ref_step``.
-    dense_baseline: for a whole optimizer, ``() -> GradientTransformation``
-      of the dense mean and the optimizer it replaces (the program-growth
-      test compares with it instead of the bare dense mean).
+    dense_optimizer: for a whole optimizer, ``() -> GradientTransformation``
+      of the optimizer it replaces: the program-growth test compares with
+      the dense mean and it (:meth:`dense_baseline`) instead of the bare
+      dense mean, and the TPU tier with the plain jit step applying it.
     forced_memory: the reference-equality tests start each step's
       reference from the transform's residuals (checked against the
       reference one step earlier) instead of the twin's own: for
@@ -95,8 +97,15 @@ class Entry:
   atol: float = 1e-5
   stochastic: bool = False
   numpy_run: Callable[..., tuple] | None = None
-  dense_baseline: Callable[[], Any] | None = None
+  dense_optimizer: Callable[[], Any] | None = None
   forced_memory: bool = False
+
+  def dense_baseline(self):
+    """The dense mean and the optimizer a whole optimizer replaces (None
+    for a compressor)."""
+    if self.dense_optimizer is None:
+      return None
+    return optax.chain(jaxcomm.mean_gradients(), self.dense_optimizer())
 
   def __post_init__(self):
     if self.static_args is None:

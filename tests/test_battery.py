@@ -448,7 +448,7 @@ def test_clip_then_compress(name):
   unclipped, _ = jax.jit(alone.update)(grads, alone.init(params), params)
   chex.assert_trees_all_close(upd, want, rtol=entry.rtol, atol=entry.atol)
   assert np.all(np.isfinite(np.asarray(upd["w"])))
-  if entry.dense_baseline is None:
+  if entry.dense_optimizer is None:
     # A compressor passes the dense leaf through as the (clipped) mean:
     # on one device the update is -lr times the clipped gradient, not the
     # raw one.
@@ -683,7 +683,7 @@ def test_program_does_not_grow_with_leaves(name, mesh):
   entry = ENTRIES[name]
   tx = entry.make(axis_name="data")
   # A whole optimizer is compared with the dense optimizer it replaces.
-  dense = (entry.dense_baseline() if entry.dense_baseline is not None
+  dense = (entry.dense_baseline() if entry.dense_optimizer is not None
            else jaxcomm.mean_gradients())
   growth = {}
   for tx_name, t in (("dense", dense), (name, tx)):

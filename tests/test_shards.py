@@ -298,7 +298,7 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
   step of the same model: gathers over the fast axes move no more than the
   plain step's FSDP weight gathers (+4 KB; + PowerSGD's r-wide factors for
   whole matrices), memory per device within 1.25x of it, and falling as
-  fsdp grows from 2 to 4 (a step at fsdp=4 within 4 KB of the plain
+  fsdp grows from 2 to 4 (a step at fsdp=4 within 16 KB of the plain
   step's own memory counts as falling)."""
   entry = ENTRIES[name]
   temps = {}
@@ -337,11 +337,12 @@ def test_step_gathers_and_memory_stay_those_of_the_plain_step(name):
                       for x in jax.tree.leaves(state))
     assert used - state_bytes <= 1.25 * base, (name, fsdp, used, base)
     temps[fsdp] = used
-    within_plain = used - state_bytes <= base + 4096
+    within_plain = used - state_bytes <= base + 16384
   # Falling as fsdp grows; or, at fsdp=4, no more than the plain step's
-  # own memory (+4 KB of scalars; XLA's buffer assignment can put a step
-  # at fsdp=2 well under the plain step's, e.g. 0.61x, and then parity at
-  # 4 looks like growth).
+  # own memory (+16 KB: tiles of scalars, e.g. the non-finite check's; 9 KB
+  # for PowerSGD + EF21, while a gradient's shard here is 128 KB). XLA's
+  # buffer assignment can put a step at fsdp=2 well under the plain step's,
+  # e.g. 0.61x, and then parity at 4 looks like growth.
   assert temps[4] < temps[2] or within_plain, (name, temps)
 
 

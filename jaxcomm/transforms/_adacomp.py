@@ -131,11 +131,16 @@ def selection_mask(x, grad, layout, bin_size):
     nb = -(-size // bin_size)
     pad = ((0, 0), (0, nb * bin_size - size))
     # Padding zeros leave each bin's max |G| (>= 0) unchanged.
-    g3 = jnp.pad(gv, pad).reshape(grp.count, nb, bin_size)
-    h3 = jnp.pad(hv, pad).reshape(grp.count, nb, bin_size)
-    gmax = jnp.max(jnp.abs(g3), axis=-1, keepdims=True)
-    m = (jnp.abs(h3) >= gmax) & (g3 != 0)
-    parts.append(m.reshape(grp.count, nb * bin_size)[:, :size].reshape(-1))
+    gmax = jnp.max(jnp.abs(jnp.pad(gv, pad)).reshape(grp.count, nb, bin_size),
+                   axis=-1)                                     # [G, bins]
+    # The comparison on the leaves' own [G, size] layout, each bin's
+    # maximum repeated: a [G, bins, L_T] mask pads L_T (16) to 128 lanes on
+    # TPU (block mode on two v6e slices: 1.78x -> 1.35x the plain step's
+    # memory per chip).
+    gmax = jnp.repeat(gmax, bin_size, axis=1,
+                      total_repeat_length=nb * bin_size)[:, :size]
+    m = (jnp.abs(hv) >= gmax) & (gv != 0)
+    parts.append(m.reshape(-1))
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
