@@ -170,8 +170,9 @@ def _state_bytes(state) -> int:
 
 # Steps measured above the memory bound by this tier, with the figure
 # (memory per chip over the plain step's, _plain_memory: DeMo's against
-# plain signum's; at the tier's defaults: sharded on v5e, block on v6e). Their bytes are still checked; each is an
-# expected failure of the memory check only, and strict: an entry that
+# plain signum's; at the tier's defaults: sharded on v5e, block on v6e).
+# Their bytes are still checked; each is an expected failure of the memory
+# check only, and strict: an entry that
 # comes within the bound fails until it is removed from here.
 MEMORY_OVER = {
   ("atomo_s2", "sharded"): 1.46,
