@@ -537,7 +537,9 @@ def _check_codec_state(codec_state, layouts, codec_init, name):
           f"{name}: the state was made for gradients of other shapes: a "
           f"codec state leaf is {tuple(jnp.shape(g))}, these gradients "
           f"need {tuple(w.shape)} (gradients transposed or reshaped "
-          "against the params given to init?)")
+          "against the params given to init, or a state saved before a "
+          "long bucket's server error was stored in whole tiles of 1,024: "
+          "Layout.stored_size?)")
 
 
 # The options of compressed() that every compressor factory forwards, with

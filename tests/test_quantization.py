@@ -176,6 +176,20 @@ def test_server_error_of_a_long_bucket_is_stored_in_whole_tiles(
     np.testing.assert_array_equal(four[k][(k + 1) * c4:], 0.0)
 
 
+def test_a_server_error_of_the_old_width_is_refused_by_name():
+  """A state saved when a long bucket's server error was as wide as the
+  bucket (50,500, not its stored 51,200) is refused, naming the cause."""
+  params = {"w": jnp.zeros(_LONG, jnp.float32)}
+  tx = jaxcomm.onebit(axis_name=None)
+  state = tx.init(params)
+  codec = state.codec[0]
+  assert codec.server_error.shape == (51_200,)
+  old = state._replace(codec=(codec._replace(
+    server_error=codec.server_error[:50_500]),))
+  with pytest.raises(ValueError, match="whole tiles of 1,024"):
+    tx.update(params, old, params)
+
+
 @pytest.mark.parametrize("new", (2, 4, 16))
 def test_onebit_server_error_resize_lands_on_the_new_owners(mesh, new):
   # Resizing 8 -> new devices keeps the total server error, and every
