@@ -319,7 +319,10 @@ def compressed(
                  codec.name)
     _check_codec_state(state.codec, layouts, codec_init, codec.name)
     stored = state
-    state = _bucket_buffers(state, lambda b, lay: b[:lay.size], layouts)
+    state = state._replace(**{f: tuple(
+      b if lay.stored_size == lay.size else b[:lay.size]
+      for b, lay in zip(getattr(state, f), layouts))
+      for f in _codec.BUFFER_FIELDS})
     comp = _policy.select(list(range(len(leaves))), paths, _policy.COMPRESS)
     dense_idx = [i for i, p in enumerate(paths) if p == _policy.DENSE]
     # One flat float32 buffer per bucket (equal shapes side by side).
@@ -365,15 +368,11 @@ def compressed(
     # step-width copy of the old buffer is then dead once read, not held
     # through the exchange (AdaComp sharded on two v5e slices: 1.68x ->
     # 1.40x the plain step's memory, DeMo 1.97x -> 1.71x).
-    pad = lambda bufs: tuple(
-      b if lay.stored_size == lay.size
-      else jnp.pad(b, (0, lay.stored_size - lay.size))
-      for b, lay in zip(bufs, layouts))
-    new_res = keep(pad(new_res), stored.residual)
-    new_u = keep(pad(new_u), stored.momentum)
+    new_res = keep(_stored(new_res, layouts), stored.residual)
+    new_u = keep(_stored(new_u, layouts), stored.momentum)
     codec_state = keep(tuple(codec_state), state.codec)
-    new_h = keep(pad(new_h), stored.estimate)
-    new_hmean = keep(pad(new_hmean), stored.estimate_mean)
+    new_h = keep(_stored(new_h, layouts), stored.estimate)
+    new_hmean = keep(_stored(new_hmean, layouts), stored.estimate_mean)
     # EF21's and DIANA's statistic: what this device's estimate misses of
     # its gradient.
     missed = ([x - shifted(opts, s) for x, s in zip(xs, sent)] if estimates
@@ -436,14 +435,13 @@ def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
   return out
 
 
-def _bucket_buffers(state: CompressState, fn, layouts) -> CompressState:
-  """``fn(buffer, layout)`` on each bucket buffer of the state (stored in
-  whole tiles, :attr:`jaxcomm._buckets.Layout.stored_size`; the step works
-  on their first ``size`` values)."""
-  return state._replace(**{
-    f: tuple(b if lay.stored_size == lay.size else fn(b, lay)
-             for b, lay in zip(getattr(state, f), layouts))
-    for f in _codec.BUFFER_FIELDS})
+def _stored(bufs, layouts) -> tuple:
+  """Bucket buffers of the step's width padded with zeros to their stored
+  width (:attr:`jaxcomm._buckets.Layout.stored_size`: whole tiles; the
+  step works on their first ``size`` values)."""
+  return tuple(b if lay.stored_size == lay.size
+               else jnp.pad(b, (0, lay.stored_size - lay.size))
+               for b, lay in zip(bufs, layouts))
 
 
 def _check_state(state, layouts, keep_residual, use_momentum, estimates,

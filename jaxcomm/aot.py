@@ -414,8 +414,13 @@ def optimizer_state(optimizer, params):
   with shardings), abstract: each leaf that mirrors a param (Adam's
   moments) sharded as that param, the rest (step counts) replicated on the
   params' mesh."""
+  leaves = jax.tree.leaves(params)
+  if not leaves or not all(isinstance(getattr(p, "sharding", None),
+                                      NamedSharding) for p in leaves):
+    raise ValueError("params must be jax.ShapeDtypeStruct leaves with "
+                     "NamedShardings (as aot.mlp / aot.transformer give)")
   state = jax.eval_shape(optimizer.init, params)
-  mesh = next(p.sharding.mesh for p in jax.tree.leaves(params))
+  mesh = leaves[0].sharding.mesh
   whole = NamedSharding(mesh, P())
   like = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                            sharding=p.sharding)

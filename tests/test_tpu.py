@@ -354,6 +354,8 @@ def test_plain_step_with_an_optimizer_lays_its_state_out_as_the_params():
       assert moment.shape == p.shape
       assert moment.sharding.is_equivalent_to(p.sharding, p.ndim), k
   assert adam.count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+  with pytest.raises(ValueError, match="NamedShardings"):
+    aot.optimizer_state(opt, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
   rng = np.random.RandomState(0)
   host = {k: rng.randn(*p.shape).astype(np.float32) * 0.1
           for k, p in abstract.items()}

@@ -150,6 +150,17 @@ def vector(x, name: str, kind, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
+def server_error(x, length: int) -> jax.Array:
+  """A chunk owner's server error for a vector of ``length``, as float32:
+  1-D, floating, at least ``length`` wide (a state buffer stored in whole
+  tiles is wider, zeros past ``length``); ValueError naming it otherwise."""
+  x = vector(x, "server_error", jnp.floating, jnp.float32)
+  if x.shape[0] < length:
+    raise ValueError(f"server_error must have at least the vector's "
+                     f"{length} elements, got shape {x.shape}")
+  return x
+
+
 def axis_size(axis_name: AxisName) -> int:
   """Static number of devices along ``axis_name`` (1 when None)."""
   size = 1

@@ -381,12 +381,8 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
   _check_requantized(bits, block)
   x = _core.vector(x, "x", jnp.floating, jnp.float32)
   length = x.shape[0]
-  server_error = _core.vector(server_error, "server_error", jnp.floating,
-                              jnp.float32)
+  server_error = _core.server_error(server_error, length)
   width = server_error.shape[0]
-  if width < length:
-    raise ValueError(f"server_error must have at least the vector's "
-                     f"{length} elements, got shape {server_error.shape}")
   n = _core.axis_size(axis_name)
   p = requantized_plan(width, n, bits, block)
   c, nb = p.chunk, p.blocks

@@ -235,7 +235,8 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     raise ValueError(f"sizes {sizes} do not sum to the length {length}")
   if norm not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-  width = _server_width(server_error, length)
+  server_error = _core.server_error(server_error, length)
+  width = server_error.shape[0]
   k = len(sizes)
   n = _core.axis_size(axis_name)
   c = chunk_length(width, n)
@@ -268,18 +269,6 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
                                      k, length, axis_name, cw, norm)
   new_err = jax.lax.dynamic_update_slice(err_pad, n * (y - z), (idx * c,))
   return mean[:length], sent, new_err[:width]
-
-
-def _server_width(server_error, length: int) -> int:
-  """The width ``S`` of a chunk owner's server error for a vector of
-  ``length``: one row of at least ``length`` float32 values."""
-  shape = tuple(jnp.shape(server_error))
-  if len(shape) != 1 or shape[0] < length or not jnp.issubdtype(
-      jnp.result_type(server_error), jnp.floating):
-    raise ValueError(
-      f"server_error must be a float vector of at least the vector's "
-      f"{length} elements, got {jnp.result_type(server_error)}{list(shape)}")
-  return shape[0]
 
 
 def _chunk_blocks(sizes, pad: int, c: int):
