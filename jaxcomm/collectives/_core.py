@@ -137,28 +137,20 @@ def is_inexact(x) -> bool:
           and int(getattr(x, "size", 1)) > 0)
 
 
-def vector(x, name: str, kind, dtype) -> jax.Array:
-  """``x`` as a 1-D array of ``dtype``, after checking that it is 1-D and
-  of ``kind`` (``jnp.floating`` or ``jnp.integer``); ValueError naming
-  ``name`` otherwise."""
+def vector(x, name: str, kind, dtype, min_length: int = 0) -> jax.Array:
+  """``x`` as a 1-D array of ``dtype``, after checking that it is 1-D, of
+  ``kind`` (``jnp.floating`` or ``jnp.integer``) and at least
+  ``min_length`` long; ValueError naming ``name`` otherwise."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, kind):
     what = "a floating" if kind is jnp.floating else "an integer"
     raise ValueError(f"{name} must be {what} array, got {x.dtype}")
   if x.ndim != 1:
     raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+  if x.shape[0] < min_length:
+    raise ValueError(f"{name} must have at least {min_length} elements, "
+                     f"got shape {x.shape}")
   return x.astype(dtype)
-
-
-def server_error(x, length: int) -> jax.Array:
-  """A chunk owner's server error for a vector of ``length``, as float32:
-  1-D, floating, at least ``length`` wide (a state buffer stored in whole
-  tiles is wider, zeros past ``length``); ValueError naming it otherwise."""
-  x = vector(x, "server_error", jnp.floating, jnp.float32)
-  if x.shape[0] < length:
-    raise ValueError(f"server_error must have at least the vector's "
-                     f"{length} elements, got shape {x.shape}")
-  return x
 
 
 def axis_size(axis_name: AxisName) -> int:

@@ -381,7 +381,9 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
   _check_requantized(bits, block)
   x = _core.vector(x, "x", jnp.floating, jnp.float32)
   length = x.shape[0]
-  server_error = _core.server_error(server_error, length)
+  # At least L wide: a state buffer stored in whole tiles is wider.
+  server_error = _core.vector(server_error, "server_error", jnp.floating,
+                              jnp.float32, min_length=length)
   width = server_error.shape[0]
   n = _core.axis_size(axis_name)
   p = requantized_plan(width, n, bits, block)

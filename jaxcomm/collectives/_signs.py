@@ -235,7 +235,9 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     raise ValueError(f"sizes {sizes} do not sum to the length {length}")
   if norm not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-  server_error = _core.server_error(server_error, length)
+  # At least L wide: a state buffer stored in whole tiles is wider.
+  server_error = _core.vector(server_error, "server_error", jnp.floating,
+                              jnp.float32, min_length=length)
   width = server_error.shape[0]
   k = len(sizes)
   n = _core.axis_size(axis_name)
