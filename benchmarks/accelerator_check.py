@@ -16,7 +16,9 @@ On a CPU host ``always`` runs the kernels in interpret mode (slow). On a
 GPU or TPU it runs them compiled: this is the check that every kernel works
 in the train step on that backend.
 
-Run: ``python -m benchmarks.accelerator_check [--steps 5] [--only a,b]``.
+Run: ``python -m benchmarks.accelerator_check [--steps 5] [--only a,b]
+[--part K/N]`` (``--part`` takes every N-th compressor from the K-th, 1-based,
+to split the table across processes).
 """
 
 from __future__ import annotations
@@ -91,8 +93,16 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--only", default="",
                       help="comma-separated config names")
+  parser.add_argument("--part", default="1/1",
+                      help="K/N: every N-th compressor from the K-th")
   args = parser.parse_args(argv)
   only = set(filter(None, args.only.split(",")))
+  try:
+    part, parts = (int(v) for v in args.part.split("/"))
+    if not 1 <= part <= parts:
+      raise ValueError
+  except ValueError:
+    parser.error(f"--part must be K/N with 1 <= K <= N, got {args.part!r}")
   mesh = parallel.make_mesh()
   print(f"\nDataParallel step on {jax.default_backend()} "
         f"({jax.devices()[0].device_kind}), {mesh.devices.size} device(s), "
@@ -101,8 +111,8 @@ def main(argv=None) -> None:
   print("| compressor | mode | ran | ms / step | max diff vs never |")
   print("|---|---|---|---:|---:|")
   failures = 0
-  for name, make in CONFIGS:
-    if only and name not in only:
+  for i, (name, make) in enumerate(CONFIGS):
+    if (only and name not in only) or i % parts != part - 1:
       continue
     ref = None
     for mode in MODES:

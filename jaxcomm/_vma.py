@@ -62,28 +62,3 @@ def out_struct(shape, dtype, axes) -> jax.ShapeDtypeStruct:
   typed = (jax.sharding.ManualAxisType(varying=axes)
            if _STRUCT_KWARG == "manual_axis_type" else axes)
   return jax.ShapeDtypeStruct(tuple(shape), dtype, **{_STRUCT_KWARG: typed})
-
-
-def untyped(fn):
-  """``fn`` run where shard_map's varying types are not tracked: a nested
-  ``jax.shard_map`` over no axes with ``check_vma=False``, inside a step's
-  manual region (outside one, ``fn`` itself).
-
-  For JAX routines written as loops whose carry JAX types invariant at the
-  start and varying after one iteration: ``jnp.linalg.svd`` compiled for
-  TPU (JAX's QDWH loop; "scan body function carry input and carry output
-  must have equal types") fails inside a shard_map with ``check_vma``.
-  """
-  def call(*args):
-    mesh = jax.sharding.get_abstract_mesh()
-    if not getattr(mesh, "manual_axes", ()):
-      return fn(*args)
-    spec = jax.sharding.PartitionSpec()
-    specs = jax.tree.map(lambda _: spec, args)
-    out = jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                        out_specs=spec, axis_names=frozenset(),
-                        check_vma=False)(*args)
-    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(
-      args)))
-    return jax.tree.map(lambda o: mark_varying(o, axes), out)
-  return call

@@ -731,3 +731,38 @@ def test_atomo_water_filling_rank_deficient():
   p = _atomo.water_filling(jnp.asarray([[3.0, 0.0, 0.0, 0.0],
                                         [0.0, 0.0, 0.0, 0.0]]), 2)
   np.testing.assert_array_equal(np.asarray(p), [[1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("shape,rank", [
+  ((24, 16), 16), ((16, 24), 16), ((3, 9, 5), 5), ((40, 12), 3),
+  ((6, 6), 0)])
+def test_atomo_gram_svd_is_the_svd(shape, rank):
+  """``gram_svd`` against numpy's float64 SVD: the same singular values
+  (descending), orthonormal factors, an exact reconstruction; a matrix of
+  rank ``rank`` (0: zeros) has ``rank`` nonzero atoms and no NaN."""
+  rng = np.random.RandomState(sum(shape))
+  a = rng.randn(*shape)
+  if rank < min(shape[-2:]):
+    a = (rng.randn(*shape[:-1], rank) @ rng.randn(rank, shape[-1])
+         if rank else np.zeros(shape))
+  u, sigma, vh = (np.asarray(t, np.float64) for t in jax.jit(
+    _atomo.gram_svd)(jnp.asarray(a, jnp.float32)))
+  want = np.linalg.svd(a, compute_uv=False)
+  scale = max(want.max(), 1.0)
+  np.testing.assert_allclose(sigma, want, atol=1e-5 * scale)
+  assert np.all(np.diff(sigma, axis=-1) <= 0)
+  np.testing.assert_allclose(np.einsum("...rk,...k,...kc->...rc", u, sigma,
+                                       vh), a, atol=1e-5 * scale)
+  # Orthonormal factors: all k vectors on the Gram matrix's side, those
+  # of the nonzero atoms on the other.
+  v, u = np.swapaxes(vh, -1, -2), u
+  small, other = (v, u) if shape[-2] >= shape[-1] else (u, v)
+  k = sigma.shape[-1]
+  np.testing.assert_allclose(np.swapaxes(small, -1, -2) @ small,
+                             np.broadcast_to(np.eye(k), sigma.shape + (k,)),
+                             atol=1e-5)
+  live = sigma > 1e-4 * scale
+  for b in np.ndindex(sigma.shape[:-1]):
+    o = other[b][:, live[b]]
+    np.testing.assert_allclose(o.T @ o, np.eye(o.shape[1]), atol=1e-3)
+  assert np.isfinite(u).all() and np.isfinite(vh).all()

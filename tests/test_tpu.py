@@ -180,7 +180,6 @@ def _state_bytes(state) -> int:
 # check only, and strict: an entry that
 # comes within the bound fails until it is removed from here.
 MEMORY_OVER = {
-  ("atomo_s2", "sharded"): 1.46,
   ("fetchsgd", "block"): 2.20,
 }
 
