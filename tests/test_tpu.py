@@ -173,14 +173,17 @@ def _state_bytes(state) -> int:
   return aot.state_bytes_per_chip(state)
 
 
-# Steps measured above the memory bound by this tier, with the figure
-# (memory per chip over the plain step's, _plain_memory; at the tier's
-# defaults: sharded on v5e, block on v6e).
-# Their bytes are still checked; each is an expected failure of the memory
-# check only, and strict: an entry that
-# comes within the bound fails until it is removed from here.
+# Steps measured above the memory bound by this tier, by (entry,
+# generation, mode), with the figure (memory per chip over the plain step's,
+# _plain_memory). Their bytes are still checked; each is an expected failure
+# of the memory check only, and strict: an entry that comes within the
+# bound fails until it is removed from here. The v6e sharded rows are
+# compiled with JAXCOMM_TPU_TIER=full only.
 MEMORY_OVER = {
-  ("fetchsgd", "block"): 2.20,
+  ("fetchsgd", "v6e", "block"): 1.49,
+  ("fetchsgd", "v6e", "sharded"): 1.47,
+  ("adacomp_ef", "v6e", "sharded"): 1.42,
+  ("powersgd_r4_iters2_cholesky_batched", "v6e", "sharded"): 1.56,
 }
 
 
@@ -212,9 +215,9 @@ def _check(name, gen, mode):
   within = used <= TEMP_RATIO * plain + TEMP_SLACK
   message = (f"{name} {gen} {mode}: {used} B per chip (temporaries "
              f"{fig.temp}), the plain step's {plain} B ({used / plain:.2f}x)")
-  if (name, mode) in MEMORY_OVER:
+  if (name, gen, mode) in MEMORY_OVER:
     assert not within, f"{message}: now within the bound, drop MEMORY_OVER"
-    pytest.xfail(f"{message}; known at {MEMORY_OVER[name, mode]}x")
+    pytest.xfail(f"{message}; known at {MEMORY_OVER[name, gen, mode]}x")
   assert within, message
   return fig
 
