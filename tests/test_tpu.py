@@ -180,8 +180,6 @@ def _state_bytes(state) -> int:
 # bound fails until it is removed from here. The v6e sharded rows are
 # compiled with JAXCOMM_TPU_TIER=full only.
 MEMORY_OVER = {
-  ("fetchsgd", "v6e", "block"): 1.49,
-  ("fetchsgd", "v6e", "sharded"): 1.47,
   ("adacomp_ef", "v6e", "sharded"): 1.42,
   ("powersgd_r4_iters2_cholesky_batched", "v6e", "sharded"): 1.56,
 }

@@ -91,32 +91,39 @@ def sketch_hash(positions: jax.Array, salts: jax.Array, cols: int):
   return col, sign
 
 
+def _cells(col, cols: int) -> jax.Array:
+  """The flat cells ``r cols + col[r, m]`` of a ``[rows, m]`` column array.
+
+  The table is written through its flat view by one scatter of 1-D
+  indices: on TPU, a scatter per row (or one of (row, column) pairs) cost
+  FetchSGD's step 1.49x -> 1.10x the plain step's memory (v6e, block)."""
+  return (col + cols * jnp.arange(col.shape[0], dtype=jnp.int32)[:, None]
+          ).reshape(-1)
+
+
 def _accumulate(table, col, sign, values):
   """``table[r, col[r, m]] += sign[r, m] * values[m]`` for every row."""
-  rows = table.shape[0]
-  row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None],
-                         col.shape)
-  return table.at[row, col].add(sign * values[None, :])
+  rows, cols = table.shape
+  return table.reshape(-1).at[_cells(col, cols)].add(
+    (sign * values[None, :]).reshape(-1)).reshape(rows, cols)
 
 
 def _sketch_rows(table, salts, values, chunk: int | None = None):
   """``table[r, h_r(j)] += s_r(j) values[j]`` for every row ``r`` and
   position ``j`` of ``values``, ``chunk`` positions at a time: a chunk's
-  hashes live only while its scatters run (for the whole bucket at once,
+  hashes live only while its scatter runs (for the whole bucket at once,
   they were ``rows`` index arrays the size of the bucket, plus their
   (row, column) pairs). Positions past the end add zeros."""
   size = values.shape[0]
   chunk = min(_chunk(chunk), size)
-  rows, cols = table.shape
+  cols = table.shape[1]
 
   def one_chunk(c, t):
     positions = (c.astype(jnp.uint32) * np.uint32(chunk)
                  + jnp.arange(chunk, dtype=jnp.uint32))
     part = jnp.take(values, positions, mode="fill", fill_value=0)
     col, sign = sketch_hash(positions, salts, cols)
-    # Row by row, each a scatter into one row (1-D indices).
-    return jnp.stack([t[r].at[col[r]].add(sign[r] * part)
-                      for r in range(rows)])
+    return _accumulate(t, col, sign, part)
 
   table = _vma.match_varying(table, values)
   return jax.lax.fori_loop(0, -(-size // chunk), one_chunk, table)
@@ -302,9 +309,8 @@ class FetchSGDCodec(_codec.CodecBase):
     k_col, k_sign = sketch_hash(idx, salts, cols)
     s_e = _accumulate(s_e, k_col, -k_sign, vals)
     if self.momentum_masking:
-      row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None],
-                             k_col.shape)
-      s_u = s_u.at[row, k_col].set(0.0)
+      s_u = s_u.reshape(-1).at[_cells(k_col, cols)].set(0.0).reshape(
+        rows, cols)
     # A non-finite sketch state (an overflowing sum) makes the step
     # non-finite, so compressed() skips it and keeps the old state.
     ok = jnp.all(jnp.isfinite(s_u)) & jnp.all(jnp.isfinite(s_e))
