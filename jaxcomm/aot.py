@@ -489,6 +489,22 @@ def _report(name, fig: Figures, base: Figures | None, gbps):
   print("\n".join(lines), flush=True)
 
 
+def cli_value(text: str):
+  """A ``--compressor`` argument's value: ``true`` / ``false`` (any case) a
+  bool, ``none`` None, then an int, a float, else the string itself."""
+  low = text.strip().lower()
+  if low in ("true", "false"):
+    return low == "true"
+  if low == "none":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
 def main(argv=None) -> int:
   from jaxcomm import registry
   parser = argparse.ArgumentParser(
@@ -536,10 +552,7 @@ def main(argv=None) -> int:
     kwargs = {}
     for kv in filter(None, rest.split(",")):
       k, _, v = kv.partition("=")
-      try:
-        kwargs[k] = float(v) if "." in v or "e" in v else int(v)
-      except ValueError:
-        kwargs[k] = v
+      kwargs[k] = cli_value(v)
     tx = optax.chain(registry.get(name).make(**kwargs, axis_name="dcn"),
                      optax.sgd(0.1))
     compiled, secs, state = compile_method(loss_fn, params, batch, mesh, tx)

@@ -766,3 +766,23 @@ def test_atomo_gram_svd_is_the_svd(shape, rank):
     o = other[b][:, live[b]]
     np.testing.assert_allclose(o.T @ o, np.eye(o.shape[1]), atol=1e-3)
   assert np.isfinite(u).all() and np.isfinite(vh).all()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+@pytest.mark.parametrize("rank", [1, 4, 12])
+def test_outer_product_paths_are_the_product(platform, rank, monkeypatch):
+  """``P Q^T`` as ``_lowrank._outer`` forms it on each platform (TPU: a
+  float32-precision dot; elsewhere multiply-adds up to rank 8, a dot
+  above), here on the CPU with the platform read as given, against
+  numpy's float64 product, scaled and not."""
+  from jaxcomm.kernels import _dispatch  # noqa: PLC0415
+  monkeypatch.setattr(_dispatch, "platform", lambda: platform)
+  rng = np.random.RandomState(rank)
+  p = rng.randn(3, 40, rank).astype(np.float32)
+  qt = rng.randn(3, rank, 24).astype(np.float32)
+  want = np.einsum("gnr,grm->gnm", p.astype(np.float64), qt)
+  got = jax.jit(_lowrank._outer)(p, qt)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  got = jax.jit(lambda a, b: _lowrank._outer(a, b, 0.25))(p, qt)
+  np.testing.assert_allclose(np.asarray(got), 0.25 * want, rtol=1e-5,
+                             atol=1e-5)

@@ -181,7 +181,6 @@ def _state_bytes(state) -> int:
 # compiled with JAXCOMM_TPU_TIER=full only.
 MEMORY_OVER = {
   ("adacomp_ef", "v6e", "sharded"): 1.42,
-  ("powersgd_r4_iters2_cholesky_batched", "v6e", "sharded"): 1.56,
 }
 
 
@@ -549,6 +548,17 @@ def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
   assert "(0.50x) in 3 sends" in out, out
   with pytest.raises(SystemExit):
     aot.main(["--model", "mlp", "--size", "wide"])
+
+
+@pytest.mark.parametrize("text,want", [
+  ("True", True), ("false", False), ("None", None), ("4", 4),
+  ("0.01", 0.01), ("1e-7", 1e-7), ("cholesky", "cholesky"),
+  ("bfloat16", "bfloat16")])
+def test_aot_command_reads_compressor_values(text, want):
+  """``--compressor name:key=value``: bools, None, ints, floats, strings
+  (``batch_same_shape=True`` was the string ``'True'``, refused)."""
+  got = aot.cli_value(text)
+  assert got == want and type(got) is type(want), (text, got)
 
 
 def test_tpu_psum_and_gather_paths_compute_on_cpu(mesh, monkeypatch):

@@ -252,7 +252,10 @@ class LowRankResult(NamedTuple):
 # Outer products P Q^T of rank up to this are written as r broadcast
 # multiply-adds, which XLA fuses with their consumers (the residual
 # x - sent, the output cast) into one pass over the matrix; a dot would
-# materialize the product first.
+# materialize the product first. Not on TPU: v6e's compiler materialized
+# the broadcasts instead (PowerSGD r4 on the 8.4M MLP, 2 v6e slices:
+# temporaries 102.3 MiB with them, 1.19 MiB with the dot; v5e 1.70 ->
+# 1.58 MiB; python -m jaxcomm.aot --model mlp --size 1024).
 _ELEMENTWISE_MAX_RANK = 8
 
 # Orthogonalizations whose eps is added to a column norm: when Q's columns
@@ -265,7 +268,11 @@ _EPS_PER_COLUMN = (gram_schmidt, _normalize)
 def _outer(p, qt, scale=None):
   """``p @ qt`` for ``p (G, n, r)``, ``qt (G, r, m)``; optionally scaled."""
   r = p.shape[-1]
-  if r > _ELEMENTWISE_MAX_RANK:
+  if _dispatch.platform() == "tpu":
+    # At float32 precision, as the multiply-adds (the TPU's default
+    # rounds a float32 dot's operands to bfloat16).
+    out = jnp.matmul(p, qt, precision=jax.lax.Precision.HIGHEST)
+  elif r > _ELEMENTWISE_MAX_RANK:
     out = p @ qt
   else:
     out = p[..., :, 0:1] * qt[..., 0:1, :]
