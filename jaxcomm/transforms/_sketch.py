@@ -45,8 +45,9 @@ DEFAULT_ROWS = 5
 # Positions hashed at a time (_sketch_rows, _unsketch): their buffers are
 # this long, not the bucket's length. On TPU shorter, and the top-k streamed
 # (_unsketch_topk): FetchSGD's block step on the TPU tier 2.20x -> 1.49x
-# the plain step's memory per chip, sharded 1.35x -> 1.00x; on CPU 4096
-# cost 1.8x the time of 16384 (ResNet-18 gradient, 424 -> 771 ms).
+# the plain step's memory per chip, sharded 1.35x -> 1.00x (then 1.00x and
+# 0.89x with _cells); on CPU 4096 cost 1.8x the time of 16384 (ResNet-18
+# gradient, 424 -> 771 ms).
 _CHUNK = 16384
 _TPU_CHUNK = 4096
 _GOLDEN = 0x9E3779B9
@@ -96,7 +97,8 @@ def _cells(col, cols: int) -> jax.Array:
 
   The table is written through its flat view by one scatter of 1-D
   indices: on TPU, a scatter per row (or one of (row, column) pairs) cost
-  FetchSGD's step 1.49x -> 1.10x the plain step's memory (v6e, block)."""
+  FetchSGD's step 1.49x the plain step's memory (v6e, block), 1.10x with
+  the sketching's rows flat, 1.00x with every write flat."""
   return (col + cols * jnp.arange(col.shape[0], dtype=jnp.int32)[:, None]
           ).reshape(-1)
 
