@@ -37,7 +37,7 @@ def main(argv=None) -> None:
   compiled, secs = aot.compile_lowered(
     aot.plain_step(loss_fn).lower(params, batch))
   base = aot.analyze(compiled, secs, slices=2)
-  plain = base.temp + base.argument
+  plain = aot.memory_per_chip(base)
   print(f"{args.topology} x 2 slices, MLP {args.size}: plain jit step "
         f"temporaries {base.temp / 2**20:.2f} MiB, memory "
         f"{plain / 2**20:.2f} MiB\n")
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
                      optax.sgd(0.1))
     c, s, state = aot.compile_method(loss_fn, params, batch, mesh, tx)
     f = aot.analyze(c, s, slices=2)
-    used = f.temp + f.argument - aot.state_bytes_per_chip(state)
+    used = aot.memory_per_chip(f, state)
     print(f"| {name} | {f.temp / 2**20:.2f} | {f.temp / base.temp:.2f} | "
           f"{used / 2**20:.2f} | {used / plain:.2f} | "
           f"{f.crossing / base.crossing:.3f} | {s:.1f} |", flush=True)

@@ -20,6 +20,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import optax  # noqa: E402
 
+from jaxcomm import aot  # noqa: E402
 from tests import test_tpu as tier  # noqa: E402
 
 GENERATION = {"sharded": "v5e", "block": "v6e"}
@@ -30,9 +31,8 @@ def row(name: str, mode: str) -> str:
   tx = tier.ENTRIES[name].make(axis_name="dcn", **tier.KWARGS.get(name, {}))
   fig, state, _, _ = tier._compile(  # pylint: disable=protected-access
     optax.chain(tx, optax.sgd(0.1)), gen, mode)
-  used = fig.temp + fig.argument - tier._state_bytes(state)  # pylint: disable=protected-access
-  sgd = tier._plain(gen)  # pylint: disable=protected-access
-  sgd = sgd.temp + sgd.argument
+  used = aot.memory_per_chip(fig, state)
+  sgd = aot.memory_per_chip(tier._plain(gen))  # pylint: disable=protected-access
   own = tier._plain_memory(gen, name)  # pylint: disable=protected-access
   bound = tier.TEMP_RATIO * own + tier.TEMP_SLACK
   return (f"| {name} | {mode} ({gen}) | {fig.temp / 1e6:.2f} | "

@@ -458,6 +458,14 @@ def state_bytes_per_chip(state) -> int:
   return total
 
 
+def memory_per_chip(fig: Figures, state=None) -> int:
+  """The memory a step adds per chip, as the TPU tier bounds it:
+  temporaries and arguments, less the shards of ``state`` (an abstract
+  optimizer state, or None), which a method keeps by design."""
+  held = 0 if state is None else state_bytes_per_chip(state)
+  return fig.temp + fig.argument - held
+
+
 def _report(name, fig: Figures, base: Figures | None, gbps):
   ratio = (lambda a, b: f" ({a / b:.2f}x)" if base and b else "")
   lines = [

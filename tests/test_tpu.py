@@ -135,15 +135,14 @@ def _plain_memory(gen, name) -> int:
   not the compression's); otherwise it is the SGD step of :func:`_plain`."""
   dense = ENTRIES[name].dense_optimizer
   if dense is None:
-    base = _plain(gen)
-    return base.temp + base.argument
+    return aot.memory_per_chip(_plain(gen))
   loss_fn, params, batch = aot.mlp(_mesh(gen), DIM)
   opt = dense()
   state = aot.optimizer_state(opt, params)
   compiled, secs = aot.compile_lowered(
     aot.plain_step(loss_fn, optimizer=opt).lower(params, state, batch))
   fig = aot.analyze(compiled, secs, slices=SLICES)
-  return fig.temp + fig.argument - _state_bytes(state)
+  return aot.memory_per_chip(fig, state)
 
 
 def _compile(tx, gen, mode):
@@ -167,10 +166,6 @@ def _claim(tx, params, specs, gen, mode, step=None):
   splits = parallel.shard_splits(specs, mesh) if mode == "sharded" else None
   claim = jaxcomm.wire.claimed(tx, block, SLICES, step, splits=splits)
   return jaxcomm.wire.summarize(claim, n=SLICES, params=block).total_sent
-
-
-def _state_bytes(state) -> int:
-  return aot.state_bytes_per_chip(state)
 
 
 # Steps measured above the memory bound by this tier, by (entry,
@@ -207,7 +202,7 @@ def _check(name, gen, mode):
   # As the CPU tier's memory test (tests/test_shards.py): the step's
   # temporaries and arguments, the optimizer state left out (what jaxcomm
   # adds by design: a residual the size of the chip's shards).
-  used = fig.temp + fig.argument - _state_bytes(state)
+  used = aot.memory_per_chip(fig, state)
   plain = _plain_memory(gen, name)
   within = used <= TEMP_RATIO * plain + TEMP_SLACK
   message = (f"{name} {gen} {mode}: {used} B per chip (temporaries "
@@ -420,8 +415,8 @@ def test_methods_outside_the_battery_compile_for_tpu(name, gen, mode):
   assert abs(fig.crossing - claim) <= 2 * SCALARS * len(fig.transfers), (
     name, fig.crossing, claim, fig.transfers)
   base = _plain(gen)
-  used = fig.temp + fig.argument - _state_bytes(state)
-  plain = base.temp + base.argument
+  used = aot.memory_per_chip(fig, state)
+  plain = aot.memory_per_chip(base)
   assert used <= TEMP_RATIO * plain + TEMP_SLACK, (name, used, plain)
 
 
