@@ -267,9 +267,10 @@ def test_bad_topology_is_named():
 
 
 # Entries whose steps take a kernel path (jaxcomm.kernels): top-k, sign
-# packing and majority vote, threshold selection, DGC's selection.
+# packing and majority vote, threshold selection, DGC's selection,
+# FetchSGD's top-k (streamed through the unsketch's loop on TPU).
 KERNEL_ENTRIES = ("topk_ef", "onebit", "signum", "threshold_ef",
-                  "dgc_warmup_exact")
+                  "dgc_warmup_exact", "fetchsgd")
 
 
 # As the tier: sharded on v5e and block mode on v6e (both generations and
@@ -289,11 +290,12 @@ def test_forced_kernels_lower_by_mosaic_inside_the_step(name, gen, mode,
   jnp path's step moves across the slices."""
   entry = ENTRIES[name]
   monkeypatch.setenv("JAXCOMM_KERNELS", "never")
-  tx = optax.chain(entry.make(axis_name="dcn"), optax.sgd(0.1))
+  kwargs = KWARGS.get(name, {})
+  tx = optax.chain(entry.make(axis_name="dcn", **kwargs), optax.sgd(0.1))
   jnp_path = _compile(tx, gen, mode)[0]
   assert jnp_path.mosaic == 0, (name, gen, mode)
   monkeypatch.setenv("JAXCOMM_KERNELS", "always")
-  tx = optax.chain(entry.make(axis_name="dcn"), optax.sgd(0.1))
+  tx = optax.chain(entry.make(axis_name="dcn", **kwargs), optax.sgd(0.1))
   fig = _compile(tx, gen, mode)[0]
   assert fig.mosaic >= 1, (name, gen, mode)
   assert abs(fig.crossing - jnp_path.crossing) <= 2 * SCALARS * len(
