@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import warnings
 
@@ -27,6 +28,8 @@ import jax
 import numpy as np
 
 from trainer.config import Config
+
+_log = logging.getLogger(__name__)
 
 # What meta.json's "format" says; 1 was the layout before the
 # CheckpointManager (meta.json beside the arrays, a LATEST file).
@@ -74,7 +77,23 @@ def atomic_write(path: str, text: str) -> None:
 
 
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
-  """An event loop that lets its unfinished tasks end before it closes."""
+  """An event loop that lets its unfinished tasks end before it closes.
+
+  A failed restore raises its first read error; the other reads that
+  failed beside it, already finished when the loop closes and so not among
+  the tasks drained, would each log "Task exception was never retrieved"
+  with a traceback when collected (at interpreter exit, say). They are
+  logged at debug level instead: the restore's error already says what
+  went wrong.
+  """
+
+  def call_exception_handler(self, context):
+    if (context.get("message") == "Task exception was never retrieved"
+        and isinstance(context.get("exception"), Exception)):
+      _log.debug("a checkpoint read that failed beside the one reported: %r",
+                 context["exception"])
+      return
+    super().call_exception_handler(context)
 
   def close(self):
     if not self.is_closed() and not self.is_running():
