@@ -48,7 +48,7 @@ import jaxcomm  # noqa: E402
 from benchmarks._common import resnet18_shapes  # noqa: E402
 from benchmarks._common import time_ms  # noqa: E402
 from jaxcomm.collectives import _lowrank  # noqa: E402
-from jaxcomm.transforms import _powersgd  # noqa: E402
+from jaxcomm.transforms.lowrank import _powersgd  # noqa: E402
 
 
 def _grads(shapes, seed=0):

@@ -7,7 +7,7 @@ markdown tables:
    as a ratio to one memory pass over the buffer (``x * 2``, read + write:
    the physical floor is one read), for exact ``lax.top_k``,
    ``lax.approx_max_k``, DGC's sampled-threshold path
-   (:func:`jaxcomm.transforms._dgc.sampled_select`: sample, count,
+   (:func:`jaxcomm.transforms.sparsify._dgc.sampled_select`: sample, count,
    compact, cut), SIDCo's fitted thresholds (no sort, no sample) and
    ``torch.topk`` when PyTorch is importable; with the recall of the true
    top-k mass (``sum |selected| / sum |true top-k|``), then SIDCo's
@@ -30,9 +30,9 @@ import numpy as np
 import jaxcomm
 from benchmarks._common import resnet18_shapes
 from jaxcomm import _buckets
-from jaxcomm.transforms import _dgc as dgc_mod
-from jaxcomm.transforms import _sidco
-from jaxcomm.transforms import _sparsification as sp
+from jaxcomm.transforms.sparsify import _dgc as dgc_mod
+from jaxcomm.transforms.sparsify import _sidco
+from jaxcomm.transforms.sparsify import _sparsification as sp
 
 SIZE = 25_000_000
 RATIOS = (0.001, 0.01)

@@ -8,7 +8,7 @@ compressed leaves in jaxcomm's bucket order.
 The backward pass's time is spread over the leaves by size, and the top-k
 costs ``--topk-ns`` nanoseconds per element (serial with the backward
 pass, as in Shi et al. 2020); each group sends one all-gather of its
-pairs (``jaxcomm.mgs``'s plan, ``jaxcomm.transforms._mgs.timeline``).
+pairs (``jaxcomm.mgs``'s plan, ``jaxcomm.transforms.sparsify._mgs.timeline``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import jaxcomm
 from benchmarks._common import resnet18_shapes
-from jaxcomm.transforms import _mgs
+from jaxcomm.transforms.sparsify import _mgs
 
 
 def _sizes(ratio):

@@ -31,12 +31,29 @@ SIZES = {
 
 def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
                 batch: int | None = None):
-  """The repository's transformer LM at ``size`` (:data:`SIZES`), abstract:
-  ``(loss_fn, params, batch)`` with ``params`` ``jax.ShapeDtypeStruct``
-  leaves sharded over ``mesh``'s model axes by the model's logical rules,
-  and a token batch (``batch`` sequences, default the size's) split over
-  all of ``mesh``'s axes. Needs the
-  repository's ``models`` package (run from the repository root)."""
+  """The repository's transformer LM at a named size, abstract.
+
+  Nothing is allocated: the params are ``jax.ShapeDtypeStruct`` leaves
+  sharded over ``mesh``'s model axes by the model's logical rules. Needs
+  the repository's ``models`` package (run from the repository root).
+
+  Args:
+    mesh: the mesh to shard over.
+    size: a key of :data:`SIZES` (``"small"``, ``"124m"``, ``"350m"``,
+      ``"1b"``).
+    data_axes: the mesh axes that are data axes; every other axis is a
+      model axis the params are split over.
+    batch: sequences in the global batch (None: the size's).
+
+  Returns:
+    ``(loss_fn, params, batch)``: ``loss_fn(params, batch)`` the mean
+    next-token cross-entropy, the abstract params, and an abstract token
+    batch ``{"x", "y"}`` split over all of ``mesh``'s axes.
+
+  Raises:
+    ValueError: when ``size`` is unknown, or the ``models`` package cannot
+      be imported.
+  """
   if size not in SIZES:
     raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
   try:
@@ -72,9 +89,29 @@ def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
 
 
 def mlp(mesh: Mesh, dim: int = 1024, batch: int = 64, model_axis="fsdp"):
-  """A two-layer MLP of ``8 dim^2 + dim`` params, abstract: ``w1 (dim, 4
-  dim)`` split over ``model_axis`` by rows, ``w2`` by columns, a replicated
-  bias; ``(loss_fn, params, batch)``."""
+  """A two-layer MLP of ``8 dim^2 + dim`` params, abstract.
+
+  ``w1 (dim, 4 dim)`` is split over ``model_axis`` by rows, ``w2`` by
+  columns, and the bias replicated; nothing is allocated.
+
+  Args:
+    mesh: the mesh to shard over; it has an axis ``model_axis``.
+    dim: the model width.
+    batch: rows in the global batch, split over all of ``mesh``'s axes.
+    model_axis: the mesh axis the weights are split over.
+
+  Returns:
+    ``(loss_fn, params, batch)``: ``loss_fn(params, batch)`` the mean
+    squared error, the params as ``jax.ShapeDtypeStruct`` leaves with
+    ``NamedSharding``, and an abstract batch ``{"x", "y"}``.
+
+  Examples:
+    >>> import jaxcomm, jaxcomm.aot
+    >>> mesh = jaxcomm.parallel.make_mesh(4, model=2, model_axis="fsdp")
+    >>> loss_fn, params, batch = jaxcomm.aot.mlp(mesh, dim=16, batch=8)
+    >>> params["w1"].shape, tuple(params["w1"].sharding.spec)
+    ((16, 64), ('fsdp', None))
+  """
   sh = lambda *s: NamedSharding(mesh, P(*s))
   params = {
     "w1": jax.ShapeDtypeStruct((dim, 4 * dim), jnp.float32,

@@ -135,76 +135,174 @@ class Codec(Protocol):
   """
 
   @property
-  def name(self) -> str: ...
+  def name(self) -> str:
+    """The public name, used in messages."""
 
   @property
-  def mean_of_sent(self) -> bool: ...
+  def mean_of_sent(self) -> bool:
+    """Whether ``mean`` is exactly the device mean of ``sent``."""
 
   @property
-  def unbiased(self) -> bool: ...
+  def unbiased(self) -> bool:
+    """Whether ``sent`` is an unbiased estimate of ``x``."""
 
   @property
-  def wants_gradient(self) -> bool: ...
+  def wants_gradient(self) -> bool:
+    """Whether ``apply`` reads this step's gradient as ``ctx.grad``."""
 
   def init(self, layout) -> Any:
-    """The codec's state for one bucket (a pytree of arrays; ``()``)."""
+    """The codec's state for one bucket.
+
+    Args:
+      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+
+    Returns:
+      A pytree of arrays (``()`` for a stateless codec), the same on
+      every device when the step starts.
+    """
 
   def apply(self, x, state, ctx: Context) -> CodecResult:
-    """One step on one bucket ``x`` (error feedback already added)."""
+    """One step on one bucket ``x`` (error feedback already added).
+
+    Args:
+      x: this device's flat ``float32[layout.size]`` bucket to send.
+      state: the codec's state for this bucket, as :meth:`init` made it
+        (or the previous step returned it).
+      ctx: the step's :class:`Context` (axis, device index, step, key,
+        layout).
+
+    Returns:
+      A :class:`CodecResult`: the decoded device mean, what this device's
+      message decodes to, and the new state.
+    """
 
   def wire(self, layout, n: int) -> list[Collective]:
-    """The collectives ``apply`` issues on ``n`` devices, in HLO terms
-    (``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
-    ``collective-permute``) with their payload bytes per device. Checked
-    against the compiled HLO in tests."""
+    """The collectives ``apply`` issues on ``n`` devices, in HLO terms.
+
+    Checked against the compiled HLO in tests.
+
+    Args:
+      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+      n: the number of devices along the data axis.
+
+    Returns:
+      A list of ``(kind, payload_bytes)`` pairs, ``kind`` one of
+      ``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter``,
+      ``collective-permute`` and the payload in bytes per device
+      (:mod:`jaxcomm.wire`'s convention).
+    """
 
   def accepts(self, shape) -> bool:
-    """The codec's own leaf rule (beside the policy's)."""
+    """The codec's own leaf rule (beside the policy's).
+
+    Args:
+      shape: a leaf's shape (a tuple of ints).
+
+    Returns:
+      Whether the codec can compress a leaf of this shape; a leaf it
+      refuses goes through the dense psum.
+    """
 
 
 @typing.runtime_checkable
 class GossipCodec(Codec, Protocol):
-  """A codec whose message travels whole to a neighbour
-  (:func:`jaxcomm.choco`): no collective inside; stateless."""
+  """A codec whose message travels whole to a neighbour.
+
+  Used by the gossip methods (:func:`jaxcomm.choco`): no collective
+  inside the codec, and no state.
+  """
 
   def message(self, x, ctx: Context) -> tuple[Any, Any]:
-    """``(words, sent)``: this device's message as one ``uint32`` array
-    (what travels) and what it decodes to."""
+    """This device's message and what it decodes to.
+
+    Args:
+      x: this device's flat ``float32[layout.size]`` bucket.
+      ctx: the step's :class:`Context`.
+
+    Returns:
+      ``(words, sent)``: the message as one ``uint32`` array (what
+      travels) and its decoded value, ``float32[layout.size]``.
+    """
 
   def decode(self, words, ctx: Context) -> Any:
-    """A received message decoded: ``decode(message(x)[0]) ==
-    message(x)[1]``, as ``float32[layout.size]``."""
+    """A received message decoded.
+
+    Args:
+      words: a message :meth:`message` made (on another device).
+      ctx: the step's :class:`Context`.
+
+    Returns:
+      ``float32[layout.size]``: ``decode(message(x)[0]) ==
+      message(x)[1]``.
+    """
 
 
 @typing.runtime_checkable
 class SteppedCodec(Codec, Protocol):
-  """A codec whose exchange changes with the step (DGC's warm-up stages,
-  behind a ``lax.switch``)."""
+  """A codec whose exchange changes with the step.
+
+  DGC's warm-up stages, behind a ``lax.switch``: ``wire`` lists every
+  stage, as the compiled program holds them, and :meth:`wire_at` the one
+  a given step runs.
+  """
 
   def wire_at(self, layout, n: int, step: int) -> list[Collective]:
-    """What step ``step`` moves (``wire`` lists every stage, as the
-    compiled program holds them)."""
+    """What step ``step`` moves.
+
+    Args:
+      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+      n: the number of devices along the data axis.
+      step: the step counter.
+
+    Returns:
+      ``(kind, payload_bytes)`` pairs as :meth:`Codec.wire` gives them,
+      for that step's stage only.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
 class CodecBase:
-  """The defaults of a :class:`Codec`: stateless, every leaf shape, linear
-  aggregation, biased, no fresh gradient. Derive a frozen dataclass from
-  it, the hyperparameters as fields, and define ``name``, ``apply`` and
-  ``wire`` (and override the rest where the method differs)::
+  """The defaults of a :class:`Codec`.
 
-    @dataclasses.dataclass(frozen=True)
-    class Halve(jaxcomm.CodecBase):
-      scale: float = 0.5
-      name = "halve"
+  Stateless, every leaf shape, linear aggregation, biased, no fresh
+  gradient. Derive a frozen dataclass from it, the hyperparameters as
+  fields, and define ``name``, ``apply`` and ``wire`` (and override the
+  rest where the method differs).
 
-      def apply(self, x, state, ctx):
-        mean = jax.lax.pmean(self.scale * x, ctx.axis_name)
-        return jaxcomm.CodecResult(mean=mean, sent=self.scale * x,
-                                   state=state)
+  Examples:
+    A codec that sends half of each value; :func:`jaxcomm.compressed`
+    makes it a transform, run here on 8 devices, each with its own
+    gradient (1 to 8): the update is half their mean, the residual keeps
+    the other half.
 
-      def wire(self, layout, n):
-        return [("all-reduce", 4 * layout.size)]
+    >>> import dataclasses
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Halve(jaxcomm.CodecBase):
+    ...   scale: float = 0.5
+    ...   name = "halve"
+    ...
+    ...   def apply(self, x, state, ctx):
+    ...     mean = jax.lax.pmean(self.scale * x, ctx.axis_name)
+    ...     return jaxcomm.CodecResult(mean=mean, sent=self.scale * x,
+    ...                                state=state)
+    ...
+    ...   def wire(self, layout, n):
+    ...     return [("all-reduce", 4 * layout.size)]
+    >>> tx = jaxcomm.compressed(Halve(), axis_name="data",
+    ...                         policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> mesh = jaxcomm.parallel.make_mesh()
+    >>> def step(g):
+    ...   u, s = tx.update(g, tx.init(jnp.zeros(4)))
+    ...   return u, s.residual[0][None, :4]
+    >>> grads = jnp.repeat(jnp.arange(1.0, 9.0), 4)
+    >>> u, res = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"),
+    ...                                out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(u, np.float64).round(3))
+    [2.25 2.25 2.25 2.25]
+    >>> print(np.asarray(res[:, 0], np.float64).round(3))
+    [0.5 1.  1.5 2.  2.5 3.  3.5 4. ]
   """
 
   mean_of_sent: ClassVar[bool] = True
@@ -216,17 +314,39 @@ class CodecBase:
   wire_condition: ClassVar[str] = ""
 
   def init(self, layout) -> Any:
+    """No state: ``()`` for every bucket.
+
+    Args:
+      layout: the bucket's layout (unused).
+
+    Returns:
+      ``()``.
+    """
     del layout
     return ()
 
   def accepts(self, shape) -> bool:
+    """Every leaf shape.
+
+    Args:
+      shape: a leaf's shape (unused).
+
+    Returns:
+      True.
+    """
     del shape
     return True
 
   def check_layouts(self, layouts) -> None:
-    """Refuses (a ValueError naming the hyperparameter) a configuration
-    that cannot work on these buckets, all of them at once (``init``);
-    the default accepts every layout."""
+    """Refuses a configuration that cannot work on these buckets.
+
+    Called once by the compressor's ``init`` with every bucket at once;
+    an override raises a ValueError naming the hyperparameter. The
+    default accepts every layout.
+
+    Args:
+      layouts: the buckets' :class:`jaxcomm._buckets.Layout` objects.
+    """
     del layouts
 
 
@@ -364,7 +484,19 @@ class Spec:
 
 
 def spec_of(tx) -> Spec:
-  """The :class:`Spec` of a compressor built by :func:`compressed`."""
+  """The static description of a compressor built by :func:`compressed`.
+
+  Args:
+    tx: the compressor itself (not an ``optax.chain`` around it).
+
+  Returns:
+    Its ``Spec``: codec, leaf policy, axis name and ``start_step``, which
+    :func:`jaxcomm.wire.claimed` reads.
+
+  Raises:
+    ValueError: when ``tx`` was not built by :func:`compressed` (or one of
+      the factories that call it).
+  """
   spec = getattr(getattr(tx, "init", None), "jaxcomm_spec", None)
   if spec is None:
     raise ValueError(
@@ -375,7 +507,7 @@ def spec_of(tx) -> Spec:
 
 
 class CompressStats(NamedTuple):
-  """Per-step statistics kept in the state.
+  """Per-step statistics kept in a compressor's state.
 
   Attributes:
     residual_norm: L2 norm of this device's error-feedback residual after the

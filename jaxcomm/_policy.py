@@ -74,6 +74,23 @@ class LeafPolicy:
     min_ndim: smallest rank worth compressing (2 keeps biases dense).
     mask: optional pytree of bools or callable returning one.
     bucket_bytes: largest bucket in bytes (float32), or None for one bucket.
+
+  Raises:
+    ValueError: naming the field, when ``min_size`` or ``min_ndim`` is not
+      a non-negative int, or ``bucket_bytes`` is not None or a positive
+      int.
+
+  Examples:
+    Matrices of at least 256 values compressed, the rest (biases, small
+    leaves) through the dense psum:
+
+    >>> import jax.numpy as jnp, jaxcomm
+    >>> policy = jaxcomm.LeafPolicy(min_size=256, min_ndim=2)
+    >>> grads = {"b": jnp.zeros(512), "w": jnp.zeros((64, 64)),
+    ...          "w_small": jnp.zeros((4, 4)), "step": jnp.zeros((), int)}
+    >>> policy.plan(grads, accepts=lambda shape: True)
+    ['dense', 'skip', 'compress', 'dense']
+    >>> tx = jaxcomm.topk(0.01, policy=policy)
   """
 
   min_size: int = 256
@@ -90,9 +107,20 @@ class LeafPolicy:
            shapes=None) -> list[str]:
     """The path of each leaf of ``grads`` in ``jax.tree.leaves`` order.
 
-    ``shapes``: per leaf, the shape to decide on instead of the leaf's own
-    (None: its own); a compressor of whole matrices decides on the whole
-    leaf a sharded step's block belongs to."""
+    Args:
+      grads: the gradients (or params, or their shapes).
+      accepts: the compressor's own rule, ``accepts(shape) -> bool``.
+      shapes: per leaf, the shape to decide on instead of the leaf's own
+        (None: its own); a compressor of whole matrices decides on the
+        whole leaf a sharded step's block belongs to.
+
+    Returns:
+      A list of ``"compress"``, ``"dense"`` or ``"skip"``, one per leaf.
+
+    Raises:
+      ValueError: when ``mask`` does not have the gradients' tree
+        structure, naming the paths they do not share.
+    """
     leaves, treedef = jax.tree.flatten(grads)
     if shapes is None:
       shapes = [None] * len(leaves)

@@ -2,11 +2,14 @@
 
 A family module marks each public factory with :func:`method`::
 
-  @_registry.method(family="compressor", paper="Aji & Heafield 2017",
+  @_registry.method(paper="Aji & Heafield 2017",
                     defaults={"ratio": 0.01}, static=("ratio",))
   @_compressor.shared_options
   def topk(ratio: float, *, ...):
 
+The family (and a compressor's kind) is the package the factory lives in,
+``jaxcomm.transforms.<package>`` (:data:`PACKAGES`); a factory outside
+``jaxcomm.transforms`` names its ``family`` (and may name its ``kind``).
 This module imports no family module (they import it); the public view,
 which first imports every family, is :mod:`jaxcomm.registry`.
 """
@@ -39,6 +42,60 @@ FAMILIES = {
            "and before the optimizer: optax.chain(jaxcomm.<name>(jaxcomm."
            "<compressor>(...)), optax.<opt>(lr))",
 }
+
+# A compressor's kind: what its message is.
+KINDS = ("quantize", "sparsify", "lowrank")
+
+# Each package of jaxcomm.transforms: its family and, for compressors, kind.
+PACKAGES = {
+  "quantize": ("compressor", "quantize"),
+  "sparsify": ("compressor", "sparsify"),
+  "lowrank": ("compressor", "lowrank"),
+  "optimizers": ("optimizer", None),
+  "local": ("local", None),
+  "gossip": ("local", None),
+  "delay": ("delay", None),
+}
+
+# The built-in methods in the README's table order (within each family; the
+# families come in FAMILIES' order). A method registered from outside
+# jaxcomm.transforms follows these, in registration order.
+TABLE_ORDER = (
+  # compressor
+  "dense", "cast", "topk", "randomk", "threshold", "adacomp", "powersgd",
+  "atomo", "dgc", "qsgd", "terngrad", "int8", "int4", "uint8",
+  "dist_ef_sgdm", "ecq_sgd", "gtopk", "csc", "gmc", "gradiveq", "ibcd", "lag",
+  "mgs", "mx", "natural", "onebit", "signsgd", "signum", "ef_signsgd",
+  "ota_analog", "ota_onebit", "qcs", "scalecom", "sidco", "fetchsgd",
+  "sparcml", "stc", "sbc", "variance_sparsification",
+  # optimizer
+  "demo", "onebit_adam", "onebit_lamb", "zero_one_adam",
+  # local
+  "dpsgd", "choco", "sgp", "dcd_psgd", "ecd_psgd", "diloco", "muloco",
+  "fedcom", "fedcomgate", "hierarchical_sgd", "local_sgd", "adacomm",
+  "overlap_local_sgd", "lupa_sgd", "squarm",
+  # delay
+  "pipe_sgd", "stale_sgd",
+)
+
+
+def package_of(module: str) -> str | None:
+  """The :data:`PACKAGES` key of ``module`` (a dotted module name), or None
+  for a module outside ``jaxcomm.transforms``.
+
+  Raises:
+    ValueError: ``module`` is in ``jaxcomm.transforms`` but in no family
+      package.
+  """
+  prefix = "jaxcomm.transforms."
+  if not module.startswith(prefix):
+    return None
+  package = module[len(prefix):].split(".")[0]
+  if package not in PACKAGES:
+    raise ValueError(f"module {module!r} is in no family package of "
+                     f"jaxcomm.transforms ({sorted(PACKAGES)})")
+  return package
+
 
 # Annotations of hyperparameters optax.inject_hyperparams may trace (after
 # dropping "| None"): real numbers and schedules. Every other parameter is
@@ -100,6 +157,23 @@ class Method:
       derived from the factory's signature (:func:`derive_static_args`).
     aliases: other names ``train.py`` accepts.
     gossip: a decentralized method (no sync: params never agree exactly).
+    kind: a compressor's kind, one of :data:`KINDS` (None for the other
+      families, and for a compressor from outside ``jaxcomm.transforms``
+      that names none).
+
+  Raises:
+    ValueError: when ``family`` is not a key of :data:`FAMILIES`, or
+      ``kind`` is set for another family or is not one of :data:`KINDS`.
+
+  Examples:
+    >>> import jaxcomm
+    >>> m = jaxcomm.registry.get("powersgd")
+    >>> m.family, m.kind, m.attr
+    ('compressor', 'lowrank', 'powersgd')
+    >>> m.required()                      # what a call must pass
+    {'rank': 4}
+    >>> m.make()                          # jaxcomm.powersgd(rank=4)
+    jaxcomm.powersgd(rank=4)
   """
 
   name: str
@@ -111,11 +185,17 @@ class Method:
   static_args: tuple[str, ...] = ()
   aliases: tuple[str, ...] = ()
   gossip: bool = False
+  kind: str | None = None
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"Method {self.name!r}: family must be one of "
                        f"{sorted(FAMILIES)}, got {self.family!r}")
+    if self.kind is not None and (self.family != "compressor"
+                                  or self.kind not in KINDS):
+      raise ValueError(f"Method {self.name!r}: kind must be None or, for a "
+                       f"compressor, one of {list(KINDS)}, got "
+                       f"{self.kind!r} (family {self.family!r})")
 
   @property
   def attr(self) -> str:
@@ -123,17 +203,36 @@ class Method:
     return self.factory.__name__
 
   def parameters(self) -> Mapping[str, inspect.Parameter]:
-    """The factory's parameters."""
+    """The factory's parameters.
+
+    Returns:
+      ``inspect.signature(factory).parameters``: an ordered mapping of
+      name to ``inspect.Parameter`` (the shared compressor options
+      included).
+    """
     return inspect.signature(self.factory).parameters
 
   def required(self) -> dict[str, Any]:
-    """The :attr:`defaults` of the parameters that have no default (what
-    a call must pass)."""
+    """The :attr:`defaults` of the parameters that have no default.
+
+    Returns:
+      A dict of what a call must pass (e.g. top-k's ``ratio``), with the
+      values :meth:`make` uses.
+    """
     return {k: self.defaults[k] for k, p in self.parameters().items()
             if p.default is p.empty and k in self.defaults}
 
   def make(self, *args, **kwargs):
-    """The factory called with :attr:`defaults` under ``kwargs``."""
+    """The factory called with :attr:`defaults` under ``kwargs``.
+
+    Args:
+      *args: positional arguments for the factory.
+      **kwargs: keyword arguments for the factory; they override
+        :attr:`defaults`.
+
+    Returns:
+      What the factory returns (an Optax transformation).
+    """
     return self.factory(*args, **{**self.defaults, **kwargs})
 
 
@@ -230,23 +329,47 @@ def _same(a, b) -> bool:
     return False
 
 
-# Registration order within a family is table order.
+# In registration order; registered() puts them in table order.
 _REGISTERED: list[Method] = []
 
 
-def method(*, family: str, paper: str, summary: str = "",
+def _family_and_kind(factory: Callable, family: str | None,
+                      kind: str | None) -> tuple[str, str | None]:
+  """``factory``'s family and kind: from its package in
+  ``jaxcomm.transforms`` (:data:`PACKAGES`), which ``family`` and ``kind``
+  may only repeat, or else as given (``family`` required)."""
+  where = factory.__module__
+  package = package_of(where)
+  if package is None:
+    if family is None:
+      raise ValueError(f"{factory.__name__} (in {where}) needs family=, one "
+                       f"of {sorted(FAMILIES)}: only the packages of "
+                       "jaxcomm.transforms imply it")
+    return family, kind
+  want = PACKAGES[package]
+  if family is not None and family != want[0]:
+    raise ValueError(f"{factory.__name__} is in jaxcomm.transforms.{package} "
+                     f"(family {want[0]!r}); family={family!r} contradicts it")
+  if kind is not None and kind != want[1]:
+    raise ValueError(f"{factory.__name__} is in jaxcomm.transforms.{package} "
+                     f"(kind {want[1]!r}); kind={kind!r} contradicts it")
+  return want
+
+
+def method(*, paper: str, family: str | None = None,
+           kind: str | None = None, summary: str = "",
            name: str | None = None, defaults: Mapping[str, Any] | None = None,
            static: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
            gossip: bool = False) -> Callable:
   """Registers the decorated factory as a public method.
 
-  Returns the factory wrapped so that what it builds is a :class:`Built`
-  (the same transformation, with a ``repr`` and equality of its
-  configuration).
-
   Args:
-    family: a key of :data:`FAMILIES`.
     paper: the paper(s) the method follows.
+    family: a key of :data:`FAMILIES`; implied by the package for a factory
+      in ``jaxcomm.transforms`` (where it may only repeat it), required
+      elsewhere.
+    kind: a compressor's kind (:data:`KINDS`); implied likewise, optional
+      elsewhere.
     summary: one line for the README's table.
     name: the name on the command line (default: the factory's).
     defaults: arguments for a call that gives none (the required ones).
@@ -255,13 +378,26 @@ def method(*, family: str, paper: str, summary: str = "",
       number or schedule is static already).
     aliases: other names ``train.py`` accepts.
     gossip: a decentralized method.
+
+  Returns:
+    A decorator. It returns the factory wrapped so that what it builds is
+    a ``Built`` transformation (the same transformation, with a ``repr``
+    and equality of its configuration), and adds the method to
+    :func:`jaxcomm.registry.methods`.
+
+  Raises:
+    ValueError: when the decorator is applied: the family or kind is
+      missing or not one of :data:`FAMILIES` / :data:`KINDS`, the name or
+      an alias is taken, ``defaults`` or ``static`` name an argument the
+      factory does not take.
   """
   def register(factory):
+    fam, knd = _family_and_kind(factory, family, kind)
     factory = _recording(factory, name or factory.__name__)
-    m = Method(name=name or factory.__name__, factory=factory, family=family,
+    m = Method(name=name or factory.__name__, factory=factory, family=fam,
                paper=paper, summary=summary, defaults=dict(defaults or {}),
                static_args=derive_static_args(factory, tuple(static)),
-               aliases=tuple(aliases), gossip=gossip)
+               aliases=tuple(aliases), gossip=gossip, kind=knd)
     taken = {x.name for x in _REGISTERED} | {
       a for x in _REGISTERED for a in x.aliases}
     clash = ({m.name} | set(m.aliases)) & taken
@@ -277,9 +413,12 @@ def method(*, family: str, paper: str, summary: str = "",
 
 
 def registered() -> list[Method]:
-  """Every registered method, in family order then registration order."""
+  """Every registered method: in family order, then the built-in ones in
+  :data:`TABLE_ORDER`, then the others in registration order."""
   order = list(FAMILIES)
-  return sorted(_REGISTERED, key=lambda m: order.index(m.family))
+  rank = {n: i for i, n in enumerate(TABLE_ORDER)}
+  return sorted(_REGISTERED, key=lambda m: (
+    order.index(m.family), rank.get(m.name, len(rank))))
 
 
 def unregister(name: str) -> None:

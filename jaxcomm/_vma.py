@@ -16,9 +16,28 @@ import jax
 
 
 def varying_axes(x) -> frozenset:
-  """The mesh axes ``x`` is typed as varying over (empty outside
-  shard_map). ``x``: an array, a tracer, or an abstract value (e.g. from
-  ``jax.eval_shape``)."""
+  """The mesh axes ``x`` is typed as varying over.
+
+  Args:
+    x: an array, a tracer, or an abstract value (e.g. from
+      ``jax.eval_shape``).
+
+  Returns:
+    A frozenset of axis names: empty outside ``jax.shard_map``, or where
+    ``check_vma`` is off.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> def f(x):
+    ...   axes = jaxcomm.collectives.varying_axes
+    ...   print(sorted(axes(x)), sorted(axes(jax.lax.psum(x, "data"))))
+    ...   return x
+    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+    ...                   out_specs=P("data"))(jnp.zeros(8))
+    ['data'] []
+  """
   aval = x if hasattr(x, "manual_axis_type") or hasattr(x, "vma") else (
     jax.typeof(x))
   mat = getattr(aval, "manual_axis_type", None)

@@ -58,6 +58,17 @@ from jaxcomm import parallel
 from jaxcomm import transforms
 from jaxcomm import wire
 
+__all__ = [
+  "Axis",
+  "Candidate",
+  "Row",
+  "advise",
+  "default_candidates",
+  "fsdp_shards",
+  "recommend",
+  "table",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
@@ -72,6 +83,10 @@ class Axis:
       exchange over the slow axis); each gets ``1 / shared`` of its
       bandwidth. 1 (the default) is a link per device, as on GPU nodes with
       a network card per GPU.
+
+  Raises:
+    ValueError: naming the field, when ``size`` or ``shared`` is not a
+      positive int or ``link`` is not a :class:`jaxcomm.wire.CostModel`.
   """
 
   name: str
@@ -125,10 +140,16 @@ class Candidate:
 
 
 def default_candidates() -> list[Candidate]:
-  """Dense, cast, PowerSGD ranks, top-k, onebit, DiLoCo and local SGD,
-  with the eval-loss gaps measured on the char-LM at 8 workers
+  """The candidates :func:`advise` prices by default.
+
+  Dense, cast, PowerSGD ranks, top-k, onebit, DiLoCo and local SGD, with
+  the eval-loss gaps measured on the char-LM at 8 workers
   (docs/benchmarks/convergence.md: PowerSGD r4 and onebit before Adam,
-  top-k with error feedback before momentum SGD, DiLoCo with AdamW)."""
+  top-k with error feedback before momentum SGD, DiLoCo with AdamW).
+
+  Returns:
+    A list of :class:`Candidate`.
+  """
   tr = transforms
   return [
     Candidate("dense", lambda a: tr.mean_gradients(axis_name=a), None, 0.0),
@@ -151,7 +172,17 @@ def default_candidates() -> list[Candidate]:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  """One candidate's prediction (seconds per step)."""
+  """One candidate's prediction (seconds per step).
+
+  Attributes:
+    name: the candidate's label.
+    fast_s: seconds on the fast axes (their dense mean, and an FSDP
+      axis's own traffic).
+    slow_s: seconds on the slow axis (what the candidate sends).
+    overhead_s: compute seconds the caller gave for it (0 where absent).
+    slow_bytes: bytes each device sends over the slow link per step.
+    loss_gap: its measured eval-loss gap to dense, or None.
+  """
 
   name: str
   fast_s: float
@@ -162,6 +193,7 @@ class Row:
 
   @property
   def total_s(self) -> float:
+    """``fast_s + slow_s + overhead_s``: the predicted seconds per step."""
     return self.fast_s + self.slow_s + self.overhead_s
 
 
@@ -171,8 +203,9 @@ def _dense_time(params, axis: Axis) -> float:
 
 
 def fsdp_shards(params, size: int, specs=None, axis: str = "fsdp"):
-  """One device's shards of ``params`` split ``size`` ways over an FSDP
-  axis, as ShapeDtypeStructs (what the compressor of a sharded step sees).
+  """One device's shards of ``params`` split ``size`` ways over an FSDP axis.
+
+  What the compressor of a sharded step sees.
 
   Args:
     params: the model's params (arrays or ShapeDtypeStructs).
@@ -183,6 +216,23 @@ def fsdp_shards(params, size: int, specs=None, axis: str = "fsdp"):
       kept whole (replicated, as biases and norm scales are) when none
       does.
     axis: the FSDP axis's name in ``specs``.
+
+  Returns:
+    ``params``' structure with ``jax.ShapeDtypeStruct`` leaves of the
+    shards' shapes.
+
+  Raises:
+    ValueError: when ``size`` is not a positive int, or ``specs`` split a
+      dimension ``size`` does not divide.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxcomm.advise import fsdp_shards
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 512), jnp.float32),
+    ...           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    >>> shards = fsdp_shards(params, 4)
+    >>> shards["w"].shape, shards["b"].shape
+    ((256, 512), (3,))
   """
   size = _checks.integer("size", size, 1)
 
@@ -264,8 +314,17 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
       dimension ``fsdp.size`` divides).
 
   Returns:
-    Rows sorted by predicted total seconds, fastest first; with ``budget``
-    the first row within it is :func:`recommend`'s answer.
+    A list of :class:`Row` sorted by predicted total seconds, fastest
+    first; with ``budget`` the first row within it is :func:`recommend`'s
+    answer.
+
+  Raises:
+    ValueError: naming the argument: no axes, an axis that is not an
+      :class:`Axis`, a negative ``budget``, ``overhead_s`` naming no
+      candidate or out of range, an ``fsdp`` axis that is also a data
+      axis or whose size divides no dimension, ``specs`` without
+      ``fsdp``, flat or host-sharded candidates with ``fsdp``, a
+      candidate's ``period`` that is not a positive int.
   """
   if not axes:
     raise ValueError("axes must name at least one data axis (the slow one "
@@ -361,7 +420,16 @@ def advise(params, axes: Sequence[Axis], candidates=None, *,
 
 
 def recommend(rows: Sequence[Row], budget: float) -> Row | None:
-  """The fastest row whose measured gap is at most ``budget``."""
+  """The fastest row whose measured gap is at most ``budget``.
+
+  Args:
+    rows: :func:`advise`'s rows, fastest first.
+    budget: the largest eval-loss gap to dense accepted.
+
+  Returns:
+    The first :class:`Row` with a measured ``loss_gap <= budget``, or None
+    when there is none.
+  """
   for r in rows:
     if r.loss_gap is not None and r.loss_gap <= budget:
       return r
@@ -369,7 +437,15 @@ def recommend(rows: Sequence[Row], budget: float) -> Row | None:
 
 
 def table(rows: Sequence[Row], budget: float | None = None) -> str:
-  """A markdown table of :func:`advise`'s rows (milliseconds)."""
+  """A markdown table of :func:`advise`'s rows (milliseconds).
+
+  Args:
+    rows: :func:`advise`'s rows.
+    budget: if given, :func:`recommend`'s row is set in bold.
+
+  Returns:
+    The table as one str.
+  """
   best = recommend(rows, budget) if budget is not None else None
   out = ["| method | fast axes ms | slow axis ms | overhead ms | total ms "
          "| MB over the slow link | loss gap |",
@@ -427,8 +503,9 @@ def _overheads(text: str | None) -> dict:
 
 def main(argv=None, *, model_params: Callable[[str], Any] | None = None
          ) -> int:
-  """``python -m jaxcomm.advise``: the table for a model on a two-level
-  mesh.
+  """Internal: the ``python -m jaxcomm.advise`` command.
+
+  Prints the table for a model on a two-level mesh.
 
   Args:
     argv: the command line (default ``sys.argv[1:]``).

@@ -48,9 +48,33 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _hlo
 from jaxcomm._aot_models import SIZES  # noqa: F401  (re-exported)
 from jaxcomm._aot_models import mlp  # noqa: F401
 from jaxcomm._aot_models import transformer  # noqa: F401
+
+__all__ = [
+  "HBM",
+  "SIZES",
+  "TRANSFER_KINDS",
+  "Figures",
+  "Transfer",
+  "analyze",
+  "backward_after_first_send",
+  "collective_dependence",
+  "compile_lowered",
+  "compile_method",
+  "generation",
+  "memory_per_chip",
+  "mlp",
+  "optimizer_state",
+  "plain_step",
+  "slice_mesh",
+  "state_bytes_per_chip",
+  "topology_devices",
+  "transfers",
+  "transformer",
+]
 
 # HBM per chip, bytes (public TPU documentation).
 HBM = {"v4": 32 << 30, "v5e": 16 << 30, "v5litepod": 16 << 30,
@@ -60,19 +84,19 @@ TRANSFER_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
                   "ALL_TO_ALL": "all-to-all",
                   "REDUCE_SCATTER": "reduce-scatter",
                   "ONE_TO_ONE": "collective-permute"}
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-             "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-             "s4": 0.5, "u4": 0.5}
-_SEND = re.compile(
-  r"=\s*\((?P<dtype>\w+)\[(?P<dims>[\d,]*)\](?:\{[^}]*\})?,\s*u32\[\],"
-  r"\s*token\[\]\)"
-  r"\s*send\((?P<rest>.*)$")
+_TRANSFER_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 
 
 def topology_devices(topology: str, slices: int = 1) -> np.ndarray:
-  """The compile-only devices of ``slices`` slices of a TPU ``topology``
-  (e.g. ``"v5e:2x2"``, ``"v5p:2x2x1"``, ``"v6e:2x2"``), slice-major.
+  """The compile-only devices of ``slices`` slices of a TPU topology.
+
+  Args:
+    topology: one slice, e.g. ``"v5e:2x2"``, ``"v5p:2x2x1"``,
+      ``"v6e:2x2"``.
+    slices: the number of slices (a positive int).
+
+  Returns:
+    A numpy array of the devices, slice-major.
 
   Raises:
     ValueError: naming the argument when libtpu is missing or the
@@ -100,9 +124,21 @@ def topology_devices(topology: str, slices: int = 1) -> np.ndarray:
 
 def slice_mesh(topology: str, slices: int, axes: Sequence[str] = (
     "dcn", "fsdp")) -> Mesh:
-  """A mesh of ``slices`` compile-only TPU slices: the first axis across
-  slices, the second over each slice's chips (further axes of size 1),
-  every axis Auto."""
+  """A mesh of ``slices`` compile-only TPU slices.
+
+  Args:
+    topology: one slice (see :func:`topology_devices`).
+    slices: the number of slices.
+    axes: the mesh's axis names, at least two: the first across slices,
+      the second over each slice's chips, further axes of size 1.
+
+  Returns:
+    A ``jax.sharding.Mesh``, every axis Auto.
+
+  Raises:
+    ValueError: when ``axes`` names fewer than two axes, or
+      :func:`topology_devices` refuses ``topology`` or ``slices``.
+  """
   devs = topology_devices(topology, slices)
   axes = tuple(axes)
   if len(axes) < 2:
@@ -113,8 +149,15 @@ def slice_mesh(topology: str, slices: int, axes: Sequence[str] = (
 
 
 def generation(mesh: Mesh) -> str:
-  """The TPU generation of ``mesh`` (a key of :data:`HBM`), or the device
-  kind."""
+  """The TPU generation of ``mesh``.
+
+  Args:
+    mesh: a mesh of TPU devices (compile-only ones included).
+
+  Returns:
+    A key of :data:`HBM` (``"v5e"``, ``"v5p"``, ...), or the device kind
+    (lower case) when it is none of them.
+  """
   kind = mesh.devices.flat[0].device_kind.lower()
   # device_kind: "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite"...
   for name, key in (("v6", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"),
@@ -138,8 +181,15 @@ class Transfer:
   shape: str
 
   def crossing(self, slices: int) -> float:
-    """Bytes that leave the chip's slice for this transfer (the module
-    docstring's convention)."""
+    """Bytes that leave the chip's slice for this transfer.
+
+    Args:
+      slices: the number of slices.
+
+    Returns:
+      The bytes, a float, by the module docstring's convention (0 for one
+      slice).
+    """
     n = slices
     if n <= 1:
       return 0.0
@@ -153,22 +203,46 @@ class Transfer:
 
 
 def transfers(compiled_or_text: Any) -> list[Transfer]:
-  """The cross-slice sends (``is_host_transfer=true``) of a compiled
-  step (or its HLO text)."""
+  """The cross-slice sends of a compiled step.
+
+  Args:
+    compiled_or_text: a compiled step or its HLO text.
+
+  Returns:
+    A list of :class:`Transfer`, one per ``send`` with
+    ``is_host_transfer=true``.
+
+  Raises:
+    ValueError: when such a send's line cannot be read (its shape, or a
+      transfer type not in :data:`TRANSFER_KINDS`); the message names the
+      send and the jax, jaxlib and libtpu versions.
+  """
   text = (compiled_or_text if isinstance(compiled_or_text, str)
           else compiled_or_text.as_text())
   out = []
   for line in text.splitlines():
     if " send(" not in line or "is_host_transfer=true" not in line:
       continue
-    m = _SEND.search(line)
-    if not m:
-      raise ValueError(f"unparsed cross-slice send: {line.strip()[:200]}")
-    dims = [int(d) for d in m["dims"].split(",") if d]
-    size = int(np.prod(dims)) * _ITEMSIZE[m["dtype"]]
-    t = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
-    kind = TRANSFER_KINDS.get(t.group(1) if t else "", "collective-permute")
-    out.append(Transfer(kind, float(size), f"{m['dtype']}[{m['dims']}]"))
+    ins = _hlo.instruction(line, where="aot.transfers")
+    if ins is None or ins.opcode != "send":
+      continue
+    # A send's result: (data, u32[] context, token[]); the data is what
+    # the chip hands the cross-slice runtime.
+    shape = ins.shape
+    if not isinstance(shape, _hlo.Tuple) or not shape.elements:
+      raise _hlo.Unreadable(
+        f"aot.transfers: send %{ins.name} has the shape {shape}, not a "
+        f"tuple (data, context, token); printed by {_hlo.versions()}")
+    data = shape.elements[0]
+    t = _TRANSFER_TYPE.search(ins.rest)
+    # No transfer type: a one-to-one host transfer.
+    kind = TRANSFER_KINDS.get(t.group(1) if t else "ONE_TO_ONE")
+    if kind is None:
+      raise _hlo.Unreadable(
+        f"aot.transfers: send %{ins.name} has the transfer type "
+        f"{t.group(1)!r}, not one of {sorted(TRANSFER_KINDS)}; printed by "
+        f"{_hlo.versions()}")
+    out.append(Transfer(kind, float(data.nbytes), str(data)))
   return out
 
 
@@ -191,18 +265,29 @@ _CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
 
 
 def backward_after_first_send(compiled_or_text: Any) -> float | None:
-  """The fraction of the backward pass (the entry computation's ops whose
-  ``op_name`` is JAX's ``transpose(...)`` of the loss, weighted by the
-  compiler's ``estimated_cycles`` where it gives them) scheduled after the
-  first cross-slice send starts: how much of the exchange can overlap the
-  backward pass (WFBP). None when nothing crosses or there is no
-  backward op in the entry computation."""
+  """The fraction of the backward pass scheduled after the first send.
+
+  The backward pass is the entry computation's ops whose ``op_name`` is
+  JAX's ``transpose(...)`` of the loss, weighted by the compiler's
+  ``estimated_cycles`` where it gives them; the fraction after the first
+  cross-slice send starts is how much of the exchange can overlap the
+  backward pass (WFBP).
+
+  Args:
+    compiled_or_text: a compiled step or its HLO text.
+
+  Returns:
+    A float in ``[0, 1]``, or None when nothing crosses or there is no
+    backward op in the entry computation.
+  """
   text = (compiled_or_text if isinstance(compiled_or_text, str)
           else compiled_or_text.as_text())
   first, total, after = None, 0.0, 0.0
   for i, line in enumerate(_entry_lines(text)):
     if first is None and " send(" in line and "is_host_transfer=true" in line:
-      first = i
+      ins = _hlo.instruction(line, where="aot.backward_after_first_send")
+      if ins is not None and ins.opcode == "send":
+        first = i
     if "transpose(" not in line or "op_name=" not in line:
       continue
     m = _CYCLES.search(line)
@@ -235,23 +320,21 @@ def _hlo_graph(text: str):
       if head.group(1):
         entry = cur
       continue
-    ins = re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$", line)
-    if ins and cur is not None:
-      rhs = ins.group(2)
-      op = re.search(r"(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(", rhs)
-      comps[cur][ins.group(1)] = (op.group(1) if op else "",
-                                  re.findall(r"%([\w.\-]+)", rhs), line)
+    ins = _hlo.instruction(line, where="aot.collective_dependence")
+    if ins is not None and cur is not None:
+      comps[cur][ins.name] = (ins.opcode,
+                              re.findall(r"%([\w.\-]+)", ins.rest), line)
   return entry, comps
 
 
 def collective_dependence(compiled_or_text: Any, *,
                           cross_slice: bool = False) -> list[bool]:
-  """For each output of a compiled program (the entry's ROOT tuple, in
-  order: the flattened outputs), whether it depends on a collective,
-  directly or through a computation that issues one (a fusion, an async
-  wrapper, a loop body, a conditional branch).
+  """Whether each output of a compiled program depends on a collective.
 
-  An output that depends on none can be computed before any exchange of
+  Outputs are the entry's ROOT tuple, in order (the flattened outputs);
+  an output depends on a collective directly or through a computation
+  that issues one (a fusion, an async wrapper, a loop body, a conditional
+  branch). An output that depends on none can be computed before any exchange of
   the step completes: Pipe-SGD's new params (``jaxcomm.pipe_sgd``) read
   only the previous step's average.
 
@@ -260,6 +343,12 @@ def collective_dependence(compiled_or_text: Any, *,
     cross_slice: count only what crosses slices (TPU: ``send``/``recv``
       with ``is_host_transfer=true``), not collectives inside a slice
       (the sharded step's mean of a replicated leaf over its copies).
+
+  Returns:
+    A list of bool, one per output.
+
+  Raises:
+    ValueError: when the HLO text has no ENTRY computation.
   """
   def moves(op, line):
     if cross_slice:
@@ -308,7 +397,10 @@ class Figures:
 
   Attributes:
     compile_seconds: wall time of ``.compile()``.
-    argument, output, alias, temp: the compiler's buffer assignment.
+    argument: argument bytes (the compiler's buffer assignment).
+    output: output bytes.
+    alias: output bytes aliased to arguments (donated buffers).
+    temp: temporary bytes.
     hbm: the chip's HBM (0 when unknown).
     transfers: the cross-slice sends.
     slices: the number of slices.
@@ -336,19 +428,30 @@ class Figures:
 
   @property
   def fits(self) -> bool | None:
+    """Whether :attr:`peak` fits the chip's HBM (None when unknown)."""
     return None if not self.hbm else self.peak <= self.hbm
 
   @property
   def handed(self) -> float:
+    """Bytes the chip hands the cross-slice runtime, over all sends."""
     return sum(t.handed for t in self.transfers)
 
   @property
   def crossing(self) -> float:
+    """Bytes that leave the chip's slice, over all sends."""
     return sum(t.crossing(self.slices) for t in self.transfers)
 
   def step_seconds(self, dcn_gbit_per_s: float) -> float | None:
-    """The compiler's estimate plus the crossing bytes over a DCN link of
-    ``dcn_gbit_per_s`` per chip (no overlap assumed)."""
+    """The compiler's estimate plus the crossing bytes over a DCN link.
+
+    No overlap of the exchange with compute is assumed.
+
+    Args:
+      dcn_gbit_per_s: the DCN bandwidth per chip, Gbit/s.
+
+    Returns:
+      Seconds, or None when the compiler gave no estimate.
+    """
     if self.optimal_seconds is None:
       return None
     return self.optimal_seconds + self.crossing * 8 / (dcn_gbit_per_s * 1e9)
@@ -356,7 +459,18 @@ class Figures:
 
 def analyze(compiled, compile_seconds: float = 0.0, *, slices: int,
             hbm: int = 0) -> Figures:
-  """:class:`Figures` of a compiled step on ``slices`` slices."""
+  """What a compiled step says, per chip.
+
+  Args:
+    compiled: the compiled step (``lowered.compile()``).
+    compile_seconds: the wall time its compile took (see
+      :func:`compile_lowered`).
+    slices: the number of slices of its mesh.
+    hbm: the chip's HBM in bytes (:data:`HBM`), 0 when unknown.
+
+  Returns:
+    The step's :class:`Figures`.
+  """
   m = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
@@ -382,20 +496,37 @@ def analyze(compiled, compile_seconds: float = 0.0, *, slices: int,
 
 
 def compile_lowered(lowered) -> tuple[Any, float]:
-  """``(lowered.compile(), seconds)``."""
+  """Compiles a lowered step and times it.
+
+  Args:
+    lowered: a lowered step (``jax.jit(f).lower(...)``, or
+      :meth:`jaxcomm.parallel.DataParallel.lower`).
+
+  Returns:
+    ``(compiled, seconds)``: ``lowered.compile()`` and its wall time.
+  """
   t = time.perf_counter()
   compiled = lowered.compile()
   return compiled, time.perf_counter() - t
 
 
 def plain_step(loss_fn, learning_rate: float = 0.1, optimizer=None):
-  """The plain jit step a sharded trainer writes: the gradient of the loss
-  on whole arrays, SGD, XLA's own reductions (the baseline every compiled
-  jaxcomm step is compared with).
+  """The plain jit step a sharded trainer writes.
 
-  With an optax ``optimizer`` (the one a whole optimizer such as 1-bit
-  Adam replaces: Adam), the step is ``step(params, opt_state, batch)``
-  applying it, its state laid out by :func:`optimizer_state`."""
+  The gradient of the loss on whole arrays, SGD, XLA's own reductions:
+  the baseline every compiled jaxcomm step is compared with.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``.
+    learning_rate: the SGD step size (without ``optimizer``).
+    optimizer: an optax optimizer to apply instead of SGD (the one a whole
+      optimizer such as 1-bit Adam replaces: Adam), or None.
+
+  Returns:
+    The jitted step, params (and state) donated: ``step(params, batch) ->
+    params``, or with ``optimizer`` ``step(params, opt_state, batch) ->
+    (params, opt_state)``, its state laid out by :func:`optimizer_state`.
+  """
   if optimizer is None:
     def step(params, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -410,10 +541,22 @@ def plain_step(loss_fn, learning_rate: float = 0.1, optimizer=None):
 
 
 def optimizer_state(optimizer, params):
-  """``optimizer``'s state for abstract ``params`` (``jax.ShapeDtypeStruct``
-  with shardings), abstract: each leaf that mirrors a param (Adam's
-  moments) sharded as that param, the rest (step counts) replicated on the
-  params' mesh."""
+  """An optimizer's state for abstract params, abstract.
+
+  Args:
+    optimizer: an optax optimizer.
+    params: ``jax.ShapeDtypeStruct`` leaves with ``NamedSharding`` (as
+      :func:`mlp` and :func:`transformer` give).
+
+  Returns:
+    The state as ``jax.ShapeDtypeStruct`` leaves: each leaf that mirrors
+    a param (Adam's moments) sharded as that param, the rest (step
+    counts) replicated on the params' mesh.
+
+  Raises:
+    ValueError: when ``params`` are not all abstract with a
+      ``NamedSharding``.
+  """
   leaves = jax.tree.leaves(params)
   if not leaves or not all(isinstance(getattr(p, "sharding", None),
                                       NamedSharding) for p in leaves):
@@ -438,9 +581,25 @@ def _fmt_bytes(b: float) -> str:
 
 def compile_method(loss_fn, params, batch, mesh, tx, *, data_axis="dcn",
                    auto_axes=("fsdp",)):
-  """``(compiled, seconds, state)``: ``tx``'s :class:`~jaxcomm.parallel.
-  DataParallel` step on abstract ``params`` and ``batch``, compiled for
-  ``mesh``."""
+  """A method's sharded step, compiled ahead of time for ``mesh``.
+
+  The step is :class:`jaxcomm.parallel.DataParallel`'s, manual over
+  ``data_axis`` with ``auto_axes`` left to the compiler; nothing is
+  allocated.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``.
+    params: abstract params (``jax.ShapeDtypeStruct`` with shardings).
+    batch: an abstract batch.
+    mesh: the mesh to compile for (e.g. :func:`slice_mesh`).
+    tx: the optimizer (a chain holding the method).
+    data_axis: the data axis (or axes) the method averages over.
+    auto_axes: the model axes left to the compiler.
+
+  Returns:
+    ``(compiled, seconds, state)``: the compiled step, its compile time
+    and the abstract optimizer state.
+  """
   from jaxcomm import parallel
   dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name=data_axis,
                              auto_axes=auto_axes)
@@ -450,7 +609,15 @@ def compile_method(loss_fn, params, batch, mesh, tx, *, data_axis="dcn",
 
 
 def state_bytes_per_chip(state) -> int:
-  """Bytes of an abstract state's shards on one chip."""
+  """Bytes of an abstract state's shards on one chip.
+
+  Args:
+    state: ``jax.ShapeDtypeStruct`` leaves with shardings (the state
+      :func:`compile_method` returns).
+
+  Returns:
+    The bytes, an int.
+  """
   total = 0
   for x in jax.tree.leaves(state):
     shape = x.sharding.shard_shape(x.shape)
@@ -459,9 +626,16 @@ def state_bytes_per_chip(state) -> int:
 
 
 def memory_per_chip(fig: Figures, state=None) -> int:
-  """The memory a step adds per chip, as the TPU tier bounds it:
-  temporaries and arguments, less the shards of ``state`` (an abstract
-  optimizer state, or None), which a method keeps by design."""
+  """The memory a step adds per chip, as the TPU tier bounds it.
+
+  Args:
+    fig: the step's :class:`Figures`.
+    state: an abstract optimizer state whose shards a method keeps by
+      design, or None.
+
+  Returns:
+    Temporaries and arguments less ``state``'s shards, in bytes.
+  """
   held = 0 if state is None else state_bytes_per_chip(state)
   return fig.temp + fig.argument - held
 
@@ -498,7 +672,7 @@ def _report(name, fig: Figures, base: Figures | None, gbps):
 
 
 def cli_value(text: str):
-  """A ``--compressor`` argument's value: ``true`` / ``false`` (any case) a
+  """Internal (the command line's parser). A ``--compressor`` argument's value: ``true`` / ``false`` (any case) a
   bool, ``none`` None, then an int, a float, else the string itself."""
   low = text.strip().lower()
   if low in ("true", "false"):
@@ -514,6 +688,7 @@ def cli_value(text: str):
 
 
 def main(argv=None) -> int:
+  """Internal: the ``python -m jaxcomm.aot`` command (see the module)."""
   from jaxcomm import registry
   parser = argparse.ArgumentParser(
     prog="python -m jaxcomm.aot",

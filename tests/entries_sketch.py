@@ -7,7 +7,7 @@ sketches are averaged, ``S_u = rho S_u + S``, ``S_e += S_u`` (learning rate
 with ``U`` the median over rows of ``s_r(j) S_e[r, h_r(j)]``, ``S_e -=
 S(Delta)``, and the momentum sketch zeroed in the cells the extracted
 coordinates hash to. Shared with the code only: the hash's documented
-definition (``jaxcomm.transforms._sketch``), recomputed here in Python
+definition (``jaxcomm.transforms.sparsify._sketch``), recomputed here in Python
 integers, ``k = max(1, ceil(ratio * L))``, ties towards the lower index,
 and the bucket layout (the compressed leaves of distinct shapes side by
 side in tree order).

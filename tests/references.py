@@ -43,3 +43,31 @@ def dgc_sample_size(size: int, sample_ratio: float, density: float) -> int:
   at_least = math.ceil(2 / density)       # departure 1
   at_most = math.ceil(100 / density)      # departure 2
   return min(size, max(min(paper, at_most), at_least))
+
+
+def mixing_matrix(topology: str, n: int, phase: int) -> np.ndarray:
+  """The gossip mixing matrix ``W`` of ``topology`` on ``n`` devices at
+  ``phase``, from the topologies' definitions: ring (self and both
+  neighbours, 1/3 each), 2 x n/2 torus (self and four neighbours, 1/5
+  each), hypercube and one-peer exponential (self and the phase's one
+  peer, 1/2 each; the phase cycles over 3 dimensions, n = 8)."""
+  w = np.zeros((n, n))
+  if topology == "ring":
+    for i in range(n):
+      for j in (i - 1, i, i + 1):
+        w[i, j % n] += 1 / 3
+  elif topology == "torus":          # 2 x 4 for n = 8
+    r, c = 2, n // 2
+    for i in range(n):
+      a, b = divmod(i, c)
+      for da, db in ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)):
+        w[i, ((a + da) % r) * c + (b + db) % c] += 0.2
+  elif topology == "hypercube":
+    for i in range(n):
+      w[i, i] += 0.5
+      w[i, i ^ (1 << (phase % 3))] += 0.5
+  else:                              # one-peer exponential
+    for i in range(n):
+      w[i, i] += 0.5
+      w[i, (i + (1 << (phase % 3))) % n] += 0.5
+  return w

@@ -20,30 +20,6 @@ from tests import references
 N = 8
 
 
-def _expected(topology, n, phase):
-  """W from the topologies' definitions (independent of _gossip)."""
-  w = np.zeros((n, n))
-  if topology == "ring":
-    for i in range(n):
-      for j in (i - 1, i, i + 1):
-        w[i, j % n] += 1 / 3
-  elif topology == "torus":          # 2 x 4 for n = 8
-    r, c = 2, n // 2
-    for i in range(n):
-      a, b = divmod(i, c)
-      for da, db in ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)):
-        w[i, ((a + da) % r) * c + (b + db) % c] += 0.2
-  elif topology == "hypercube":
-    for i in range(n):
-      w[i, i] += 0.5
-      w[i, i ^ (1 << (phase % 3))] += 0.5
-  else:                              # one-peer exponential
-    for i in range(n):
-      w[i, i] += 0.5
-      w[i, (i + (1 << (phase % 3))) % n] += 0.5
-  return w
-
-
 @pytest.mark.parametrize("topology", _gossip.MIXING_TOPOLOGIES)
 def test_mixing_matrices_match_their_definitions(mesh, topology):
   """Mixing one-hot vectors on 8 devices gives W's rows; W is the
@@ -52,7 +28,7 @@ def test_mixing_matrices_match_their_definitions(mesh, topology):
   phases = len(_gossip.mixing_phases(topology, N))
   eye = jnp.eye(N, dtype=jnp.float32)
   for ph in range(phases):
-    want = _expected(topology, N, ph)
+    want = references.mixing_matrix(topology, N, ph)
     np.testing.assert_allclose(_gossip.mixing_matrix(topology, N, ph), want)
     assert np.allclose(want.sum(0), 1) and np.allclose(want.sum(1), 1)
     f = jax.jit(jax.shard_map(
@@ -62,7 +38,7 @@ def test_mixing_matrices_match_their_definitions(mesh, topology):
     np.testing.assert_allclose(np.asarray(f(eye)), want, atol=1e-6)
   prod = np.eye(N)
   for k in range(60):
-    prod = _expected(topology, N, k) @ prod
+    prod = references.mixing_matrix(topology, N, k) @ prod
   np.testing.assert_allclose(prod, np.full((N, N), 1 / N), atol=1e-3)
 
 
@@ -76,7 +52,7 @@ def test_dpsgd_matches_numpy(topology):
   for t, batch in enumerate(L.make_batches(steps)):
     grads = [L.np_grad(xs[i], xi, yi)
              for i, (xi, yi) in enumerate(L.device_slices(*batch))]
-    w = _expected(topology, N, t)
+    w = references.mixing_matrix(topology, N, t)
     xs = [{k: sum(w[i, j] * xs[j][k] for j in range(N)) - lr * grads[i][k]
            for k in xs[i]} for i in range(N)]
     want = {k: np.stack([x[k] for x in xs]) for k in xs[0]}
@@ -122,7 +98,7 @@ def test_nan_on_one_device_still_mixes():
   assert all(np.isfinite(v).all() for v in hist[-1][0].values())
   # Device 5's params at step 2 are its mixed params only.
   prev = hist[0][0]
-  w = _expected("ring", N, 1)
+  w = references.mixing_matrix("ring", N, 1)
   for k in prev:
     np.testing.assert_allclose(hist[1][0][k][5],
                                np.tensordot(w[5], prev[k], axes=1),
@@ -150,7 +126,7 @@ def np_choco(steps, lr, gamma, compress, topology="ring"):
   """Koloskova et al. 2019 on N devices: x+ = x - lr g; q = C(x+ - xh);
   xh_j += q_j for every j; x = x+ + gamma sum_j W_ij (xh_j - xh_i)
   (the public copies of all devices, not the memory-efficient sum)."""
-  w = _expected(topology, N, 0)
+  w = references.mixing_matrix(topology, N, 0)
   xs = [L.np_params() for _ in range(N)]
   xh = [{k: np.zeros_like(v) for k, v in xs[0].items()} for _ in range(N)]
   out = []
@@ -232,8 +208,8 @@ def test_choco_public_copies_are_the_sum_of_messages():
   cs = s.compress
   pub = np.asarray(cs.public[0])            # [N, size]: one bucket
   mixed = np.asarray(cs.mixed[0])
-  np.testing.assert_allclose(mixed, _expected("ring", N, 0) @ pub,
-                             rtol=1e-5, atol=1e-6)
+  w = references.mixing_matrix("ring", N, 0)
+  np.testing.assert_allclose(mixed, w @ pub, rtol=1e-5, atol=1e-6)
   # top-k 25% of w (384) and b (16): each step adds at most 100 entries.
   assert (np.count_nonzero(pub, axis=1) <= steps * 100).all()
   assert (np.count_nonzero(pub, axis=1) > (steps - 1) * 100).all()

@@ -16,7 +16,6 @@ from jaxcomm import parallel
 from jaxcomm import wire
 from tests import linear_model as L
 from tests import references
-from tests.test_decentralized import _expected
 
 N = 8
 _ALL = jaxcomm.LeafPolicy(min_size=1)
@@ -45,7 +44,7 @@ def _stack(xs):
 def np_dcd(steps, lr, compress, topology):
   """Tang et al. 2018, Algorithm 1: x_half_i = sum_j W_ij xhat_j - lr g_i;
   q_i = C(x_half_i - x_i); x_i += q_i; every replica xhat_j += q_j."""
-  w = _expected(topology, N, 0)
+  w = references.mixing_matrix(topology, N, 0)
   xs = [L.np_params() for _ in range(N)]
   reps = [L.np_params() for _ in range(N)]     # xhat_j, as neighbours hold
   out = []
@@ -67,7 +66,7 @@ def np_ecd(steps, lr, compress, topology):
   x_i^{t+1} = sum_j W_ij y_j^t - lr g_i(x_i^t);
   z_i = (1 - t/2) x_i^t + (t/2) x_i^{t+1};
   y_j^{t+1} = (1 - 2/t) y_j^t + (2/t) C(z_j)."""
-  w = _expected(topology, N, 0)
+  w = references.mixing_matrix(topology, N, 0)
   xs = [L.np_params() for _ in range(N)]
   ys = [L.np_params() for _ in range(N)]
   out = []
@@ -105,7 +104,7 @@ def test_dcd_ecd_match_numpy(method, comp, topology):
 def test_unbiased_randomk_is_unbiased_and_scaled():
   """unbiased=True: random-k's message times size / k, so the average
   over step keys of the decoded message is the input."""
-  from jaxcomm.transforms import _dcd
+  from jaxcomm.transforms.gossip import _dcd
   spec = _compressor.spec_of(jaxcomm.randomk(0.25, policy=_ALL))
   lay = spec.layouts(L.params())[0]
   codec = _dcd.UnbiasedRandomk(spec.codec)
@@ -136,7 +135,7 @@ def np_squarm(steps, lr, beta, gamma, period, c, compress, topology):
   v + g); at t + 1 = 0 mod H, device i sends q_i = C(x_half_i - xhat_i) if
   ||x_half_i - xhat_i||^2 > c lr^2, else nothing (q_i = 0); xhat_j +=
   q_j; x_i = x_half_i + gamma sum_j W_ij (xhat_j - xhat_i)."""
-  w = _expected(topology, N, 0)
+  w = references.mixing_matrix(topology, N, 0)
   xs = [L.np_params() for _ in range(N)]
   vs = [{k: np.zeros_like(a) for k, a in xs[0].items()} for _ in range(N)]
   xh = [{k: np.zeros_like(a) for k, a in xs[0].items()} for _ in range(N)]
@@ -321,7 +320,7 @@ def test_no_compressor_is_dpsgd(method):
   x_i <- sum_j W_ij x_j - lr g_i(x_i) (ECD's estimates are then exact)."""
   steps, lr = 3, 0.05
   _, _, _, hist = L.run(getattr(jaxcomm, method)(optax.sgd(lr)), steps)
-  w = _expected("ring", N, 0)
+  w = references.mixing_matrix("ring", N, 0)
   xs = [L.np_params() for _ in range(N)]
   for t, batch in enumerate(L.make_batches(steps)):
     g = _grads(xs, batch)

@@ -1,5 +1,5 @@
 """Pipe-SGD, bounded staleness and Grishchenko et al.'s sparsified prox
-(jaxcomm/transforms/_delayed.py) on 8 devices: numpy replays written from
+(jaxcomm/transforms/delay/_delayed.py) on 8 devices: numpy replays written from
 the papers' updates, the compiled schedule (Pipe-SGD's new params depend on
 no collective), wire bytes from the HLO, bit-identical resumption through
 orbax, and bad arguments refused by name."""

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomm
-from jaxcomm.transforms import _gradiveq
+from jaxcomm.transforms.lowrank import _gradiveq
 from tests import entries_powersgd
 from tests import harness
 

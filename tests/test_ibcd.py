@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 import jaxcomm
-from jaxcomm.transforms import _ibcd
+from jaxcomm.transforms.sparsify import _ibcd
 
 
 def test_subsets_are_uniform_and_independent_across_devices():

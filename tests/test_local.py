@@ -483,7 +483,7 @@ def test_zero_one_adam_matches_numpy():
   whose sync interval doubles (1, 1, 2, ..., 4): each step's per-device
   params equal the numpy replay, and devices agree exactly after every
   synchronous step and sync, not between."""
-  from jaxcomm.transforms._zero_one_adam import zero_one_schedule
+  from jaxcomm.transforms.optimizers._zero_one_adam import zero_one_schedule
   steps, args = 8, dict(var_freeze_step=3, var_update_scaler=1,
                         local_step_scaler=2, local_step_clipper=4)
   branches = zero_one_schedule(steps, *args.values())
@@ -558,7 +558,7 @@ def _two_bit(axis_name="data"):
   """MuLoCo's pseudo-gradient compressor: 2-bit block codes, requantized
   two-phase all-reduce, error feedback."""
   from jaxcomm import _compressor
-  from jaxcomm.transforms._integer import _block_int
+  from jaxcomm.transforms.quantize._integer import _block_int
   return _compressor.compressed(_block_int("int2", 2, None, None, True),
                                 axis_name=axis_name, error_feedback=True)
 

@@ -4,7 +4,7 @@ predicted times against layer-wise and whole-model top-k."""
 import pytest
 
 import jaxcomm
-from jaxcomm.transforms import _mgs
+from jaxcomm.transforms.sparsify import _mgs
 
 BATTERY = [1152, 3072]   # the battery's compressed leaves
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.transforms import _mx
+from jaxcomm.transforms.quantize import _mx
 from tests import entries_mx
 from tests import harness
 from tests import sharded

@@ -22,8 +22,8 @@ from scipy import optimize
 import jaxcomm
 from jaxcomm import parallel
 from jaxcomm.collectives import _lowrank
-from jaxcomm.transforms import _atomo
-from jaxcomm.transforms import _powersgd
+from jaxcomm.transforms.lowrank import _atomo
+from jaxcomm.transforms.lowrank import _powersgd
 from tests import entries_powersgd
 from tests import harness
 from tests import procs

@@ -303,7 +303,7 @@ def test_natural_round_matches_the_paper_and_keeps_nonfinite():
     rng.randn(2000) * 10.0 ** rng.uniform(-30, 30, 2000),
     [1.0, 1.5, -3.0, 2.0 ** -126, -(2.0 ** 100), 0.0]]).astype(np.float32)
   key = jax.random.PRNGKey(3)
-  y = np.asarray(jaxcomm.transforms._natural.natural_round(
+  y = np.asarray(jaxcomm.transforms.quantize._natural.natural_round(
     jnp.asarray(x), key))
   np.testing.assert_array_equal(y, entries_quantization.natural_ref(x, key))
   assert y[-6] == 1.0 and y[-3] == 2.0 ** -126 and y[-1] == 0
@@ -311,7 +311,7 @@ def test_natural_round_matches_the_paper_and_keeps_nonfinite():
   # a subnormal rounds to 0 or the smallest normal, the largest binade
   # does not round up to inf, and non-finite values stay non-finite.
   edge = jnp.asarray([-0.0, 1e-40, 3.4e38, np.inf, np.nan], jnp.float32)
-  e = np.asarray(jaxcomm.transforms._natural.natural_round(edge, key))
+  e = np.asarray(jaxcomm.transforms.quantize._natural.natural_round(edge, key))
   assert e[0] == 0 and e[1] in (0.0, np.float32(2.0 ** -126))
   assert np.isfinite(e[2]) and e[2] == np.float32(2.0 ** 127)
   assert np.isinf(e[3]) and not np.isfinite(e[4])

@@ -109,8 +109,8 @@ def test_codecs_of_other_configurations_differ():
   assert spec(jaxcomm.topk(0.01)).codec == spec(jaxcomm.topk(0.01)).codec
   assert spec(jaxcomm.topk(0.01)).codec != spec(jaxcomm.topk(0.02)).codec
   assert spec(jaxcomm.powersgd(2)).codec != spec(jaxcomm.powersgd(4)).codec
-  assert spec(jaxcomm.cast("bfloat16")).codec == jaxcomm.transforms._dense.\
-    CastCodec("bfloat16")
+  assert spec(jaxcomm.cast("bfloat16")).codec == (
+    jaxcomm.transforms.quantize._dense.CastCodec("bfloat16"))
   # Gossip is a capability of top-k's float32 message only.
   assert isinstance(spec(jaxcomm.topk(0.01)).codec, jaxcomm.GossipCodec)
   assert not isinstance(spec(jaxcomm.topk(0.01, value_bits=2)).codec,
@@ -283,6 +283,62 @@ def test_method_validates_its_family():
   with pytest.raises(ValueError, match="family must be one of"):
     registry.Method("x", jaxcomm.topk, "compressors", "-")
   assert inspect.signature(registry.Method.make)
+
+
+# The family packages of jaxcomm/transforms/ and what their place says:
+# (family, kind).
+_PACKAGES = {
+  "quantize": ("compressor", "quantize"),
+  "sparsify": ("compressor", "sparsify"),
+  "lowrank": ("compressor", "lowrank"),
+  "optimizers": ("optimizer", None),
+  "local": ("local", None),
+  "gossip": ("local", None),
+  "delay": ("delay", None),
+}
+
+
+def test_family_and_kind_are_the_package_of_the_source_file():
+  """Each method's family (and a compressor's kind) is that of the folder
+  of jaxcomm/transforms/ its definition's file stands in, and the
+  compressors' kinds are exactly quantize, sparsify and lowrank."""
+  root = os.path.join(os.path.dirname(os.path.abspath(jaxcomm.__file__)),
+                      "transforms")
+  kinds = set()
+  for m in registry.methods():
+    path = os.path.abspath(inspect.getsourcefile(inspect.unwrap(m.factory)))
+    rel = os.path.relpath(path, root).split(os.sep)
+    assert len(rel) == 2 and rel[0] in _PACKAGES, (m.name, path)
+    assert (m.family, m.kind) == _PACKAGES[rel[0]], (m.name, rel)
+    if m.family == "compressor":
+      kinds.add(m.kind)
+  assert kinds == {"quantize", "sparsify", "lowrank"}
+
+
+def test_registration_refuses_a_family_its_package_contradicts():
+  """Inside jaxcomm.transforms the package decides the family; outside,
+  ``family=`` must be given. Neither refused factory is registered."""
+  def mine(axis_name="data"):
+    return optax.identity()
+  before = registry.names()
+  mine.__module__ = "jaxcomm.transforms.quantize._mine"
+  with pytest.raises(ValueError, match="contradicts"):
+    registry.method(paper="-", family="local")(mine)
+  with pytest.raises(ValueError, match="contradicts"):
+    registry.method(paper="-", kind="sparsify")(mine)
+  mine.__module__ = "somewhere_else"
+  with pytest.raises(ValueError, match="needs family="):
+    registry.method(paper="-")(mine)
+  with pytest.raises(ValueError, match="kind must be None"):
+    registry.method(paper="-", family="local", kind="quantize")(mine)
+  assert registry.names() == before
+
+
+def test_every_method_has_its_place_in_the_table_order():
+  """The README's row order names each built-in method once."""
+  order = jaxcomm._registry.TABLE_ORDER  # pylint: disable=protected-access
+  assert len(order) == len(set(order))
+  assert set(order) == set(registry.names())
 
 
 def test_a_built_method_is_a_value():

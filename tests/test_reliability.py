@@ -242,8 +242,8 @@ def test_complex_leaves_keep_their_imaginary_part_in_syncs_and_gossip(mesh):
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-importing-member
 
+  from jaxcomm import _local_engine  # pylint: disable=import-outside-toplevel
   from jaxcomm.collectives import _gossip  # pylint: disable=import-outside-toplevel
-  from jaxcomm.transforms import _local_engine  # pylint: disable=import-outside-toplevel
   z = _per_device_complex(8)
   w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
 

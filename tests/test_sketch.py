@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm.transforms import _sketch
+from jaxcomm.transforms.sparsify import _sketch
 from tests import entries_sketch
 from tests import harness
 from tests import references

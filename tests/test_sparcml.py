@@ -11,7 +11,7 @@ import pytest
 import jaxcomm
 from jaxcomm import _buckets
 from jaxcomm.collectives import _sparse
-from jaxcomm.transforms import _sparcml
+from jaxcomm.transforms.sparsify import _sparcml
 from tests import harness
 from tests import references
 

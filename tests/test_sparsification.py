@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import parallel
 from jaxcomm.collectives import _sparse
-from jaxcomm.transforms import _dgc as dgc_mod
-from jaxcomm.transforms import _sparsification as sp
+from jaxcomm.transforms.sparsify import _dgc as dgc_mod
+from jaxcomm.transforms.sparsify import _sparsification as sp
 from tests import entries_sparsification as ref
 from tests import harness
 from tests import references

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import parallel
-from jaxcomm.transforms import _variance
+from jaxcomm.transforms.sparsify import _variance
 from tests import harness
 from tests.entries_sparsification import variance_bucket_ref
 from tests.entries_sparsification import variance_capacity_ref

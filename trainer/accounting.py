@@ -20,6 +20,7 @@ import numpy as np
 import jaxcomm
 from jaxcomm import parallel
 from jaxcomm import wire
+from jaxcomm.transforms.sparsify import _lag
 from trainer.config import AXIS
 from trainer.config import Config
 
@@ -54,7 +55,7 @@ def _lazy_bytes(spec, params, n: int, full: float):
   """For LAG (:func:`jaxcomm.lag`): ``fn(opt_state)``, the bytes the step
   that made ``opt_state`` moved (``full``, less each bucket's all-reduce
   on a step where no device sent it); None for any other compressor."""
-  if not isinstance(spec.codec, jaxcomm.transforms._lag.LagCodec) or n < 2:
+  if not isinstance(spec.codec, _lag.LagCodec) or n < 2:
     return None
   skipped = [wire.summarize([("all-reduce", 4 * lay.size)], n).total_sent
              for lay in spec.layouts(params)]
@@ -72,7 +73,7 @@ def _sparcml_bytes(spec, params, n: int, full: float):
   of a bucket whose switch the compiled step holds; the one not taken, by
   the union the state recorded, is taken off); None for any other
   compressor."""
-  from jaxcomm.transforms import _sparcml  # noqa: PLC0415
+  from jaxcomm.transforms.sparsify import _sparcml  # noqa: PLC0415
   if not isinstance(spec.codec, _sparcml.SparcmlCodec) or n < 2:
     return None
   buckets = []
@@ -102,7 +103,7 @@ def lag_sent_fraction(opt_state) -> float | None:
   (``sent_steps`` over steps, averaged over devices and buckets); None
   without LAG."""
   found = jaxcomm.compress_states(opt_state)
-  if not found or not all(isinstance(st, jaxcomm.transforms._lag.LagState)
+  if not found or not all(isinstance(st, _lag.LagState)
                           for st in found[0].codec) or not found[0].codec:
     return None
   steps = max(_scalar(found[0].count), 1.0)

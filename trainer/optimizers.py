@@ -3,8 +3,9 @@ factories and their defaults read from :mod:`jaxcomm.registry`, the
 learning-rate schedule, the optimizer chained after the compressor, the
 whole jaxcomm optimizers, ``--local`` and ``--delay``.
 
-:mod:`trainer.config` (the command line and :class:`~trainer.config.Config`)
-re-exports these names; this module imports nothing from it.
+:mod:`trainer.config` (the command line) re-exports these names; this
+module imports nothing from it (:class:`~trainer.settings.Config` is in
+:mod:`trainer.settings`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,13 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax.numpy as jnp
 import optax
 
 import jaxcomm
-
-if TYPE_CHECKING:  # pragma: no cover
-  from trainer.config import Config
+from trainer.settings import Config
 
 # The mesh axis gradients are averaged over (the run's data axis).
 AXIS = "data"

@@ -38,3 +38,38 @@ from jaxcomm.collectives._sparse import chunk_psum
 from jaxcomm.collectives._sparse import gtopk_psum
 from jaxcomm.collectives._sparse import index_dtype
 from jaxcomm.collectives._sparse import sparse_psum
+
+__all__ = [
+  "all_gather",
+  "all_gather_varying",
+  "all_to_all",
+  "axis_index",
+  "axis_size",
+  "chunk_psum",
+  "compressed_allreduce",
+  "from_words",
+  "fused_psum",
+  "gather_signs",
+  "gossip_average",
+  "gossip_messages",
+  "gossip_mix",
+  "gtopk_psum",
+  "index_dtype",
+  "integer_allreduce",
+  "lowrank_allreduce",
+  "majority_vote",
+  "mixing_matrix",
+  "natural_allreduce",
+  "pack_fields",
+  "pmax",
+  "ppermute",
+  "psum",
+  "push_sum_mix",
+  "pvary",
+  "requantized_allreduce",
+  "scatter_gather_sum",
+  "sparse_psum",
+  "to_words",
+  "unpack_fields",
+  "varying_axes",
+]

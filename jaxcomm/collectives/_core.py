@@ -154,7 +154,15 @@ def vector(x, name: str, kind, dtype, min_length: int = 0) -> jax.Array:
 
 
 def axis_size(axis_name: AxisName) -> int:
-  """Static number of devices along ``axis_name`` (1 when None)."""
+  """Static number of devices along ``axis_name``.
+
+  Args:
+    axis_name: a mapped axis name, a tuple of them (their sizes
+      multiply), or None.
+
+  Returns:
+    An int: 1 when ``axis_name`` is None.
+  """
   size = 1
   for name in _names(axis_name):
     size *= jax.lax.axis_size(name)
@@ -162,7 +170,15 @@ def axis_size(axis_name: AxisName) -> int:
 
 
 def axis_index(axis_name: AxisName) -> jax.Array:
-  """This device's index along ``axis_name`` (0 when None), int32."""
+  """This device's index along ``axis_name``.
+
+  Args:
+    axis_name: a mapped axis name, a tuple of them (the index over their
+      product, the first major), or None.
+
+  Returns:
+    An int32 scalar array: 0 when ``axis_name`` is None.
+  """
   names = _names(axis_name)
   if not names:
     return jnp.zeros([], jnp.int32)
@@ -172,7 +188,31 @@ def axis_index(axis_name: AxisName) -> jax.Array:
 
 
 def psum(x, axis_name: AxisName):
-  """Sum over devices; result replicated (invariant) on every device."""
+  """Sum over devices; the result is replicated (invariant) everywhere.
+
+  On TPU the sum runs on whole ``(8, 128)`` tiles of the flattened values
+  (at most one tile of padding), which the compiler would otherwise pad
+  in the array's own tiled layout.
+
+  Args:
+    x: an array or a pytree of arrays.
+    axis_name: the axis (or axes) to sum over, or None (the identity).
+
+  Returns:
+    ``x`` summed over the devices of ``axis_name``, the same structure.
+
+  Examples:
+    Each of 8 devices holds its index; the sum is 28 on every device:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> f = jax.shard_map(
+    ...   lambda x: jaxcomm.collectives.psum(x, "data"), mesh=mesh,
+    ...   in_specs=P("data"), out_specs=P())
+    >>> f(jnp.arange(8.0)).tolist()
+    [28.0]
+  """
   if axis_name is None:
     return x
   from jaxcomm.kernels import _dispatch  # collectives load before kernels
@@ -182,7 +222,16 @@ def psum(x, axis_name: AxisName):
 
 
 def pmax(x, axis_name: AxisName):
-  """Maximum over devices; result replicated."""
+  """Maximum over devices; the result is replicated.
+
+  Args:
+    x: an array or a pytree of arrays.
+    axis_name: the axis (or axes) to take the maximum over, or None (the
+      identity).
+
+  Returns:
+    The elementwise maximum of ``x`` over the devices, the same structure.
+  """
   if axis_name is None:
     return x
   return jax.lax.pmax(x, axis_name)
@@ -195,6 +244,31 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False):
   though every device holds the same data, which would stop a replicated
   update from leaving shard_map with ``out_specs=P()`` under ``check_vma``.
   The invariant all-gather moves the same bytes and keeps the type honest.
+  Compiled for TPU, a minor dimension that is not a multiple of 128 lanes
+  is padded for the exchange (the compiler would otherwise all-reduce the
+  whole padded buffer) and stripped after.
+
+  Args:
+    x: this device's array.
+    axis_name: the axis (or axes) to gather over, or None: then ``x`` with
+      a new axis of size 1 at ``axis`` (``x`` itself when ``tiled``).
+    axis: where the devices' axis goes in the result.
+    tiled: concatenate along ``axis`` instead of stacking a new axis.
+
+  Returns:
+    Every device's ``x``, in device order: shape ``x.shape`` with ``n``
+    inserted at ``axis`` (or ``x.shape[axis]`` multiplied by ``n`` when
+    ``tiled``), the same on every device.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> f = jax.shard_map(
+    ...   lambda x: jaxcomm.collectives.all_gather(x, "data", tiled=True),
+    ...   mesh=mesh, in_specs=P("data"), out_specs=P())
+    >>> f(jnp.arange(8.0) * 10).tolist()
+    [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
   """
   if axis_name is None:
     return x if tiled else jnp.expand_dims(x, axis)
@@ -258,7 +332,22 @@ def _gather_invariant(x, name, axis: int, tiled: bool):
 
 def all_gather_varying(x, axis_name: AxisName, *, axis: int = 0,
                        tiled: bool = False):
-  """Plain all-gather (result typed as varying); None axis: identity."""
+  """Plain all-gather: the result is typed as varying over the axis.
+
+  For a gathered value each device goes on to use differently (its own
+  rows of it); see :func:`all_gather` for the replicated one.
+
+  Args:
+    x: this device's array.
+    axis_name: the axis to gather over, or None: then ``x`` with a new
+      axis of size 1 at ``axis`` (``x`` itself when ``tiled``).
+    axis: where the devices' axis goes in the result.
+    tiled: concatenate along ``axis`` instead of stacking a new axis.
+
+  Returns:
+    Every device's ``x``, in device order, as :func:`all_gather` gives
+    it.
+  """
   if axis_name is None:
     return x if tiled else jnp.expand_dims(x, axis)
   return _lane_dense_gather(
@@ -268,21 +357,86 @@ def all_gather_varying(x, axis_name: AxisName, *, axis: int = 0,
 
 def all_to_all(x, axis_name: AxisName, split_axis: int = 0,
                concat_axis: int = 0):
-  """Tiled all-to-all: chunk ``i`` of ``split_axis`` goes to device ``i``."""
+  """Tiled all-to-all: chunk ``i`` of ``split_axis`` goes to device ``i``.
+
+  Args:
+    x: this device's array; ``x.shape[split_axis]`` a multiple of the
+      number of devices.
+    axis_name: the axis to exchange over, or None (the identity).
+    split_axis: the axis cut into one chunk per device.
+    concat_axis: the axis the received chunks are concatenated along, in
+      the order of the devices that sent them.
+
+  Returns:
+    This device's received chunks, concatenated: the same shape as ``x``
+    when ``split_axis == concat_axis``.
+
+  Examples:
+    Device ``i`` holds ``[10 i, 10 i + 1, ..., 10 i + 7]``; after the
+    exchange device ``j`` holds element ``j`` of every device's row:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> f = jax.shard_map(
+    ...   lambda x: jaxcomm.collectives.all_to_all(x[0], "data")[None],
+    ...   mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    >>> x = 10 * jnp.arange(8)[:, None] + jnp.arange(8)[None, :]
+    >>> f(x)[1].tolist()
+    [1, 11, 21, 31, 41, 51, 61, 71]
+  """
   if axis_name is None:
     return x
   return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
 
 
 def ppermute(x, axis_name: AxisName, perm: Sequence[tuple[int, int]]):
-  """Collective permute; None axis: identity."""
+  """Collective permute: each pair ``(i, j)`` sends device i's ``x`` to j.
+
+  Args:
+    x: this device's array (or pytree of arrays).
+    axis_name: the axis to permute over, or None (the identity).
+    perm: ``(source, destination)`` index pairs along the axis; each
+      index is a source at most once and a destination at most once. A
+      device no pair sends to receives zeros.
+
+  Returns:
+    What this device received, the shape of ``x``.
+
+  Examples:
+    A ring shift: every device receives its left neighbour's index.
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> ring = [(i, (i + 1) % 8) for i in range(8)]
+    >>> f = jax.shard_map(
+    ...   lambda x: jaxcomm.collectives.ppermute(x, "data", ring),
+    ...   mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    >>> f(jnp.arange(8)).tolist()
+    [7, 0, 1, 2, 3, 4, 5, 6]
+  """
   if axis_name is None:
     return x
   return jax.lax.ppermute(x, axis_name, perm)
 
 
 def pvary(x, axis_name: AxisName):
-  """Marks a replicated value as varying (no data moves)."""
+  """Marks a replicated value as varying over ``axis_name`` (no data moves).
+
+  Inside ``jax.shard_map`` with ``check_vma=True``: differentiate a loss
+  with respect to ``pvary(params, axis)`` to get each device's own
+  gradient (with respect to replicated params JAX sums it over the axis),
+  or mark a leaf averaged on purpose before a compressor.
+
+  Args:
+    x: an array or a pytree of arrays.
+    axis_name: the axis (or axes) to type ``x`` varying over, or None
+      (the identity).
+
+  Returns:
+    ``x`` itself, typed varying over ``axis_name``.
+  """
   if axis_name is None:
     return x
   names = _names(axis_name)
@@ -335,7 +489,10 @@ def after(x: jax.Array, dep: jax.Array) -> jax.Array:
 
 def fused_psum(leaves: Sequence[jax.Array], axis_name: AxisName,
                dtype=jnp.float32) -> list[jax.Array]:
-  """One psum for many leaves (tensor fusion): flatten, concat, psum, split.
+  """One psum for many leaves (tensor fusion).
+
+  The leaves are flattened, concatenated, summed in one collective and
+  split back.
 
   Args:
     leaves: arrays of any shapes; cast to ``dtype`` for the exchange.
@@ -454,8 +611,9 @@ def chunk_length(length: int, n: int) -> int:
 
 def scatter_gather_sum(flat: jax.Array, axis_name: AxisName,
                        wire_dtype) -> jax.Array:
-  """Sum of a flat vector over devices with ``wire_dtype`` on the wire and
-  float32 accumulation.
+  """Sum of a flat vector over devices in a narrow dtype on the wire.
+
+  The messages are ``wire_dtype``, the accumulation float32.
 
   Two phases, like a ring all-reduce: an all-to-all sends chunk ``j`` of
   every device's (cast) vector to device ``j``, which adds the ``n`` chunks
@@ -502,13 +660,14 @@ def wire_cast(x: jax.Array, dtype) -> jax.Array:
 
 
 def pack_fields(u: jax.Array, bits: int) -> jax.Array:
-  """``uint32[..., m]`` codes of ``bits`` bits -> ``uint32[..., m bits /
-  32]`` words, packed along a major direction (lane-dense).
+  """Packs ``bits``-bit codes into ``uint32`` words (lane-dense).
 
-  With ``per = 32 // bits`` fields to a word and ``q = m // per`` words,
-  word ``i`` holds codes ``i, q + i, 2q + i, ...`` in fields ``0, 1, 2,
-  ...``: each field is a contiguous slice of the last axis, so packing is
-  ``per`` element-wise shifts and ORs of ``q``-long slices. Packing
+  ``uint32[..., m]`` codes become ``uint32[..., m * bits / 32]`` words,
+  packed along a major direction. With ``per = 32 // bits`` fields to a
+  word and ``q = m // per`` words, word ``i`` holds codes
+  ``i, q + i, 2q + i, ...`` in fields ``0, 1, 2, ...``: each field is a
+  contiguous slice of the last axis, so packing is ``per`` element-wise
+  shifts and ORs of ``q``-long slices. Packing
   neighbours into one word (``reshape(..., q, per)``) puts ``per`` in the
   minor dimension, which the TPU compiler tiles to 128 lanes: 16x to 64x
   the memory (``u32[2,524544,2]`` took 512 MiB for 8 MiB of bf16).
@@ -517,6 +676,23 @@ def pack_fields(u: jax.Array, bits: int) -> jax.Array:
     u: ``uint32`` codes below ``2**bits``; the last axis a multiple of
       ``32 // bits``.
     bits: 1, 2, 4, 8, 16 or 32.
+
+  Returns:
+    ``uint32[..., m * bits / 32]``: the packed words.
+
+  Raises:
+    ValueError: when ``bits`` does not divide 32 or the last axis is not a
+      multiple of ``32 // bits``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxcomm import collectives
+    >>> codes = jnp.array([1, 2, 3, 0, 3, 3, 2, 1], jnp.uint32)
+    >>> words = collectives.pack_fields(codes, 8)      # 4 codes a word
+    >>> words.shape
+    (2,)
+    >>> collectives.unpack_fields(words, 8).tolist()
+    [1, 2, 3, 0, 3, 3, 2, 1]
   """
   if bits not in (1, 2, 4, 8, 16, 32):
     raise ValueError(f"pack_fields: bits must divide 32, got {bits}")
@@ -545,8 +721,16 @@ def pack_fields(u: jax.Array, bits: int) -> jax.Array:
 
 def unpack_fields(w: jax.Array, bits: int, m: int | None = None
                   ) -> jax.Array:
-  """Inverse of :func:`pack_fields`: the first ``m`` codes (all when
-  None), ``uint32[..., m]``."""
+  """Inverse of :func:`pack_fields`.
+
+  Args:
+    w: ``uint32[..., q]`` words :func:`pack_fields` made.
+    bits: the code width they were packed with.
+    m: how many codes to return (None: all ``q * 32 / bits``).
+
+  Returns:
+    ``uint32[..., m]``: the codes.
+  """
   per = 32 // bits
   if per == 1:
     return w if m is None else w[..., :m]
@@ -570,12 +754,32 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def to_words(x: jax.Array) -> jax.Array:
-  """Packs a narrow dtype into uint32 words along the last axis
-  (:func:`pack_fields` of its bits: lane-dense on TPU).
+  """Packs a narrow dtype into ``uint32`` words along the last axis.
 
+  The values' bits are packed by :func:`pack_fields` (lane-dense on TPU).
   Collectives move words: XLA backends may widen a bf16/fp16/int8 collective
   to 32 bits (the CPU backend does), which would double or quadruple the
-  bytes on the wire. The last axis must be a multiple of ``4 // itemsize``.
+  bytes on the wire.
+
+  Args:
+    x: an array of a 1-, 2- or 4-byte dtype; its last axis a multiple of
+      ``4 // itemsize``.
+
+  Returns:
+    ``uint32[..., x.shape[-1] * itemsize / 4]``: the same bytes as words.
+
+  Raises:
+    ValueError: when the last axis is not a multiple of ``4 // itemsize``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxcomm import collectives
+    >>> x = jnp.array([1.5, -2.0, 0.25, 8.0], jnp.bfloat16)
+    >>> words = collectives.to_words(x)
+    >>> words.dtype, words.shape
+    (dtype('uint32'), (2,))
+    >>> collectives.from_words(words, jnp.bfloat16).tolist()
+    [1.5, -2.0, 0.25, 8.0]
   """
   itemsize = jnp.dtype(x.dtype).itemsize
   if itemsize == 4:
@@ -589,7 +793,16 @@ def to_words(x: jax.Array) -> jax.Array:
 
 
 def from_words(w: jax.Array, dtype) -> jax.Array:
-  """Inverse of :func:`to_words`."""
+  """Inverse of :func:`to_words`.
+
+  Args:
+    w: ``uint32`` words :func:`to_words` made.
+    dtype: the dtype they were packed from.
+
+  Returns:
+    The values as ``dtype``: ``w.shape[-1] * 4 / itemsize`` along the
+    last axis.
+  """
   itemsize = jnp.dtype(dtype).itemsize
   if itemsize == 4:
     return jax.lax.bitcast_convert_type(w, dtype)

@@ -53,11 +53,33 @@ def gossip_average(x, axis_name, *, topology: str = "ring",
   Args:
     x: this device's values.
     axis_name: the axis to gossip over (None: identity).
-    topology: ``"ring"`` or ``"hypercube"`` (see :func:`gossip_weights`).
+    topology: ``"ring"``: each device averages itself and both ring
+      neighbours (weights 1/3; 1/2 with one neighbour when n == 2);
+      ``"hypercube"``: in round ``r`` device ``i`` averages with ``i XOR
+      2^(r mod log2 n)`` (n a power of two), so ``log2 n`` rounds give
+      the exact mean.
     rounds: mixing rounds (each one ppermute per neighbour).
 
   Returns:
     The mixed values, typed as varying over ``axis_name``.
+
+  Raises:
+    ValueError: when ``rounds`` is not a non-negative int, ``topology`` is
+      unknown, or the hypercube's device count is not a power of two.
+
+  Examples:
+    Three hypercube rounds on 8 devices give every device the exact mean
+    of the values 0 to 7:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> f = jax.shard_map(
+    ...   lambda x: jaxcomm.collectives.gossip_average(
+    ...     x, "data", topology="hypercube", rounds=3),
+    ...   mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    >>> f(jnp.arange(8.0)).tolist()
+    [3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5]
 
   References:
     Lian et al, `Can Decentralized Algorithms Outperform Centralized
@@ -153,7 +175,32 @@ def mixing_phases(topology: str, n: int) -> list[list[tuple]]:
 
 
 def mixing_matrix(topology: str, n: int, phase: int = 0):
-  """The ``n x n`` mixing matrix ``W`` of a phase (``x <- W x``)."""
+  """The ``n x n`` mixing matrix ``W`` of a phase (``x <- W x``).
+
+  Args:
+    topology: ``"ring"`` (1/3 each of self and both neighbours; 1/2 when
+      n = 2), ``"torus"`` (the most square grid, 1/5 each of self and four
+      neighbours), ``"hypercube"`` (n a power of two; phase ``k`` averages
+      with ``i XOR 2^k``) or ``"exponential"`` (phase ``k`` averages with
+      ``i + 2^k mod n``).
+    n: the number of devices.
+    phase: the phase (taken modulo the topology's number of phases).
+
+  Returns:
+    A doubly stochastic ``float64`` numpy array of shape ``(n, n)``.
+
+  Raises:
+    ValueError: when ``topology`` is unknown, or the hypercube's ``n`` is
+      not a power of two.
+
+  Examples:
+    >>> from jaxcomm import collectives
+    >>> collectives.mixing_matrix("ring", 4).round(3)
+    array([[0.333, 0.333, 0.   , 0.333],
+           [0.333, 0.333, 0.333, 0.   ],
+           [0.   , 0.333, 0.333, 0.333],
+           [0.333, 0.   , 0.333, 0.333]])
+  """
   w = np.zeros((n, n))
   phases = mixing_phases(topology, n)
   for sources, weight in phases[phase % len(phases)]:
@@ -163,11 +210,23 @@ def mixing_matrix(topology: str, n: int, phase: int = 0):
 
 
 def gossip_mix(leaves, axis_name, topology: str, step):
-  """One mixing step ``x_i <- sum_j W_ij x_j`` of ``leaves`` (a list of
-  arrays) over ``axis_name``, with the phase ``step mod #phases`` (a
-  traced int): all leaves travel as one float32 buffer, one
-  collective-permute per neighbour; time-varying topologies pick their
-  phase with ``lax.switch``. Returns the mixed leaves (typed varying)."""
+  """One mixing step ``x_i <- sum_j W_ij x_j`` of ``leaves``.
+
+  All leaves travel as one float32 buffer, one collective-permute per
+  neighbour; time-varying topologies pick their phase with
+  ``lax.switch``.
+
+  Args:
+    leaves: a list of arrays (this device's values).
+    axis_name: the axis to mix over, or None (the leaves unchanged).
+    topology: a topology of :func:`mixing_matrix`.
+    step: the step counter (a traced int); the phase is ``step`` modulo
+      the topology's number of phases.
+
+  Returns:
+    The mixed leaves, a list in their shapes and dtypes, typed varying
+    over ``axis_name``.
+  """
   if axis_name is None or not leaves:
     return list(leaves)
   n = _core.axis_size(axis_name)
@@ -197,11 +256,24 @@ def gossip_mix(leaves, axis_name, topology: str, step):
 
 
 def gossip_messages(words, own, decode, axis_name, topology: str):
-  """``sum_j W_ij decode(message_j)`` over a fixed topology's neighbours:
-  ``words`` (this device's message, ``uint32``) travels once per
-  neighbour as one collective-permute; ``own`` is what it decodes to
-  (the self term); ``decode(words) -> like own`` decodes a received one.
-  Used by CHOCO-SGD, where messages are compressed: only they travel."""
+  """``sum_j W_ij decode(message_j)`` over a fixed topology's neighbours.
+
+  Used by CHOCO-SGD, where messages are compressed: only they travel,
+  once per neighbour as one collective-permute.
+
+  Args:
+    words: this device's message, a ``uint32`` array.
+    own: what ``words`` decodes to (the self term), a list of arrays.
+    decode: ``decode(words) -> like own``, for a received message.
+    axis_name: the axis to mix over, or None (``own`` unchanged).
+    topology: a fixed (single-phase) topology of :func:`mixing_matrix`.
+
+  Returns:
+    The mixed values, a list like ``own``.
+
+  Raises:
+    ValueError: when ``topology`` is time-varying (several phases).
+  """
   if axis_name is None:
     return list(own)
   n = _core.axis_size(axis_name)
@@ -333,14 +405,52 @@ def _matchings(out_lists) -> list[list[tuple[int, int]]]:
 
 
 def push_sum_mix(flat, axis_name, topology, step):
-  """One push-sum round of ``flat`` (``float32[m]``; push-sum's weight is
-  its last element): device ``i`` keeps ``1 / (1 + d_i)`` of its buffer
-  and sends that share to each of its ``d_i`` out-neighbours; it receives
-  the shares sent to it. The mixing is column stochastic (mass is
-  conserved), not row stochastic, so the de-biased ratio ``x / w``, not
-  ``x``, converges to the average. One collective-permute per class of
-  :func:`_matchings`; time-varying graphs pick their phase with
-  ``lax.switch``."""
+  """One push-sum round over a directed graph.
+
+  Device ``i`` keeps ``1 / (1 + d_i)`` of its buffer and sends that share
+  to each of its ``d_i`` out-neighbours; it receives the shares sent to
+  it. The mixing is column stochastic (mass is conserved), not row
+  stochastic, so the de-biased ratio ``x / w``, not ``x``, converges to
+  the average. The edges travel in classes where each device sends and
+  receives at most once, one collective-permute per class; time-varying
+  graphs pick their phase with ``lax.switch``.
+
+  Args:
+    flat: this device's ``float32[m]`` buffer; push-sum's weight ``w`` is
+      its last element.
+    axis_name: the axis to mix over, or None (``flat`` unchanged).
+    topology: ``"exponential"`` (SGP's one-peer exponential graph: in
+      phase ``k`` device ``i`` sends to ``i + 2^k mod n``) or a list of
+      ``n`` lists, ``topology[i]`` the devices ``i`` sends to (a strongly
+      connected graph, no self loops or repeats).
+    step: the step counter (a traced int), choosing the phase.
+
+  Returns:
+    The mixed ``float32[m]`` buffer, typed varying over ``axis_name``.
+
+  Raises:
+    ValueError: when ``topology`` is neither, names devices outside the
+      axis, or is not strongly connected.
+
+  Examples:
+    Device ``i`` starts with ``[i, 1]`` (value, weight); after rounds on
+    the exponential graph the ratio is the mean 3.5 everywhere:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> def rounds(x):
+    ...   for t in range(3):
+    ...     x = jaxcomm.collectives.push_sum_mix(
+    ...       x, "data", "exponential", t)
+    ...   return x[None]
+    >>> x = jnp.stack([jnp.arange(8.0), jnp.ones(8)], axis=1)
+    >>> out = jax.shard_map(lambda v: rounds(v[0]), mesh=mesh,
+    ...                     in_specs=P("data"), out_specs=P("data"))(x)
+    >>> import numpy as np
+    >>> np.asarray(out[:, 0] / out[:, 1], np.float64).round(3).tolist()
+    [3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5]
+  """
   if axis_name is None:
     return flat
   n = _core.axis_size(axis_name)

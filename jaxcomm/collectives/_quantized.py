@@ -1,11 +1,12 @@
 """Quantized allreduce: integer codes and scales on the wire, never floats.
 
 The multi-level quantizers (QSGD, TernGrad, int8) in
-:mod:`jaxcomm.transforms._quantization` quantize every device's vector with
-a *shared* scale (the maximum over devices of the local bucket statistic, one
-small ``pmax``), so that the sum of the decoded messages is the scale times
-the *integer* sum of the codes. That sum is exact, so the average is the
-linear average of what each device sent and error feedback conserves mass.
+:mod:`jaxcomm.transforms.quantize._quantization` quantize every device's
+vector with a *shared* scale (the maximum over devices of the local bucket
+statistic, one small ``pmax``), so that the sum of the decoded messages is
+the scale times the *integer* sum of the codes. That sum is exact, so the
+average is the linear average of what each device sent and error feedback
+conserves mass.
 
 :func:`integer_allreduce` sums integer codes over devices with the codes
 packed ``32 / bits`` to a ``uint32`` word, by one of two exchanges, whichever

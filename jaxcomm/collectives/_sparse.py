@@ -36,6 +36,22 @@ def index_dtype(size: int):
   """The smallest unsigned dtype holding every index in ``[0, size]``.
 
   ``size`` itself is the sentinel of an unused slot, so it must fit too.
+
+  Args:
+    size: the length of the dense vector the indices point into.
+
+  Returns:
+    ``jnp.uint8``, ``jnp.uint16`` or ``jnp.uint32``.
+
+  Raises:
+    ValueError: when ``size`` does not fit 32-bit indices.
+
+  Examples:
+    >>> from jaxcomm import collectives
+    >>> collectives.index_dtype(255).__name__
+    'uint8'
+    >>> collectives.index_dtype(256).__name__
+    'uint16'
   """
   for dtype in (jnp.uint8, jnp.uint16, jnp.uint32):
     if size <= np.iinfo(dtype).max:
@@ -108,9 +124,21 @@ def sparse_psum(values: jax.Array, indices: jax.Array, size: int,
   Returns:
     ``float32[size]``, identical (and typed invariant) on every device.
 
-  Example::
+  Examples:
+    Device ``i`` sends one pair, ``i + 1`` at index ``i % 4``; devices
+    ``i`` and ``i + 4`` add up at the same index, the second slot is
+    unused (the sentinel 8):
 
-    total = sparse_psum(vals, idx, x.size, "data")   # inside shard_map
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> def f(i):
+    ...   values = jnp.stack([i[0] + 1.0, 0.0])
+    ...   indices = jnp.stack([i[0] % 4, 8]).astype(jnp.int32)
+    ...   return jaxcomm.collectives.sparse_psum(values, indices, 8, "data")
+    >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+    ...               out_specs=P())(jnp.arange(8)).tolist()
+    [6.0, 8.0, 10.0, 12.0, 0.0, 0.0, 0.0, 0.0]
   """
   capacity = values.shape[0]
   words = _core.all_gather(pack_pairs(values, indices, size), axis_name)

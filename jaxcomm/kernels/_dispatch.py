@@ -45,8 +45,28 @@ TOPK_KERNEL_MAX_K = 64
 def mode() -> str:
   """The kernel mode from ``JAXCOMM_KERNELS``: ``auto``, ``always``, ``never``.
 
+  Read each time it is called (at trace time for the dispatchers); unset
+  or empty means ``auto``.
+
+  Returns:
+    ``"auto"``, ``"always"`` or ``"never"``.
+
   Raises:
     ValueError: for any other value.
+
+  Examples:
+    >>> import os
+    >>> from jaxcomm import kernels
+    >>> saved = os.environ.pop(kernels.ENV_VAR, None)
+    >>> kernels.mode()
+    'auto'
+    >>> os.environ[kernels.ENV_VAR] = "never"
+    >>> kernels.mode()
+    'never'
+    >>> if saved is None:
+    ...   del os.environ[kernels.ENV_VAR]
+    ... else:
+    ...   os.environ[kernels.ENV_VAR] = saved
   """
   raw = os.environ.get(ENV_VAR, "")
   value = raw.strip().lower() or "auto"

@@ -172,7 +172,7 @@ def _pack_signs_kernel(x_ref, o_ref):
 def pack_signs_pallas(x: jax.Array, *, block_words: int = 1024,
                       interpret: bool = False,
                       platform: str | None = None) -> jax.Array:
-  """Pallas version of :func:`pack_signs_reference`.
+  """Internal: the Pallas version of :func:`pack_signs_reference`.
 
   Args:
     x: a floating array of any shape, read flattened.
@@ -276,7 +276,11 @@ def _unpack_signs_kernel(w_ref, o_ref):
 def unpack_signs_pallas(words: jax.Array, length: int, dtype=jnp.float32, *,
                         block_words: int = 1024, interpret: bool = False,
                         platform: str | None = None) -> jax.Array:
-  """Pallas version of :func:`unpack_signs_reference` (same arguments)."""
+  """Internal: the Pallas version of :func:`unpack_signs_reference`.
+
+  Same arguments, plus the kernel's own (``block_words``, ``interpret``,
+  ``platform``); call :func:`unpack_signs`, which dispatches.
+  """
   words = _as_int32(words)
   need = num_words(length)
   if words.ndim != 1 or words.shape[0] < need:
@@ -356,6 +360,20 @@ def count_votes(words: jax.Array, length: int) -> jax.Array:
   Returns:
     ``int32[length]``, each in ``[-n_workers, n_workers]``: the sum of the
     unpacked signs over workers (so ``vote`` is ``count_votes >= 0``).
+
+  Raises:
+    ValueError: when ``words`` is not ``(n_workers, ceil(length / 32))``.
+
+  Examples:
+    Three workers' signs of 4 elements, packed and counted:
+
+    >>> import jax.numpy as jnp
+    >>> from jaxcomm import kernels
+    >>> signs = jnp.array([[1., -1., 1., 1.], [1., 1., -1., 1.],
+    ...                    [-1., -1., -1., 1.]])
+    >>> words = jnp.stack([kernels.pack_signs(r) for r in signs])
+    >>> kernels.count_votes(words, 4).tolist()
+    [1, -1, -1, 3]
   """
   words = _as_uint32(_check_votes(words, length))
   n = words.shape[0]
@@ -450,7 +468,10 @@ def _vote_kernel(w_ref, o_ref, *, n_workers):
 def vote_pallas(words: jax.Array, length: int, *, block_words: int = 1024,
                 interpret: bool = False,
                 platform: str | None = None) -> jax.Array:
-  """Pallas version of :func:`vote_reference` (bit-sliced, lane-dense)."""
+  """Internal: the Pallas version of :func:`vote_reference`.
+
+  Bit-sliced and lane-dense; call :func:`vote`, which dispatches.
+  """
   words = _check_votes(words, length)
   n, w = words.shape
   rows = max(8, _next_pow2(n))

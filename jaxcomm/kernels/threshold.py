@@ -93,7 +93,10 @@ def _threshold_mask_kernel(t_ref, x_ref, o_ref):
 def threshold_mask_pallas(x: jax.Array, threshold, *, block_words: int = 1024,
                           interpret: bool = False,
                           platform: str | None = None) -> jax.Array:
-  """Pallas version of :func:`threshold_mask_reference`."""
+  """Internal: the Pallas version of :func:`threshold_mask_reference`.
+
+  Call :func:`threshold_mask`, which dispatches.
+  """
   x = _flat(x)
   length = x.shape[0]
   words = bitpack.num_words(length)
@@ -296,7 +299,10 @@ def threshold_select_pallas(x: jax.Array, threshold, capacity: int, *,
                             interpret: bool = False,
                             platform: str | None = None
                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """:func:`threshold_select_reference` with the mask packed by a kernel."""
+  """Internal: :func:`threshold_select_reference`, mask packed by a kernel.
+
+  Call :func:`threshold_select`, which dispatches.
+  """
   x = _flat(x)
   words = threshold_mask_pallas(x, threshold, interpret=interpret,
                                 platform=platform)

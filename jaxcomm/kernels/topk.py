@@ -188,7 +188,9 @@ def topk_abs_pallas(x: jax.Array, k: int, *, block_size: int = 4096,
                     interpret: bool = False,
                     platform: str | None = None
                     ) -> tuple[jax.Array, jax.Array]:
-  """Block-wise candidate kernel + ``lax.top_k`` merge.
+  """Internal: a block-wise candidate kernel and a ``lax.top_k`` merge.
+
+  Call :func:`topk_abs`, which dispatches.
 
   Args:
     x: a floating array of any shape, read flattened.
@@ -549,6 +551,10 @@ def sampled_threshold(x: jax.Array, k: int, key: jax.Array | None,
 
   Returns:
     A float32 scalar threshold.
+
+  Raises:
+    ValueError: when ``k`` is not in ``[1, x.size]``, or
+      ``JAXCOMM_KERNELS`` holds an unknown mode.
   """
   length = math.prod(jnp.shape(x))
   k = _check_k(k, length)

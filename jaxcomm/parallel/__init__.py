@@ -48,3 +48,32 @@ from jaxcomm.parallel._shards import update_on_shards
 from jaxcomm.parallel._step import DataParallel
 from jaxcomm.parallel._step import consensus_distance
 from jaxcomm.parallel._step import synchronized
+
+__all__ = [
+  "consensus_distance",
+  "DataParallel",
+  "exchange_share",
+  "init_state",
+  "initialize",
+  "local_params",
+  "make_mesh",
+  "make_pod_mesh",
+  "param_specs",
+  "pmap_replicate",
+  "pmap_train_step",
+  "replicate",
+  "reshard_state",
+  "resize_params",
+  "resize_state",
+  "shard_batch",
+  "shard_shapes",
+  "shard_splits",
+  "sharded_exchange",
+  "ShardedExchangeState",
+  "state_layout",
+  "state_specs",
+  "synchronized",
+  "to_global",
+  "to_local",
+  "update_on_shards",
+]

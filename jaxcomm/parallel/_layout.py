@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _codec
+from jaxcomm import _local_engine
 from jaxcomm import _stages
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
@@ -38,7 +39,6 @@ from jaxcomm.parallel._specs import param_specs
 from jaxcomm.parallel._specs import restrict
 from jaxcomm.parallel._specs import shard_shapes  # noqa: F401
 from jaxcomm.parallel._specs import shard_splits
-from jaxcomm.transforms import _local_engine
 
 # ----------------------------------------------------------- state layout --
 

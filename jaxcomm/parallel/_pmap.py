@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm import _local_engine
 from jaxcomm.parallel._placement import _check_leading
-from jaxcomm.transforms import _local_engine
 
 
 def pmap_train_step(loss_fn: Callable, tx: optax.GradientTransformation,

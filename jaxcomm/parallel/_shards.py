@@ -17,10 +17,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _codec
+from jaxcomm import _local_engine
 from jaxcomm import _stages
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel._placement import _data_size
-from jaxcomm.transforms import _local_engine
 
 
 def check_auto_axes(mesh, axis_name, auto_axes) -> tuple:
@@ -75,6 +75,36 @@ def _axis_type(mesh, name):
 
 def _is_spec(x) -> bool:
   return isinstance(x, P)
+
+
+def _typed_as(tree, specs):
+  """``tree`` (traced arrays) with each leaf's sharding type over the
+  mesh's Explicit axes that of its spec in ``specs``.
+
+  On a mesh with Explicit axes (``jax.make_mesh``'s default) an array's
+  type carries its sharding over them, and ``jax.shard_map`` refuses an
+  input typed otherwise than its ``in_specs`` (JAX 0.12; 0.10 let it
+  through). The copies :func:`expand` broadcasts are typed replicated
+  while the update on shards splits them over the auto axes; a gradient
+  or state the compiler typed another way gets the same move. Auto axes
+  are left to the compiler (resharding may not name them), and a leaf
+  already typed as its spec is passed unchanged.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = {a for a in mesh.axis_names
+              if _axis_type(mesh, a) == jax.sharding.AxisType.Explicit}
+  if not explicit:
+    return tree
+
+  def one(x, sp):
+    want = _layout.restrict(sp, explicit)
+    have = getattr(jax.typeof(x).sharding, "spec", None)
+    if have is not None and _layout.restrict(have, explicit) == want:
+      return x
+    return jax.sharding.reshard(x, want)
+  # Specs first: a spec may cover a subtree (in_specs are tree prefixes).
+  return jax.tree.map(lambda sp, sub: jax.tree.map(lambda x: one(x, sp), sub),
+                      specs, tree, is_leaf=_is_spec)
 
 
 def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
@@ -138,8 +168,9 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
       in_specs=(wide, inner_state, wide, P()),
       out_specs=(wide, inner_state), axis_names=keep)
     new_params, new_state = mapped(
-      _layout.expand(grads, specs, m, auto_axes), state,
-      _layout.expand(params, specs, m, auto_axes), extra)
+      _typed_as(_layout.expand(grads, specs, m, auto_axes), wide),
+      _typed_as(state, inner_state),
+      _typed_as(_layout.expand(params, specs, m, auto_axes), wide), extra)
     return _layout.contract(new_params, specs, m, auto_axes), new_state
 
   return update

@@ -14,12 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _checks
+from jaxcomm import _local_engine
 from jaxcomm import _stages
 from jaxcomm.collectives import _core
 from jaxcomm.parallel import _layout
 from jaxcomm.parallel import _placement
 from jaxcomm.parallel import _shards
-from jaxcomm.transforms import _local_engine
 
 
 class DataParallel:

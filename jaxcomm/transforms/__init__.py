@@ -1,130 +1,193 @@
-"""Public factories and state types, one module per family.
+"""Public factories and state types, one package per family.
 
-Each family module lists its public names in ``__all__``; they are exported
-here and from ``jaxcomm`` (a new factory in a family module needs no line
-in either), and methods are described in ``jaxcomm.registry``.
+Gradient compressors by kind (:mod:`~jaxcomm.transforms.quantize`,
+:mod:`~jaxcomm.transforms.sparsify`, :mod:`~jaxcomm.transforms.lowrank`),
+whole optimizers (:mod:`~jaxcomm.transforms.optimizers`), local-update and
+decentralized methods (:mod:`~jaxcomm.transforms.local`,
+:mod:`~jaxcomm.transforms.gossip`) and delayed averaging
+(:mod:`~jaxcomm.transforms.delay`). Each family package lists its public
+names in ``__all__``; they are exported here and from ``jaxcomm``, and
+methods are described in ``jaxcomm.registry`` (importing this package
+registers them).
 """
 
-# pylint: disable=wildcard-import
-from jaxcomm.transforms import _adacomp
-from jaxcomm.transforms import _atomo
-from jaxcomm.transforms import _dcd
-from jaxcomm.transforms import _delayed
-from jaxcomm.transforms import _demo
-from jaxcomm.transforms import _dense
-from jaxcomm.transforms import _dgc
-from jaxcomm.transforms import _diloco
-from jaxcomm.transforms import _dist_ef_sgdm
-from jaxcomm.transforms import _ecq
-from jaxcomm.transforms import _fedcom
-from jaxcomm.transforms import _global_topk
-from jaxcomm.transforms import _gmc
-from jaxcomm.transforms import _gossip
-from jaxcomm.transforms import _gradiveq
-from jaxcomm.transforms import _hierarchical
-from jaxcomm.transforms import _ibcd
-from jaxcomm.transforms import _integer
-from jaxcomm.transforms import _lag
-from jaxcomm.transforms import _local
-from jaxcomm.transforms import _local_engine
-from jaxcomm.transforms import _lupa
-from jaxcomm.transforms import _mgs
-from jaxcomm.transforms import _mx
-from jaxcomm.transforms import _natural
-from jaxcomm.transforms import _optimizers
-from jaxcomm.transforms import _over_the_air
-from jaxcomm.transforms import _powersgd
-from jaxcomm.transforms import _qcs
-from jaxcomm.transforms import _quantization
-from jaxcomm.transforms import _scalecom
-from jaxcomm.transforms import _sidco
-from jaxcomm.transforms import _signs
-from jaxcomm.transforms import _sketch
-from jaxcomm.transforms import _sparcml
-from jaxcomm.transforms import _sparsification
-from jaxcomm.transforms import _squarm
-from jaxcomm.transforms import _ternary
-from jaxcomm.transforms import _variance
-from jaxcomm.transforms import _zero_one_adam
-from jaxcomm.transforms._adacomp import *
-from jaxcomm.transforms._atomo import *
-from jaxcomm.transforms._dcd import *
-from jaxcomm.transforms._delayed import *
-from jaxcomm.transforms._demo import *
-from jaxcomm.transforms._dense import *
-from jaxcomm.transforms._dgc import *
-from jaxcomm.transforms._diloco import *
-from jaxcomm.transforms._dist_ef_sgdm import *
-from jaxcomm.transforms._ecq import *
-from jaxcomm.transforms._fedcom import *
-from jaxcomm.transforms._global_topk import *
-from jaxcomm.transforms._gmc import *
-from jaxcomm.transforms._gossip import *
-from jaxcomm.transforms._gradiveq import *
-from jaxcomm.transforms._hierarchical import *
-from jaxcomm.transforms._ibcd import *
-from jaxcomm.transforms._integer import *
-from jaxcomm.transforms._lag import *
-from jaxcomm.transforms._local import *
-from jaxcomm.transforms._local_engine import *
-from jaxcomm.transforms._lupa import *
-from jaxcomm.transforms._mgs import *
-from jaxcomm.transforms._mx import *
-from jaxcomm.transforms._natural import *
-from jaxcomm.transforms._optimizers import *
-from jaxcomm.transforms._over_the_air import *
-from jaxcomm.transforms._powersgd import *
-from jaxcomm.transforms._qcs import *
-from jaxcomm.transforms._quantization import *
-from jaxcomm.transforms._scalecom import *
-from jaxcomm.transforms._sidco import *
-from jaxcomm.transforms._signs import *
-from jaxcomm.transforms._sketch import *
-from jaxcomm.transforms._sparcml import *
-from jaxcomm.transforms._sparsification import *
-from jaxcomm.transforms._squarm import *
-from jaxcomm.transforms._ternary import *
-from jaxcomm.transforms._variance import *
-from jaxcomm.transforms._zero_one_adam import *
+from jaxcomm.transforms.delay import PipeSGDState
+from jaxcomm.transforms.delay import SpyState
+from jaxcomm.transforms.delay import StaleState
+from jaxcomm.transforms.delay import pipe_sgd
+from jaxcomm.transforms.delay import spy
+from jaxcomm.transforms.delay import stale_sgd
+from jaxcomm.transforms.gossip import ChocoState
+from jaxcomm.transforms.gossip import PushSumState
+from jaxcomm.transforms.gossip import ReplicaState
+from jaxcomm.transforms.gossip import SquarmState
+from jaxcomm.transforms.gossip import choco
+from jaxcomm.transforms.gossip import dcd_psgd
+from jaxcomm.transforms.gossip import dpsgd
+from jaxcomm.transforms.gossip import ecd_psgd
+from jaxcomm.transforms.gossip import sgp
+from jaxcomm.transforms.gossip import squarm
+from jaxcomm.transforms.local import AdaCommSchedule
+from jaxcomm.transforms.local import FedcomState
+from jaxcomm.transforms.local import LocalState
+from jaxcomm.transforms.local import LupaSchedule
+from jaxcomm.transforms.local import adacomm
+from jaxcomm.transforms.local import apply_updates
+from jaxcomm.transforms.local import diloco
+from jaxcomm.transforms.local import fedcom
+from jaxcomm.transforms.local import fedcomgate
+from jaxcomm.transforms.local import hierarchical_sgd
+from jaxcomm.transforms.local import local_sgd
+from jaxcomm.transforms.local import local_states
+from jaxcomm.transforms.local import lupa_increment
+from jaxcomm.transforms.local import lupa_sgd
+from jaxcomm.transforms.local import muloco
+from jaxcomm.transforms.local import overlap_local_sgd
+from jaxcomm.transforms.lowrank import PowerSGDState
+from jaxcomm.transforms.lowrank import atomo
+from jaxcomm.transforms.lowrank import gradiveq
+from jaxcomm.transforms.lowrank import powersgd
+from jaxcomm.transforms.optimizers import DeMoState
+from jaxcomm.transforms.optimizers import OneBitAdamState
+from jaxcomm.transforms.optimizers import OneBitLambState
+from jaxcomm.transforms.optimizers import ZeroOneAdamState
+from jaxcomm.transforms.optimizers import demo
+from jaxcomm.transforms.optimizers import onebit_adam
+from jaxcomm.transforms.optimizers import onebit_lamb
+from jaxcomm.transforms.optimizers import zero_one_adam
+from jaxcomm.transforms.quantize import DistEfSgdmState
+from jaxcomm.transforms.quantize import OneBitState
+from jaxcomm.transforms.quantize import OverTheAirCodec
+from jaxcomm.transforms.quantize import RequantizedState
+from jaxcomm.transforms.quantize import SignumState
+from jaxcomm.transforms.quantize import cast
+from jaxcomm.transforms.quantize import dist_ef_sgdm
+from jaxcomm.transforms.quantize import ecq_sgd
+from jaxcomm.transforms.quantize import ef_signsgd
+from jaxcomm.transforms.quantize import int4
+from jaxcomm.transforms.quantize import int8
+from jaxcomm.transforms.quantize import mean_gradients
+from jaxcomm.transforms.quantize import mx
+from jaxcomm.transforms.quantize import natural
+from jaxcomm.transforms.quantize import onebit
+from jaxcomm.transforms.quantize import ota_analog
+from jaxcomm.transforms.quantize import ota_onebit
+from jaxcomm.transforms.quantize import qcs
+from jaxcomm.transforms.quantize import qsgd
+from jaxcomm.transforms.quantize import signsgd
+from jaxcomm.transforms.quantize import signum
+from jaxcomm.transforms.quantize import terngrad
+from jaxcomm.transforms.quantize import uint8
+from jaxcomm.transforms.sparsify import adacomp
+from jaxcomm.transforms.sparsify import csc
+from jaxcomm.transforms.sparsify import dgc
+from jaxcomm.transforms.sparsify import fetchsgd
+from jaxcomm.transforms.sparsify import gmc
+from jaxcomm.transforms.sparsify import gtopk
+from jaxcomm.transforms.sparsify import ibcd
+from jaxcomm.transforms.sparsify import lag
+from jaxcomm.transforms.sparsify import mgs
+from jaxcomm.transforms.sparsify import randomk
+from jaxcomm.transforms.sparsify import sbc
+from jaxcomm.transforms.sparsify import scalecom
+from jaxcomm.transforms.sparsify import sidco
+from jaxcomm.transforms.sparsify import sparcml
+from jaxcomm.transforms.sparsify import stc
+from jaxcomm.transforms.sparsify import threshold
+from jaxcomm.transforms.sparsify import topk
+from jaxcomm.transforms.sparsify import variance_sparsification
 
-__all__ = []
-__all__ += _adacomp.__all__
-__all__ += _atomo.__all__
-__all__ += _dcd.__all__
-__all__ += _delayed.__all__
-__all__ += _demo.__all__
-__all__ += _dense.__all__
-__all__ += _ecq.__all__
-__all__ += _fedcom.__all__
-__all__ += _dgc.__all__
-__all__ += _diloco.__all__
-__all__ += _dist_ef_sgdm.__all__
-__all__ += _global_topk.__all__
-__all__ += _gmc.__all__
-__all__ += _lag.__all__
-__all__ += _gossip.__all__
-__all__ += _gradiveq.__all__
-__all__ += _hierarchical.__all__
-__all__ += _ibcd.__all__
-__all__ += _integer.__all__
-__all__ += _local.__all__
-__all__ += _local_engine.__all__
-__all__ += _lupa.__all__
-__all__ += _mgs.__all__
-__all__ += _mx.__all__
-__all__ += _natural.__all__
-__all__ += _optimizers.__all__
-__all__ += _over_the_air.__all__
-__all__ += _powersgd.__all__
-__all__ += _qcs.__all__
-__all__ += _quantization.__all__
-__all__ += _scalecom.__all__
-__all__ += _sidco.__all__
-__all__ += _signs.__all__
-__all__ += _sparcml.__all__
-__all__ += _sketch.__all__
-__all__ += _sparsification.__all__
-__all__ += _squarm.__all__
-__all__ += _ternary.__all__
-__all__ += _variance.__all__
-__all__ += _zero_one_adam.__all__
+__all__ = [
+  # quantize
+  "mean_gradients",
+  "cast",
+  "qsgd",
+  "terngrad",
+  "int8",
+  "int4",
+  "uint8",
+  "RequantizedState",
+  "dist_ef_sgdm",
+  "DistEfSgdmState",
+  "ecq_sgd",
+  "mx",
+  "natural",
+  "onebit",
+  "signsgd",
+  "signum",
+  "ef_signsgd",
+  "OneBitState",
+  "SignumState",
+  "ota_analog",
+  "ota_onebit",
+  "OverTheAirCodec",
+  "qcs",
+  # sparsify
+  "topk",
+  "randomk",
+  "threshold",
+  "adacomp",
+  "dgc",
+  "gtopk",
+  "csc",
+  "gmc",
+  "ibcd",
+  "lag",
+  "mgs",
+  "scalecom",
+  "sidco",
+  "fetchsgd",
+  "sparcml",
+  "stc",
+  "sbc",
+  "variance_sparsification",
+  # lowrank
+  "powersgd",
+  "PowerSGDState",
+  "atomo",
+  "gradiveq",
+  # optimizers
+  "demo",
+  "DeMoState",
+  "onebit_adam",
+  "onebit_lamb",
+  "OneBitAdamState",
+  "OneBitLambState",
+  "zero_one_adam",
+  "ZeroOneAdamState",
+  # local
+  "diloco",
+  "muloco",
+  "fedcom",
+  "fedcomgate",
+  "FedcomState",
+  "hierarchical_sgd",
+  "local_sgd",
+  "adacomm",
+  "overlap_local_sgd",
+  "apply_updates",
+  "local_states",
+  "AdaCommSchedule",
+  "LocalState",
+  "lupa_sgd",
+  "LupaSchedule",
+  "lupa_increment",
+  # gossip
+  "dpsgd",
+  "choco",
+  "sgp",
+  "ChocoState",
+  "PushSumState",
+  "dcd_psgd",
+  "ecd_psgd",
+  "ReplicaState",
+  "squarm",
+  "SquarmState",
+  # delay
+  "pipe_sgd",
+  "stale_sgd",
+  "PipeSGDState",
+  "SpyState",
+  "StaleState",
+  "spy",
+]
