@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test bench bench-lr bench-network bench-sharded bench-time-to-target docs lint clean
+.PHONY: train convergence test test-newest bench bench-lr bench-network bench-sharded bench-time-to-target docs docs-site lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,12 +16,35 @@ train: $(STAMP)
 	$(PY) train.py
 
 # Two workers (pytest-xdist, work stealing): each simulates 8 CPU devices and
-# they share a persistent XLA compilation cache (.cache/jax); tests/conftest.py
+# they share a persistent XLA compilation cache (.cache/jax-<jaxlib>); tests/conftest.py
 # sets XLA flags that compile the suite's small programs fast. On 2 cores the
 # suite (2,079 tests) ran in 6 min 21 s from an empty cache (15 min 8 s
 # without those flags).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# The newest leg: the same suite on the newest Python pyenv has (JAX 0.11+
+# needs 3.12+) with the newest jax, jaxlib and libtpu pip resolves, in
+# .venv-newest (its compilation cache apart: tests/conftest.py keeps one
+# per jaxlib). NEWEST_PYTHON=/path/to/python3.13 picks another interpreter.
+NEWEST_VENV   := .venv-newest
+NEWEST_PY     := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP  := $(NEWEST_VENV)/.installed
+NEWEST_PYTHON ?= $(shell for v in 3.13 3.12; do \
+  p=$$(pyenv prefix $$v 2>/dev/null) && echo "$$p/bin/python" && exit 0; \
+  command -v python$$v && exit 0; done)
+
+$(NEWEST_STAMP): pyproject.toml
+	@test -x "$(NEWEST_PY)" || test -n "$(NEWEST_PYTHON)" || { echo \
+	  "test-newest: no Python 3.13 or 3.12 (pyenv install 3.13, or set" \
+	  "NEWEST_PYTHON=/path/to/python3.13)" >&2; exit 1; }
+	test -x $(NEWEST_PY) || $(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet -e ".[train,test]"
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
@@ -33,11 +56,24 @@ convergence: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m benchmarks.readme_tables
 
+# The API reference site, offline (Sphinx, MathJax from a package): built
+# from scratch into docs/_build/html with warnings as errors, nitpicky, so
+# every warning shows; tests/test_docs_site.py opens it in headless Chromium.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs-site: $(DOCS_STAMP)
+	rm -rf docs/_build/html docs/_build/doctrees
+	$(PY) -m sphinx -b html -W --keep-going -n -q docs docs/_build/html
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .cache
+	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache .cache
 
 # Measured step times in a rate-limited network namespace (needs root);
 # The learning rate each compressor wants (digits MLP, ~5 min).

@@ -1,6 +1,7 @@
 """The local-update engine: one step for every method that lets params
 differ between syncs (:func:`_local_engine`), its state, and
-:func:`apply_updates`, which makes devices agree bit for bit after a sync.
+:func:`jaxcomm.apply_updates`, which makes devices agree bit for bit after
+a sync.
 
 The engine runs the local step, the non-finite guard, the sync schedule
 and a ``lax.switch`` whose branches hold the collectives, so a step that
@@ -31,20 +32,37 @@ from jaxcomm.collectives import _core
 
 
 class LocalState(NamedTuple):
-  """State of a local-update optimizer (:func:`local_sgd`, :func:`diloco`…).
+  """State of a local-update or gossip optimizer.
+
+  Every local-update method (:func:`jaxcomm.local_sgd`,
+  :func:`jaxcomm.adacomm`, :func:`jaxcomm.overlap_local_sgd`,
+  :func:`jaxcomm.lupa_sgd`, :func:`jaxcomm.hierarchical_sgd`,
+  :func:`jaxcomm.diloco`, :func:`jaxcomm.muloco`, :func:`jaxcomm.fedcom`,
+  :func:`jaxcomm.fedcomgate`) keeps one; the gossip methods
+  (:func:`jaxcomm.dpsgd`, :func:`jaxcomm.choco`, :func:`jaxcomm.sgp`,
+  :func:`jaxcomm.dcd_psgd`, :func:`jaxcomm.ecd_psgd`,
+  :func:`jaxcomm.squarm`) keep one with ``anchor`` and ``synced`` empty
+  (``()``: their devices never set their params to a common value) and
+  their gossip memory in ``compress``.
 
   Attributes:
     count: steps taken (``int32``, the same on every device).
     anchor: the last synchronised model, params-shaped, the same on every
       device (DiLoCo's global params, Overlap Local SGD's anchor).
     synced: params-shaped booleans: which leaves every device set to
-      ``anchor`` in this step (read by :func:`apply_updates`).
+      ``anchor`` in this step (read by :func:`jaxcomm.apply_updates`).
     inner: the inner optimizer's state (per device).
     skipped: local steps this device skipped because its gradient or its
       updated params were not finite (``int32``, per device).
     outer: DiLoCo: one outer-optimizer state per fragment (replicated).
-    compress: DiLoCo: one compressor state per fragment.
-    schedule: ADACOMM: an :class:`AdaCommSchedule`.
+    compress: DiLoCo: one compressor state per fragment; FedCOM and
+      hierarchical SGD: their compressor's state; the gossip methods:
+      their memory (:class:`jaxcomm.ChocoState`,
+      :class:`jaxcomm.PushSumState`, :class:`jaxcomm.ReplicaState`,
+      :class:`jaxcomm.SquarmState`).
+    schedule: ADACOMM: an :class:`jaxcomm.AdaCommSchedule`; LUPA-SGD: a
+      :class:`jaxcomm.LupaSchedule`; FedCOMGATE: a
+      :class:`jaxcomm.FedcomState`.
   """
 
   count: jax.Array
@@ -79,18 +97,65 @@ class AdaCommSchedule(NamedTuple):
 
 
 def local_states(opt_state) -> list[LocalState]:
-  """Every :class:`LocalState` in an optimizer state, in order."""
+  """Every :class:`jaxcomm.LocalState` in an optimizer state, in order.
+
+  Args:
+    opt_state: an optimizer state: a local-update or gossip optimizer's
+      own, or one that holds it (an ``optax.chain``'s, for instance).
+
+  Returns:
+    A list of the :class:`jaxcomm.LocalState` values found, in tree
+    order; empty when there is none.
+  """
   return _compressor.states_of(opt_state, LocalState)
 
 
 def apply_updates(params, updates, opt_state):
-  """``optax.apply_updates``, then every leaf a local-update optimizer
-  synchronised in this step set to its anchor exactly.
+  """``optax.apply_updates``, then synced leaves set to the anchor exactly.
 
+  Every leaf a local-update optimizer synchronised in this step (its
+  state's ``synced`` flag) is set to the state's ``anchor``.
   ``params + (anchor - params)`` rounds differently on devices whose params
   differ, so after a sync they would agree only to float rounding; this
-  makes them agree bit for bit. Without a :class:`LocalState` in
-  ``opt_state`` it is ``optax.apply_updates``.
+  makes them agree bit for bit. Without a :class:`jaxcomm.LocalState` in
+  ``opt_state``, or with a gossip optimizer's (which never syncs), it is
+  ``optax.apply_updates``. Use it in a hand-written ``shard_map`` step
+  (:class:`jaxcomm.parallel.DataParallel` calls it for you).
+
+  Args:
+    params: this device's params (the same tree ``tx.update`` was given).
+    updates: the updates ``tx.update`` returned.
+    opt_state: the new optimizer state ``tx.update`` returned (the
+      local-update state itself, or a state that holds it, such as an
+      ``optax.chain``'s).
+
+  Returns:
+    The new params, a tree like ``params``.
+
+  Raises:
+    ValueError: when ``opt_state`` holds more than one
+      :class:`jaxcomm.LocalState` (use one local-update optimizer per
+      train step).
+
+  Examples:
+    A hand-written step of :func:`jaxcomm.local_sgd` with ``period=1`` on
+    8 devices whose params differ: after the sync every device holds the
+    same value, bit for bit, the mean of the locally updated params
+    (``mean(w - 0.5 g) = 3.5 - 0.5 * 1 = 3.0``):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> tx = jaxcomm.local_sgd(optax.sgd(0.5), period=1)
+    >>> def step(w, g):                  # this device's params, gradient
+    ...   state = tx.init(w)
+    ...   updates, state = tx.update(g, state, w)
+    ...   return jaxcomm.apply_updates(w, updates, state)
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"),
+    ...                           out_specs=P("data")))
+    >>> w = f(jnp.arange(8.0), jnp.ones(8))     # device i: w = i, g = 1
+    >>> np.asarray(w, np.float64).tolist()
+    [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
   """
   new = optax.apply_updates(params, updates)
   states = local_states(opt_state)

@@ -15,15 +15,18 @@ _FLAGS = (
 # compile with LLVM at -O0, the classic fusion emitters and one codegen
 # split; the HLO passes (whose collectives the wire checks read) are the
 # same. Eight battery steps compiled in 5.4 s by default, 1.1 s with them.
-# XLA aborts on a flag it does not know, so they are set only for the
-# jaxlib they were checked on; a newer one runs the suite without them.
-_FAST_COMPILE = (
+# XLA aborts on a flag it does not know, so each jaxlib gets the flags it
+# was checked with (jaxlib 0.12 no longer knows the fusion-emitter flag);
+# a jaxlib not listed runs the suite without them.
+_O0 = (
   "--xla_backend_optimization_level=0",
   "--xla_llvm_disable_expensive_passes=true",
-  "--xla_cpu_use_fusion_emitters=false",
   "--xla_cpu_parallel_codegen_split_count=1",
 )
-_CHECKED_JAXLIB = ("0.10.",)
+_FAST_COMPILE = {
+  "0.10.": _O0 + ("--xla_cpu_use_fusion_emitters=false",),
+  "0.12.": _O0,
+}
 
 
 def _jaxlib_version() -> str:
@@ -33,8 +36,9 @@ def _jaxlib_version() -> str:
     return ""
 
 
-if _jaxlib_version().startswith(_CHECKED_JAXLIB):
-  _FLAGS += _FAST_COMPILE
+for _prefix, _fast in _FAST_COMPILE.items():
+  if _jaxlib_version().startswith(_prefix):
+    _FLAGS += _fast
 os.environ["XLA_FLAGS"] = " ".join(
   [os.environ.get("XLA_FLAGS", "")] + [f for f in _FLAGS
                                       if f.split("=")[0] not in
@@ -50,8 +54,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # checks); the second compile is a cache read. Measured on 3 battery
 # entries: 103 s -> 79 s from an empty cache. Results are the same
 # executables, keyed by the program and its compile options.
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(
-  os.path.abspath(__file__))), ".cache", "jax")
+# One cache per jaxlib (the two CI legs run different ones in one clone).
+_CACHE = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+  f"jax-{_jaxlib_version() or 'none'}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -31,7 +31,7 @@ from jaxcomm.collectives import _gossip
 
 @dataclasses.dataclass(frozen=True)
 class GossipSpec:
-  """Wire accounting of :func:`dpsgd`: one collective-permute of the
+  """Wire accounting of :func:`jaxcomm.dpsgd`: one collective-permute of the
   params (float32) per neighbour of the step's mixing phase."""
 
   topology: str
@@ -100,8 +100,46 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
 
   Args:
     inner: the optimizer each device applies to its own gradient.
-    topology: the communication graph.
-    axis_name: the data axis.
+    topology: the communication graph: ``"ring"``, ``"torus"``,
+      ``"hypercube"`` or ``"exponential"``.
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` (``anchor`` and ``synced``
+    empty); its ``update`` needs ``params`` and returns updates to apply
+    with :func:`jaxcomm.apply_updates` (or ``optax.apply_updates``).
+
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation,
+      ``topology`` is not one of the four graphs or ``axis_name`` is not a
+      valid axis name; at ``update``, when called without ``params``,
+      with another optimizer's state, or where ``axis_name`` is not bound
+      (or the device count does not fit the graph, e.g. a hypercube on a
+      number of devices that is not a power of two).
+
+  Examples:
+    Device ``i`` holds ``w = i`` and fits target 0 by SGD at rate 0.5.
+    One step on the ring mixes each device's params with its two
+    neighbours' (weights 1/3 each, the rows of
+    :func:`jaxcomm.collectives.mixing_matrix`) and adds the local update,
+    ``x <- W x - 0.5 (x - 0)``; the devices stay apart:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> tx = jaxcomm.dpsgd(optax.sgd(0.5), topology="ring")
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> _, state = dp.init({"w": jnp.zeros(())})
+    >>> x = np.arange(8.0)
+    >>> params = dp.place_params({"w": x})           # device i: w = i
+    >>> params, state, _ = dp.step(params, state, np.zeros(8))
+    >>> W = jaxcomm.collectives.mixing_matrix("ring", 8)
+    >>> bool(np.allclose(params["w"], W @ x - 0.5 * x))
+    True
+    >>> np.asarray(params["w"], np.float64).round(3).tolist()
+    [2.667, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 0.833]
   """
   _check_inner("inner", inner)
   _checks.choice("topology", topology, _gossip.MIXING_TOPOLOGIES)
@@ -134,9 +172,10 @@ def dpsgd(inner: optax.GradientTransformation, *, topology: str = "ring",
 # ---------------------------------------------------------- CHOCO-SGD ----
 
 class ChocoState(NamedTuple):
-  """CHOCO-SGD's gossip memory (per device), one flat float32 buffer per
-  bucket of the compressor's layout, then one for the leaves its policy
-  sends dense.
+  """CHOCO-SGD's gossip memory (per device).
+
+  ``public`` and ``mixed`` each hold one flat float32 buffer per bucket of
+  the compressor's layout, then one for the leaves its policy sends dense.
 
   Attributes:
     public: ``x_hat_i``, this device's public copy: the sum of every
@@ -161,7 +200,7 @@ _per_device.register(ChocoState, public=_per_device.restart(0.0),
 
 @dataclasses.dataclass(frozen=True)
 class ChocoSpec:
-  """Wire accounting of :func:`choco`: per neighbour, one
+  """Wire accounting of :func:`jaxcomm.choco`: per neighbour, one
   collective-permute of every bucket's compressed message and the dense
   leaves (float32), fused into one buffer."""
 
@@ -345,9 +384,10 @@ def choco(inner: optax.GradientTransformation, compressor, *,
   identity on them). ``s_i = sum_j W_ij x_hat_j`` is kept as one sum, so
   the memory is two params-sized buffers. The public copies start at 0.
 
-  Params stay per device and never agree exactly, as in :func:`dpsgd`. A
-  device whose gradient is not finite skips its own step (counted) but
-  still gossips, so every public copy stays what its neighbours hold.
+  Params stay per device and never agree exactly, as in
+  :func:`jaxcomm.dpsgd`. A device whose gradient is not finite skips its
+  own step (counted) but still gossips, so every public copy stays what
+  its neighbours hold.
 
   Args:
     inner: the optimizer each device applies to its own gradient.
@@ -360,8 +400,53 @@ def choco(inner: optax.GradientTransformation, compressor, *,
       compression (the paper tunes it per compressor).
     topology: a fixed graph, ``"ring"`` or ``"torus"``: the public copies
       must be updated by every neighbour that weighs them, every step.
-    axis_name: the data axis.
-    seed: seed of the PRNG key kept in the state.
+    axis_name: the data axis (a name, a tuple of names, or None).
+    seed: seed of the PRNG key kept in the state, an int >= 0.
+
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``compress`` is a
+    :class:`jaxcomm.ChocoState`; its ``update`` needs ``params`` and
+    returns updates to apply with :func:`jaxcomm.apply_updates` (or
+    ``optax.apply_updates``).
+
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation,
+      ``compressor`` is not a jaxcomm compressor with a gossip message or
+      has a ``start_step``, ``gamma`` is not in ``(0, 1]``, ``topology``
+      is not ``"ring"`` or ``"torus"``, ``axis_name`` is not a valid axis
+      name or ``seed`` not an int >= 0; at ``init``, when a params leaf is
+      complex; at ``update``, when called without ``params``, with
+      another optimizer's state, or where ``axis_name`` is not bound.
+
+  Examples:
+    Eight devices start from 0 and fit their own random targets ``t_i``
+    (4 values each) by SGD at rate 0.5, so the local step gives
+    ``x+ = 0.5 t_i``. Each device sends top-1 of ``x+ - x_hat`` (its
+    public copy starts at 0) to its two ring neighbours, and moves by
+    ``gamma (sum_j W_ij q_j - q_i)``; the mixing keeps the devices' mean:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.sum((params["w"] - x) ** 2)
+    >>> policy = jaxcomm.LeafPolicy(min_size=1)      # compress w, 4 values
+    >>> tx = jaxcomm.choco(optax.sgd(0.5), jaxcomm.topk(0.25, policy=policy),
+    ...                    gamma=0.5)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(4)})
+    >>> t = np.random.RandomState(0).randn(8, 4)     # row i: device i's
+    >>> params, state, _ = dp.step(params, state, t)
+    >>> np.count_nonzero(state.compress.public[0], axis=1).tolist()  # x_hat
+    [1, 1, 1, 1, 1, 1, 1, 1]
+    >>> half = 0.5 * t                               # x+, row i: device i
+    >>> q = np.where(np.abs(half) == np.abs(half).max(1, keepdims=True),
+    ...              half, 0)                        # top-1 of each row
+    >>> W = jaxcomm.collectives.mixing_matrix("ring", 8)
+    >>> bool(np.allclose(params["w"], half + 0.5 * (W @ q - q), atol=1e-6))
+    True
+    >>> bool(np.allclose(params["w"].mean(0), half.mean(0), atol=1e-6))
+    True
   """
   _check_inner("inner", inner)
   spec = gossip_compressor(
@@ -412,8 +497,14 @@ def choco(inner: optax.GradientTransformation, compressor, *,
 # ------------------------------------------------- SGP (push-sum SGD) ----
 
 class PushSumState(NamedTuple):
-  """SGP's push-sum weight ``w_i`` (float32, per device): the params a
-  device holds are the de-biased ``z_i = x_i / w_i``."""
+  """SGP's push-sum weight (per device).
+
+  The params a device holds are the de-biased ``z_i = x_i / w_i``.
+
+  Attributes:
+    weight: ``w_i``, a float32 scalar: 1 at init; over the devices the
+      weights always sum to their number.
+  """
 
   weight: jax.Array
 
@@ -425,8 +516,9 @@ _per_device.register(PushSumState, weight=_per_device.restart(1.0))
 
 @dataclasses.dataclass(frozen=True)
 class PushSumSpec:
-  """Wire accounting of :func:`sgp`: one collective-permute of the params
-  and the weight (float32) per matching class of the step's graph."""
+  """Wire accounting of :func:`jaxcomm.sgp`: one collective-permute of the
+  params and the weight (float32) per matching class of the step's
+  graph."""
 
   topology: Any
   adaptive: bool = False
@@ -473,7 +565,52 @@ def sgp(inner: optax.GradientTransformation, *, topology="exponential",
       graph: in step ``k`` device ``i`` sends to ``i + 2^(k mod log2 n)``;
       its weights stay 1, so it is D-PSGD on that graph) or a list of
       each device's out-neighbours (a fixed directed graph).
-    axis_name: the data axis.
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``compress`` is a
+    :class:`jaxcomm.PushSumState`; its ``update`` needs ``params`` and
+    returns updates to apply with :func:`jaxcomm.apply_updates` (or
+    ``optax.apply_updates``).
+
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation,
+      ``topology`` is neither ``"exponential"`` nor a list of lists of
+      other devices' indices (each once) forming a strongly connected
+      graph, or ``axis_name`` is not a valid axis name; at ``update``,
+      when called without ``params``, with another optimizer's state,
+      where ``axis_name`` is not bound, or when the graph does not fit
+      the device count.
+
+  Examples:
+    A directed graph with unequal in-degrees: device 0 pushes to 1 and 2,
+    device ``i`` to ``i + 1``, device 7 to 0. Device ``i`` holds
+    ``z = i`` and fits target 0 by SGD at rate 0.5. A device keeps one
+    share of ``(w z + u, w)`` and pushes one to each out-neighbour, as the
+    column-stochastic matrix ``P`` below; device 2 receives from two, so
+    its weight grows to 4/3, and dividing by the weights de-biases the
+    mix:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> graph = [[1, 2], [2], [3], [4], [5], [6], [7], [0]]
+    >>> tx = jaxcomm.sgp(optax.sgd(0.5), topology=graph)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> _, state = dp.init({"w": jnp.zeros(())})
+    >>> z = np.arange(8.0)
+    >>> params = dp.place_params({"w": z})           # device i: z = i
+    >>> params, state, _ = dp.step(params, state, np.zeros(8))
+    >>> P = np.zeros((8, 8))                         # P[i, j]: j's share to i
+    >>> for j, out in enumerate(graph):
+    ...   P[[j] + out, j] = 1 / (1 + len(out))
+    >>> np.asarray(state.compress.weight, np.float64).round(3).tolist()
+    [0.833, 0.833, 1.333, 1.0, 1.0, 1.0, 1.0, 1.0]
+    >>> w = P @ np.ones(8)
+    >>> bool(np.allclose(params["w"], P @ (z - 0.5 * z) / w))
+    True
   """
   _check_inner("inner", inner)
   if isinstance(topology, str):

@@ -34,8 +34,7 @@ def diloco(inner: optax.GradientTransformation,
            fragments: int = 1, overlap_steps: int = 0,
            alpha: float | None = None, axis_name="data"
            ) -> optax.GradientTransformationExtraArgs:
-  """DiLoCo: local inner steps, an outer optimizer on the averaged
-  pseudo-gradient.
+  """DiLoCo: local inner steps, an outer optimizer on the mean pseudo-gradient.
 
   .. math::
     \\Delta = \\frac{1}{n}\\sum_i (\\theta - x_i), \\qquad
@@ -63,20 +62,63 @@ def diloco(inner: optax.GradientTransformation,
     steps of compute to hide behind.
 
   Args:
-    inner: the optimizer each device runs locally (AdamW in the paper).
-    outer: the optimizer applied to the averaged pseudo-gradient.
-    period: inner steps between syncs of a fragment (``H``).
-    compressor: a jaxcomm compressor for the pseudo-gradient, or None.
-    fragments: blocks synced in turn (Streaming DiLoCo), ``<= period``.
+    inner: the optimizer each device runs locally (AdamW in the paper,
+      ``optax.adamw(4e-4)``).
+    outer: the optimizer applied to the averaged pseudo-gradient (the
+      paper's: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+    period: inner steps between syncs of a fragment (``H``), an int >= 1.
+    compressor: a jaxcomm compressor for the pseudo-gradient, on the same
+      ``axis_name``, or None.
+    fragments: blocks synced in turn (Streaming DiLoCo), ``<= period``
+      and at most the number of params leaves.
     overlap_steps: steps between a block's sync and its merge, ``< period``.
-    alpha: the merge's weight on the local params (only with
-      ``overlap_steps > 0``).
-    axis_name: the data axis.
+    alpha: the merge's weight on the local params, in ``[0, 1]`` (only
+      with ``overlap_steps > 0``).
+    axis_name: the data axis (a name, a tuple of names, or None).
 
-  Example::
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``anchor`` is ``theta``;
+    its ``update`` needs ``params`` and returns updates to apply with
+    :func:`jaxcomm.apply_updates`.
 
-    tx = jaxcomm.diloco(optax.adamw(4e-4), optax.sgd(0.7, momentum=0.9,
-                        nesterov=True), period=50)
+  Raises:
+    ValueError: when ``inner`` or ``outer`` is not an optax
+      transformation, ``period`` is not an int >= 1, ``fragments`` not in
+      ``[1, period]``, ``overlap_steps`` not in ``[0, period)``, ``alpha``
+      is given without ``overlap_steps`` or is not in ``[0, 1]``,
+      ``compressor`` is not a jaxcomm compressor or averages over another
+      axis, or ``axis_name`` is not a valid axis name; at ``init`` or
+      ``update``, when ``fragments`` exceeds the number of params leaves;
+      at ``update``, when called without ``params`` or where
+      ``axis_name`` is not bound.
+
+  Examples:
+    Eight devices fitting targets ``i`` by SGD at rate 0.5, the paper's
+    outer Nesterov SGD (rate 0.7, momentum 0.9), ``period=2``. After two
+    inner steps device ``i`` holds ``0.75 i``; the mean pseudo-gradient is
+    ``theta - 2.625 = -2.625``, and Nesterov's first step moves ``theta``
+    by ``0.7 (1 + 0.9) 2.625 = 3.49125``; every device restarts from it:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> def show(x):                               # one value per device
+    ...   return np.asarray(x, np.float64).round(3).tolist()
+    >>> outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    >>> tx = jaxcomm.diloco(optax.sgd(0.5), outer, period=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = jnp.arange(8.0)                    # one example per device
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # inner steps, no sync
+    [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # the new global model
+    [3.491, 3.491, 3.491, 3.491, 3.491, 3.491, 3.491, 3.491]
+    >>> round(float(state.anchor["w"]), 3)
+    3.491
   """
   _check_inner("inner", inner)
   _check_inner("outer", outer)
@@ -181,7 +223,7 @@ def muloco(inner: optax.GradientTransformation, period: int, *,
            axis_name="data") -> optax.GradientTransformationExtraArgs:
   """MuLoCo: DiLoCo with Muon inside and 2-bit pseudo-gradients.
 
-  :func:`diloco` with ``compressor`` the signed ``bits``-bit block
+  :func:`jaxcomm.diloco` with ``compressor`` the signed ``bits``-bit block
   quantizer of :func:`jaxcomm.int8` / :func:`jaxcomm.int4` (codes in
   ``[-q, q]``, ``q = 2^(bits-1) - 1``, one scale per ``bucket_size``
   elements, the requantized two-phase all-reduce) with error feedback
@@ -192,20 +234,70 @@ def muloco(inner: optax.GradientTransformation, period: int, *,
   (``optax.contrib.muon(lr)``; it runs AdamW on the leaves that are not
   matrices).
 
+  The quantizer keeps the default leaf policy: leaves of fewer than 256
+  elements (biases, norms) are averaged exactly.
+
   Args:
-    inner: the local optimizer (``optax.contrib.muon(lr)``).
-    period: inner steps between syncs (``H``).
+    inner: the local optimizer (``optax.contrib.muon(lr)``, e.g.
+      ``optax.contrib.muon(0.02)``).
+    period: inner steps between syncs (``H``), an int >= 1.
     outer: the outer optimizer; default Nesterov SGD, rate 0.7, momentum
       0.9 (DiLoCo's).
     bits: 2 (default), 4 or 8: the pseudo-gradient's code width.
-    bucket_size: elements per scale (default 128).
+    bucket_size: elements per scale, an int >= 1 (default 128).
     fragments: blocks synced in turn (Streaming DiLoCo).
     overlap_steps: steps between a block's sync and its merge.
-    axis_name: the data axis.
+    axis_name: the data axis (a name, a tuple of names, or None).
 
-  Example::
+  Returns:
+    The whole optimizer (a :func:`jaxcomm.diloco`), an
+    ``optax.GradientTransformationExtraArgs``; its state is a
+    :class:`jaxcomm.LocalState` whose ``compress`` holds the quantizer's
+    error feedback; its ``update`` needs ``params`` and returns updates to
+    apply with :func:`jaxcomm.apply_updates`.
 
-    tx = jaxcomm.muloco(optax.contrib.muon(0.02), period=50)
+  Raises:
+    ValueError: when ``bits`` is not 2, 4 or 8, ``bucket_size`` is not an
+      int >= 1, or for any argument :func:`jaxcomm.diloco` refuses
+      (``inner``, ``outer``, ``period``, ``fragments``,
+      ``overlap_steps``, ``axis_name``); at ``update``, when called
+      without ``params`` or where ``axis_name`` is not bound.
+
+  Examples:
+    Eight devices fitting their own random targets ``t_i`` (256 values
+    each) by SGD at rate 0.5 (the paper's inner optimizer is Muon), an
+    outer SGD at rate 1 so that the sync applies the quantized mean as is,
+    ``period=2``. Each device's pseudo-gradient is ``theta - x_i =
+    -0.75 t_i``. At the sync every device holds the new global model
+    ``theta = 0 - mean``. The two-phase exchange splits the 256 values
+    into 8 chunks of 32, one per device, and a block (``bucket_size``
+    128) ends at a chunk's end: in each block of 32 the 2-bit code leaves
+    three levels, ``{-s, 0, s}``. What the codes left out is kept as error
+    feedback (each device's ``residual``, and each chunk owner's
+    ``server_error``), so ``n * mean + sum e = sum_i (theta - x_i)``
+    to float rounding:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.sum((params["w"] - x) ** 2)
+    >>> tx = jaxcomm.muloco(optax.sgd(0.5), period=2, outer=optax.sgd(1.0))
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(256)})
+    >>> t = np.random.RandomState(0).randn(8, 256)   # row i: device i's
+    >>> for _ in range(2):
+    ...   params, state, _ = dp.step(params, state, t)
+    >>> w = np.asarray(params["w"])                # (8, 256): per device
+    >>> bool((w == w[0]).all())                    # synced
+    True
+    >>> [len(np.unique(block)) for block in w[0].reshape(8, 32)]
+    [3, 3, 3, 3, 3, 3, 3, 3]
+    >>> c = state.compress[0]                      # the quantizer's state
+    >>> kept = (np.asarray(c.residual[0]).sum(0)
+    ...         + np.asarray(c.codec[0].server_error).sum(0))
+    >>> bool(np.allclose(8 * (0 - w[0]) + kept, (-0.75 * t).sum(0),
+    ...                  atol=1e-5))
+    True
 
   References:
     Thérien et al, `MuLoCo: Muon is a practical inner optimizer for

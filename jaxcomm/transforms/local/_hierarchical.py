@@ -33,9 +33,9 @@ from jaxcomm._local_engine import mean_leaves
 
 @dataclasses.dataclass(frozen=True)
 class HierarchicalSpec(LocalSpec):
-  """Wire accounting of :func:`hierarchical_sgd`. ``n`` in :meth:`wire` is
-  the number of groups (the compressor's axis); the group all-reduce's
-  payload does not depend on the group size."""
+  """Wire accounting of :func:`jaxcomm.hierarchical_sgd`. ``n`` in
+  :meth:`wire` is the number of groups (the compressor's axis); the group
+  all-reduce's payload does not depend on the group size."""
 
   global_period: int = 1
 
@@ -97,30 +97,65 @@ def hierarchical_sgd(inner: optax.GradientTransformation, period: int,
   (Abad et al. 2020, hierarchical SGD: mobile users' local steps, periodic
   averaging at their small-cell base station, rarer averaging at the macro
   base station.) ``axis_name = (slow, fast)``: groups are rows along
-  ``slow``, their devices along ``fast`` (:func:`jaxcomm.parallel.
-  make_pod_mesh`). A group sync is one float32 all-reduce over ``fast``
-  (``4 P`` bytes); a global sync first averages the group, then moves the
-  group's delta over ``slow``: a dense all-reduce, or ``compressor``'s
-  exchange (built on the ``slow`` axis; its error feedback spans global
-  syncs). Steps that sync nothing issue no collective. The paper's
-  inter-cell sparsified downlink is not modelled: every device restarts
-  from the exact global model.
+  ``slow``, their devices along ``fast``
+  (:func:`jaxcomm.parallel.make_pod_mesh`). A group sync is one float32
+  all-reduce over ``fast`` (``4 P`` bytes); a global sync first averages
+  the group, then moves the group's delta over ``slow``: a dense
+  all-reduce, or ``compressor``'s exchange (built on the ``slow`` axis;
+  its error feedback spans global syncs). Steps that sync nothing issue
+  no collective. The paper's inter-cell sparsified downlink is not
+  modelled: every device restarts from the exact global model.
 
   Args:
     inner: the optimizer each device runs locally.
-    period: steps between group averages (``H``).
+    period: steps between group averages (``H``), an int >= 1.
     global_period: steps between global averages (``H_g``), a multiple of
       ``period``.
-    compressor: a jaxcomm compressor on the ``slow`` axis, or None.
+    compressor: a jaxcomm compressor on the ``slow`` axis (e.g.
+      ``jaxcomm.topk(0.05, axis_name="dcn")``), or None.
     axis_name: ``(slow, fast)``, two distinct mesh axis names, or None
       (one device, no exchange).
 
-  Example::
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``anchor`` is the global
+    model ``theta``; its ``update`` needs ``params`` and returns updates
+    to apply with :func:`jaxcomm.apply_updates`. Build its
+    :class:`jaxcomm.parallel.DataParallel` with the same ``axis_name``.
 
-    mesh = jaxcomm.parallel.make_pod_mesh(2)
-    tx = jaxcomm.hierarchical_sgd(optax.sgd(0.1), 2, 8,
-                                  compressor=jaxcomm.topk(
-                                    0.05, axis_name="dcn"))
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation, ``period``
+      is not an int >= 1, ``global_period`` is not a positive multiple of
+      ``period``, ``axis_name`` is not two distinct axis names (or None),
+      or ``compressor`` is not a jaxcomm compressor on the ``slow`` axis;
+      at ``update``, when called without ``params`` or where the axes are
+      not bound.
+
+  Examples:
+    A 2 x 4 mesh of the 8 devices: 2 groups (``"dcn"``) of 4 devices
+    (``"ici"``). Device ``i`` fits target ``i`` by SGD at rate 0.5; groups
+    average every step, all devices every 2 steps. After step 1 each
+    group holds the mean of its ``0.5 i``, 0.75 and 2.75; after step 2
+    every device holds the global model (the mean of all eight):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_pod_mesh(2)     # ("dcn", "ici"): 2 x 4
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> def show(x):                               # one value per device
+    ...   return np.asarray(x, np.float64).round(3).tolist()
+    >>> tx = jaxcomm.hierarchical_sgd(optax.sgd(0.5), 1, 2,
+    ...                               axis_name=("dcn", "ici"))
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh,
+    ...                                    axis_name=("dcn", "ici"))
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = jnp.arange(8.0)                    # one example per device
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # group averages
+    [0.75, 0.75, 0.75, 0.75, 2.75, 2.75, 2.75, 2.75]
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # the global average
+    [2.625, 2.625, 2.625, 2.625, 2.625, 2.625, 2.625, 2.625]
   """
   _check_inner("inner", inner)
   period = _checks.step("period", period, 1)

@@ -6,19 +6,22 @@ params differ, so they live per device (``DataParallel`` lays them out with
 a leading axis over the data axis, as it does per-device state). At a sync
 the devices meet again:
 
-* :func:`local_sgd` (Stich 2018; post-local SGD, Lin et al. 2020): average
-  the params every ``period`` steps (every step before ``start_step``);
-* :func:`adacomm` (Wang & Joshi 2019): the same with a period that follows
-  the training loss, ``tau = ceil(sqrt(F_now / F_0) tau_0)``;
-* :func:`overlap_local_sgd` (Wang, Liang & Joshi 2020): pull each model
-  towards an anchor, ``x_i <- (1 - alpha) x_i + alpha z``, and average the
-  pulled models into the next anchor, which is first used one period later
-  (so that average can travel while the next period computes);
-* :func:`diloco` (Douillard et al. 2023; Streaming DiLoCo 2025): average the
-  pseudo-gradient ``anchor - x_i`` (optionally through any jaxcomm
-  compressor, whose error feedback spans syncs) and apply it to the anchor
-  with an ``outer`` optimizer; ``fragments`` sync parts of the model in
-  turn, ``overlap_steps`` applies a fragment's result that many steps later.
+* :func:`jaxcomm.local_sgd` (Stich 2018; post-local SGD, Lin et al. 2020):
+  average the params every ``period`` steps (every step before
+  ``start_step``);
+* :func:`jaxcomm.adacomm` (Wang & Joshi 2019): the same with a period that
+  follows the training loss, ``tau = ceil(sqrt(F_now / F_0) tau_0)``;
+* :func:`jaxcomm.overlap_local_sgd` (Wang, Liang & Joshi 2020): pull each
+  model towards an anchor, ``x_i <- (1 - alpha) x_i + alpha z``, and
+  average the pulled models into the next anchor, which is first used one
+  period later (so that average can travel while the next period
+  computes);
+* :func:`jaxcomm.diloco` (Douillard et al. 2023; Streaming DiLoCo 2025):
+  average the pseudo-gradient ``anchor - x_i`` (optionally through any
+  jaxcomm compressor, whose error feedback spans syncs) and apply it to
+  the anchor with an ``outer`` optimizer; ``fragments`` sync parts of the
+  model in turn, ``overlap_steps`` applies a fragment's result that many
+  steps later.
 
 One engine runs them all (:mod:`jaxcomm._local_engine`): the
 local step, the non-finite guard, the sync schedule and a ``lax.switch``
@@ -60,8 +63,10 @@ def _average_sync(axis_name):
 def local_sgd(inner: optax.GradientTransformation, period: int, *,
               start_step: int = 0, axis_name="data"
               ) -> optax.GradientTransformationExtraArgs:
-  """Local SGD: each device runs ``inner`` alone; params are averaged every
-  ``period`` steps.
+  """Local SGD: devices step alone; params averaged every ``period`` steps.
+
+  Each device runs ``inner`` on its own gradients; every ``period`` steps
+  the params are averaged:
 
   .. math::
     x_i \\leftarrow x_i + \\mathrm{inner}(g_i), \\qquad
@@ -81,14 +86,49 @@ def local_sgd(inner: optax.GradientTransformation, period: int, *,
   :func:`jaxcomm.apply_updates`.
 
   Args:
-    inner: the optimizer each device runs on its local gradient.
+    inner: the optimizer each device runs on its local gradient (e.g.
+      ``optax.sgd(0.1, momentum=0.9)``).
     period: steps between syncs (``H``), an int >= 1.
-    start_step: steps of synchronous training first (post-local SGD).
+    start_step: steps of synchronous training first (post-local SGD), an
+      int >= 0.
     axis_name: the data axis (a name, a tuple of names, or None).
 
-  Example::
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState`, its ``update`` needs
+    ``params`` and returns updates to apply with
+    :func:`jaxcomm.apply_updates`.
 
-    tx = jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), period=8)
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation, ``period``
+      is not an int >= 1, ``start_step`` not an int >= 0 or ``axis_name``
+      not a valid axis name; at ``update``, when called without
+      ``params`` or where ``axis_name`` is not bound (outside
+      ``shard_map``).
+
+  Examples:
+    Eight devices, each fitting its own target (device ``i``'s example is
+    ``i``) by SGD at rate 0.5, syncing every 2 steps. After step 1 device
+    ``i`` holds ``w_i = 0.5 i`` (no collective ran); step 2 moves it to
+    ``0.75 i`` and averages: every device then holds
+    ``0.75 * 3.5 = 2.625``:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> def show(x):                               # one value per device
+    ...   return np.asarray(x, np.float64).round(3).tolist()
+    >>> tx = jaxcomm.local_sgd(optax.sgd(0.5), period=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = jnp.arange(8.0)                    # one example per device
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # apart before the sync
+    [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    >>> params, state, _ = dp.step(params, state, batch)
+    >>> show(params["w"])                          # equal after it
+    [2.625, 2.625, 2.625, 2.625, 2.625, 2.625, 2.625, 2.625]
   """
   _check_inner("inner", inner)
   period = _checks.step("period", period, 1)
@@ -127,13 +167,58 @@ def adacomm(inner: optax.GradientTransformation, period: int, *,
 
   Args:
     inner: the optimizer each device runs locally.
-    period: the first period ``tau_0``.
-    interval: steps between period updates (default ``10 * period``).
-    max_period: the largest period allowed (default ``period``: the period
-      only shrinks as the loss falls, as in the paper's experiments).
+    period: the first period ``tau_0``, an int >= 1.
+    interval: steps between period updates, an int >= 1 (default
+      ``10 * period``).
+    max_period: the largest period allowed, an int >= 1 (default
+      ``period``: the period only shrinks as the loss falls, as in the
+      paper's experiments).
     learning_rate: the inner learning-rate schedule, for the
       ``eta_0 / eta_l`` factor (optional).
-    axis_name: the data axis.
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``schedule`` is an
+    :class:`jaxcomm.AdaCommSchedule`; its ``update`` needs ``params`` and
+    ``value`` (the loss) and returns updates to apply with
+    :func:`jaxcomm.apply_updates`.
+
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation, ``period``,
+      ``interval`` or ``max_period`` is not an int >= 1,
+      ``learning_rate`` is neither None nor callable, or ``axis_name`` is
+      not a valid axis name; at ``update``, when called without
+      ``params`` or ``value``, or where ``axis_name`` is not bound.
+
+  Examples:
+    Eight devices fitting targets ``1 + 0.1 i`` by SGD, starting with a
+    period of 2 and recomputing it at every sync (``interval=2``). The
+    devices sync at step 2, where the loss of steps 1-2 becomes ``F_0``,
+    and at step 4, where the loss of steps 3-4 has fallen below
+    ``F_0 / 4``: ``tau = ceil(sqrt(F / F_0) * 2) = 1``, so from then on
+    they sync every step:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> tx = jaxcomm.adacomm(optax.sgd(0.5), period=2, interval=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)  # passes value
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = 1.0 + 0.1 * jnp.arange(8.0)        # one example per device
+    >>> for step in range(1, 7):
+    ...   params, state, _ = dp.step(params, state, batch)
+    ...   agree = len(set(np.asarray(params["w"]).tolist())) == 1
+    ...   print(step, agree, int(state.schedule.period))
+    1 False 2
+    2 True 2
+    3 False 2
+    4 True 1
+    5 True 1
+    6 True 1
+    >>> round(float(state.schedule.loss0), 3)      # F_0
+    0.586
   """
   _check_inner("inner", inner)
   period = _checks.step("period", period, 1)
@@ -226,9 +311,43 @@ def overlap_local_sgd(inner: optax.GradientTransformation, period: int, *,
 
   Args:
     inner: the optimizer each device runs locally.
-    period: steps between pulls (``tau``).
+    period: steps between pulls (``tau``), an int >= 1.
     alpha: the pull towards the anchor, in ``(0, 1]``.
-    axis_name: the data axis.
+    axis_name: the data axis (a name, a tuple of names, or None).
+
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``anchor`` is ``z``; its
+    ``update`` needs ``params`` and returns updates to apply with
+    :func:`jaxcomm.apply_updates`.
+
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation, ``period``
+      is not an int >= 1, ``alpha`` is not in ``(0, 1]`` or ``axis_name``
+      is not a valid axis name; at ``update``, when called without
+      ``params`` or where ``axis_name`` is not bound.
+
+  Examples:
+    Eight devices fitting targets ``i`` by SGD at rate 0.5, ``period=2``,
+    ``alpha=0.5``; the first anchor is the initial model, 0. After two
+    local steps device ``i`` holds ``0.75 i``; the pull halves it to
+    ``0.375 i``, and the pulled models' mean ``0.375 * 3.5 = 1.3125``
+    becomes the next anchor. The devices stay apart:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> tx = jaxcomm.overlap_local_sgd(optax.sgd(0.5), period=2, alpha=0.5)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = jnp.arange(8.0)                    # one example per device
+    >>> for _ in range(2):
+    ...   params, state, _ = dp.step(params, state, batch)
+    >>> np.asarray(params["w"], np.float64).round(4).tolist()
+    [0.0, 0.375, 0.75, 1.125, 1.5, 1.875, 2.25, 2.625]
+    >>> round(float(state.anchor["w"]), 4)         # read at the next pull
+    1.3125
   """
   _check_inner("inner", inner)
   period = _checks.step("period", period, 1)

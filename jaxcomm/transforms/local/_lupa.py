@@ -7,7 +7,7 @@ are averaged. The paper's adaptive scheme ``tau_j = tau_0 (1 + alpha j)``
 is this with ``a = alpha tau_0`` (an integer here, so that the sync steps
 are exact integers on every device and in the numpy replay); its
 experiments pick ``alpha`` so that ``R`` rounds cover ``T`` steps,
-``alpha = 2 T / (tau_0 R (R + 1))``, which :func:`lupa_increment` turns
+``alpha = 2 T / (tau_0 R (R + 1))``, which :func:`jaxcomm.lupa_increment` turns
 into ``a``. Built on the local-update engine like ADACOMM: the schedule is
 a replicated counter in ``LocalState.schedule``, the sync one fused
 all-reduce inside the engine's ``lax.switch``.
@@ -50,8 +50,30 @@ def lupa_periods(period: int, increment: int, max_period: int | None,
 
 
 def lupa_increment(period: int, total_steps: int, rounds: int) -> int:
-  """The paper's ``alpha tau_0`` for ``rounds`` rounds over
-  ``total_steps`` steps, rounded to an integer ``a >= 0``."""
+  """The increment ``a`` for :func:`jaxcomm.lupa_sgd` from a step budget.
+
+  The paper's ``alpha tau_0``, with ``alpha = 2 T / (tau_0 R (R + 1))``
+  chosen so that ``R`` rounds cover ``T`` steps:
+  ``a = round(2 T / (R (R + 1)))``, an integer ``>= 0`` (it does not
+  depend on ``period``, which is checked only).
+
+  Args:
+    period: the first round's length ``tau_0``, an int >= 1.
+    total_steps: the training steps ``T``, an int >= 1.
+    rounds: the number of rounds ``R``, an int >= 1.
+
+  Returns:
+    The increment ``a``, an int >= 0, for ``lupa_sgd(..., increment=a)``.
+
+  Raises:
+    ValueError: when ``period``, ``total_steps`` or ``rounds`` is not an
+      int >= 1.
+
+  Examples:
+    >>> import jaxcomm
+    >>> jaxcomm.lupa_increment(4, total_steps=1000, rounds=10)  # 2000 / 110
+    18
+  """
   period = _checks.step("period", period, 1)
   total_steps = _checks.step("total_steps", total_steps, 1)
   rounds = _checks.step("rounds", rounds, 1)
@@ -97,23 +119,57 @@ def lupa_sgd(inner: optax.GradientTransformation, period: int, *,
 
   (Haddadpour et al. 2019, adaptive synchronization: ``tau_j = (1 +
   alpha j) tau_0``, here ``a = alpha tau_0`` rounded to an integer; see
-  :func:`lupa_increment`.) Early rounds sync often, while the models move
-  fast; later rounds run longer alone. Each device keeps its own ``inner``
-  state; a sync is one fused float32 all-reduce of the params (``4 P``
-  bytes) inside the engine's conditional, and a step between syncs issues
-  no collective.
+  :func:`jaxcomm.lupa_increment`.) Early rounds sync often, while the
+  models move fast; later rounds run longer alone. Each device keeps its
+  own ``inner`` state; a sync is one fused float32 all-reduce of the
+  params (``4 P`` bytes) inside the engine's conditional, and a step
+  between syncs issues no collective.
 
   Args:
     inner: the optimizer each device runs on its local gradient.
     period: the first round's length ``tau_0``, an int >= 1.
     increment: steps added to the period each round (``a``), an int >= 0
       (0: local SGD with a fixed period).
-    max_period: the longest round (default: no cap).
+    max_period: the longest round, an int >= ``period`` (default: no
+      cap).
     axis_name: the data axis (a name, a tuple of names, or None).
 
-  Example::
+  Returns:
+    The whole optimizer, an ``optax.GradientTransformationExtraArgs``;
+    its state is a :class:`jaxcomm.LocalState` whose ``schedule`` is a
+    :class:`jaxcomm.LupaSchedule`; its ``update`` needs ``params`` and
+    returns updates to apply with :func:`jaxcomm.apply_updates`.
 
-    tx = jaxcomm.lupa_sgd(optax.sgd(0.1), period=2, increment=2)
+  Raises:
+    ValueError: when ``inner`` is not an optax transformation, ``period``
+      is not an int >= 1, ``increment`` not an int >= 0, ``max_period``
+      neither None nor an int >= ``period``, or ``axis_name`` is not a
+      valid axis name; at ``update``, when called without ``params`` or
+      where ``axis_name`` is not bound.
+
+  Examples:
+    Rounds of 1, 2, 3, ... steps (``period=1``, ``increment=1``): the 8
+    devices, each fitting its own target by SGD, agree after steps 1, 3
+    and 6 (the rounds' ends) and differ in between:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()          # 8 devices on "data"
+    >>> def loss_fn(params, x):
+    ...   return 0.5 * jnp.mean((params["w"] - x) ** 2)
+    >>> tx = jaxcomm.lupa_sgd(optax.sgd(0.5), period=1, increment=1)
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros(())})
+    >>> batch = jnp.arange(8.0)                    # one example per device
+    >>> for step in range(1, 7):
+    ...   params, state, _ = dp.step(params, state, batch)
+    ...   agree = len(set(np.asarray(params["w"]).tolist())) == 1
+    ...   print(step, agree, int(state.schedule.next_sync))
+    1 True 3
+    2 False 3
+    3 True 6
+    4 False 6
+    5 False 6
+    6 True 10
   """
   _check_inner("inner", inner)
   period = _checks.step("period", period, 1)

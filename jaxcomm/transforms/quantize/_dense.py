@@ -51,11 +51,32 @@ def mean_gradients(axis_name="data"):
     axis_name: the data axis (a name, a tuple of names, or None).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (no residual: nothing is left out).
 
-  Example::
+  Raises:
+    ValueError: when ``axis_name`` is not a name, a tuple of distinct
+      names or None; the update raises one when it is called outside a
+      context that binds ``axis_name`` (``shard_map``, ``pmap``).
 
-    tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.1))
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``; chained with ``optax.sgd(0.5)``, every device's
+    update is minus half their exact mean:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = optax.chain(jaxcomm.mean_gradients(), optax.sgd(0.5))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [-2.25   1.125 -0.75  -1.75 ]
   """
   return _compressor.compressed(MeanCodec(), axis_name=axis_name,
                                 error_feedback=False)
@@ -180,10 +201,55 @@ def cast(dtype="bfloat16", *, axis_name="data", error_feedback=False,
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy` (default: leaves of >= 256
       elements are cast).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the chunk sums are rounded again, so the mean is not the mean of
+      what was sent).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with ``error_feedback=True``, its
+    residual holds each device's rounding error).
 
-    tx = optax.chain(jaxcomm.cast(jnp.bfloat16), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``dtype`` that is not one of
+      the four above, or an ``axis_name``, ``error_feedback``
+      (``"ef21"`` and ``"diana"`` are refused: the mean is not the mean
+      of what was sent), ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses; the update raises one when it
+      is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i / 3,
+    -i / 7, 0.1, 100 i + 1 / 3]``, with a leaf policy that casts even a
+    4-value leaf. What travels is bfloat16 (8 significant bits), so the
+    update agrees with the exact mean to about 3 significant digits:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.cast("bfloat16", policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i / 3, -i / 7, 0 * i + 0.1,
+    ...                         100 * i + 1 / 3], axis=1).astype(np.float32)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> mean = grads.astype(np.float64).mean(0)
+    >>> print(mean.round(3).tolist())
+    [1.5, -0.643, 0.1, 450.333]
+    >>> print(np.asarray(update, np.float64).round(3).tolist())
+    [1.5, -0.641, 0.1, 450.0]
+    >>> print(np.abs(update - mean).max() / np.abs(mean).max() < 2.0**-8)
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.cast(jnp.bfloat16), optax.sgd(0.1))
 
   References:
     Micikevicius et al, `Mixed Precision Training

@@ -26,8 +26,12 @@ from jaxcomm.transforms.quantize._quantization import _safe_ratio
 
 
 class RequantizedState(NamedTuple):
-  """Codec state of :func:`int8` and :func:`int4` (unless
-  ``exchange="exact"``).
+  """Codec state of :func:`jaxcomm.int8` and :func:`jaxcomm.int4`.
+
+  Kept with the requantized exchange (with ``exchange="exact"`` the codec
+  is stateless); per device, each device owning the mass of its own
+  chunk: :func:`jaxcomm.parallel.resize_state` re-cuts the total over
+  devices into the new devices' chunks.
 
   Attributes:
     server_error: ``float32[S]`` per device (``S`` the bucket's stored
@@ -188,38 +192,6 @@ def _block_int_compressor(bits, bucket_size, exchange, error_feedback,
                                 **options)
 
 
-_EXCHANGE_DOC = """
-  Two exchanges (``exchange``; None takes the one that moves fewer bytes
-  on the step's device count: the requantized one from ``n = 2`` on):
-
-  * ``"exact"``: the scale of each bucket (``bucket_size`` elements of one
-    leaf, the last one padded) is the maximum over devices (one small
-    ``pmax``), so the codes add up exactly: the chunk owners sum them as
-    integers and send back ``ceil(log2(2 q n + 1))``-bit sums
-    (:func:`jaxcomm.collectives.integer_allreduce`). The mean is the mean
-    of what devices sent; EF21 works.
-  * ``"requantized"`` (EQuARX's and ZeRO++'s pattern): every device scales
-    each block of ``B = bucket_size`` elements by its own maximum; an
-    all-to-all gives each chunk's owner every device's codes and block
-    maxima; it sums them in float32, adds its server error and requantizes
-    the sum to the same width on the sum's own block maxima; an all-gather
-    returns the requantized chunks
-    (:func:`jaxcomm.collectives.requantized_allreduce`); each block's step
-    is its maximum over ``q`` rounded up to a bfloat16 value (16 bits on
-    the wire, and decoded values exact in float32). Each device sends
-    ``2 (n - 1) / n (b + 16 / B)`` bits per element. A requantized sum
-    cannot overflow its codes: it is divided by its own block maximum
-    before rounding, so every code lies in ``[-q, q]`` whatever ``n``.
-    Blocks are cut from the flat bucket (within each device's chunk), so a
-    block may span the end of one leaf and the start of the next. The
-    owner's rounding error is kept as server-side error feedback (per
-    device, on its own chunk, in gradient-sum units, as :func:`onebit`'s):
-    ``n sum_t mean_t + sum_i e_i + sum server_error = sum_t sum_i g_t,i``.
-    The mean is not the mean of what devices sent, so EF21 and DIANA
-    need ``exchange="exact"`` (None picks it for them).
-"""
-
-
 @_registry.method(
     paper="Dettmers 2016; EQuARX (Google 2025)",
     summary="int8 codes + per-block scale, requantized 2-phase, EF")
@@ -237,10 +209,41 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
 
   Deterministic rounding (half to even). With error feedback (default)
   the rounding error is resent later and mass is conserved.
-  {exchange}
+
+  Two exchanges (``exchange``; None takes the one that moves fewer bytes
+  on the step's device count: the requantized one from ``n = 2`` on):
+
+  * ``"exact"``: the scale of each bucket (``bucket_size`` elements of one
+    leaf, the last one padded) is the maximum over devices (one small
+    ``pmax``), so the codes add up exactly: the chunk owners sum them as
+    integers and send back ``ceil(log2(2 q n + 1))``-bit sums (``q =
+    127``; :func:`jaxcomm.collectives.integer_allreduce`). The mean is
+    the mean of what devices sent; EF21 works.
+  * ``"requantized"`` (EQuARX's and ZeRO++'s pattern): every device scales
+    each block of ``B = bucket_size`` elements by its own maximum; an
+    all-to-all gives each chunk's owner every device's codes and block
+    maxima; it sums them in float32, adds its server error and requantizes
+    the sum to the same width on the sum's own block maxima; an all-gather
+    returns the requantized chunks
+    (:func:`jaxcomm.collectives.requantized_allreduce`); each block's step
+    is its maximum over ``q`` rounded up to a bfloat16 value (16 bits on
+    the wire, and decoded values exact in float32). Each device sends
+    ``2 (n - 1) / n (b + 16 / B)`` bits per element. A requantized sum
+    cannot overflow its codes: it is divided by its own block maximum
+    before rounding, so every code lies in ``[-q, q]`` whatever ``n``.
+    Blocks are cut from the flat bucket (within each device's chunk), so a
+    block may span the end of one leaf and the start of the next. The
+    owner's rounding error is kept as server-side error feedback (per
+    device, on its own chunk, in gradient-sum units, as
+    :func:`jaxcomm.onebit`'s):
+    ``n sum_t mean_t + sum_i e_i + sum server_error = sum_t sum_i g_t,i``.
+    The mean is not the mean of what devices sent, so EF21 needs
+    ``exchange="exact"`` (None picks it for it); DIANA is refused with
+    either exchange (deterministic rounding is biased).
+
   At ``n = 8`` with ``B = 128`` (compiled HLO, one 1M-element leaf):
   14.2 bits per element sent per device (requantized), against 21.4
-  (exact) and 28 for a bf16 ring all-reduce (:func:`cast`).
+  (exact) and 28 for a bf16 ring all-reduce (:func:`jaxcomm.cast`).
 
   Args:
     bucket_size: elements per scale, ``>= 1`` (static; default 128).
@@ -248,10 +251,57 @@ def int8(bucket_size: int | None = None, *, axis_name="data",
     exchange: ``"exact"``, ``"requantized"`` or None (fewer bytes).
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its codec state a
+    :class:`jaxcomm.RequantizedState` per bucket with the requantized
+    exchange).
 
-    tx = optax.chain(jaxcomm.int8(), optax.adam(1e-3))
+  Raises:
+    ValueError: naming the argument, for ``bucket_size`` not an int ``>=
+      1``, an ``exchange`` other than ``"exact"``, ``"requantized"`` and
+      None, an ``error_feedback`` other than True, False, ``"ef21"`` and
+      ``"diana"`` (``"diana"`` is refused, and ``"ef21"`` with
+      ``exchange="requantized"``), or an ``axis_name``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses; the update raises
+      one when it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf, by the requantized exchange. The update is within a few
+    thousandths of the exact mean, and no mass is lost: ``n`` times the
+    update, plus the devices' residuals and the chunk owner's server
+    error, is the sum of the gradients:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.int8(exchange="requantized",
+    ...                   policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return (update, state.residual[0][None],
+    ...           state.codec[0].server_error[None])
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual, server = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"), P("data"))))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [ 4.491 -2.246  1.497  3.493]
+    >>> kept = np.sum(residual, 0) + np.sum(server, 0)
+    >>> print(np.allclose(8 * update + kept, grads.sum(0), atol=1e-5))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.int8(), optax.adam(1e-3))
 
   References:
     Dettmers, `8-Bit Approximations for Parallelism in Deep Learning
@@ -279,11 +329,42 @@ def int4(bucket_size: int | None = None, *, axis_name="data",
     \\hat x_k = \\frac{S}{7} q_k, \\quad
     S = \\max_{k \\in b} |x_k|
 
-  :func:`int8` at 4 bits: codes in ``[-7, 7]`` travel 8 to a ``uint32``
+  :func:`jaxcomm.int8` at 4 bits: codes in ``[-7, 7]`` travel 8 to a ``uint32``
   word (XLA's CPU backend widens sub-32-bit collectives). Deterministic
   rounding (half to even); error feedback (default) resends the rounding
   error, which at 15 levels is most of what makes it train.
-  {exchange}
+
+  Two exchanges (``exchange``; None takes the one that moves fewer bytes
+  on the step's device count: the requantized one from ``n = 2`` on):
+
+  * ``"exact"``: the scale of each bucket (``bucket_size`` elements of one
+    leaf, the last one padded) is the maximum over devices (one small
+    ``pmax``), so the codes add up exactly: the chunk owners sum them as
+    integers and send back ``ceil(log2(2 q n + 1))``-bit sums (``q =
+    7``; :func:`jaxcomm.collectives.integer_allreduce`). The mean is
+    the mean of what devices sent; EF21 works.
+  * ``"requantized"`` (EQuARX's and ZeRO++'s pattern): every device scales
+    each block of ``B = bucket_size`` elements by its own maximum; an
+    all-to-all gives each chunk's owner every device's codes and block
+    maxima; it sums them in float32, adds its server error and requantizes
+    the sum to the same width on the sum's own block maxima; an all-gather
+    returns the requantized chunks
+    (:func:`jaxcomm.collectives.requantized_allreduce`); each block's step
+    is its maximum over ``q`` rounded up to a bfloat16 value (16 bits on
+    the wire, and decoded values exact in float32). Each device sends
+    ``2 (n - 1) / n (b + 16 / B)`` bits per element. A requantized sum
+    cannot overflow its codes: it is divided by its own block maximum
+    before rounding, so every code lies in ``[-q, q]`` whatever ``n``.
+    Blocks are cut from the flat bucket (within each device's chunk), so a
+    block may span the end of one leaf and the start of the next. The
+    owner's rounding error is kept as server-side error feedback (per
+    device, on its own chunk, in gradient-sum units, as
+    :func:`jaxcomm.onebit`'s):
+    ``n sum_t mean_t + sum_i e_i + sum server_error = sum_t sum_i g_t,i``.
+    The mean is not the mean of what devices sent, so EF21 needs
+    ``exchange="exact"`` (None picks it for it); DIANA is refused with
+    either exchange (deterministic rounding is biased).
+
   At ``n = 8`` with ``B = 128`` (compiled HLO, one 1M-element leaf): 7.2
   bits per element sent per device (requantized), against 10.9 (exact,
   8-bit sums) and 28 for a bf16 ring all-reduce.
@@ -294,10 +375,60 @@ def int4(bucket_size: int | None = None, *, axis_name="data",
     exchange: ``"exact"``, ``"requantized"`` or None (fewer bytes).
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its codec state a
+    :class:`jaxcomm.RequantizedState` per bucket with the requantized
+    exchange).
 
-    tx = optax.chain(jaxcomm.int4(), optax.sgd(0.1, momentum=0.9))
+  Raises:
+    ValueError: naming the argument, for ``bucket_size`` not an int ``>=
+      1``, an ``exchange`` other than ``"exact"``, ``"requantized"`` and
+      None, an ``error_feedback`` other than True, False, ``"ef21"`` and
+      ``"diana"`` (``"diana"`` is refused, and ``"ef21"`` with
+      ``exchange="requantized"``), or an ``axis_name``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses; the update raises
+      one when it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf, by the exact exchange: one scale ``S = 8`` shared by all
+    devices, codes in ``[-7, 7]`` summed as integers. The update is
+    ``S / 7`` times the codes' mean (coarse at 15 levels), and error
+    feedback keeps the rest on each device: ``n`` times the update plus
+    the residuals is the sum of the gradients:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.int4(exchange="exact",
+    ...                   policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> S = np.abs(grads).max()                    # the shared scale, 8
+    >>> print((np.asarray(update, np.float64) * 8 * 7 / S).round(3))
+    [ 32. -16.   8.  25.]
+    >>> print(np.asarray(residual[7], np.float64).round(3))  # device 8's
+    [0.    0.571 0.357 0.   ]
+    >>> print(np.allclose(8 * update + np.sum(residual, 0), grads.sum(0),
+    ...                   atol=1e-5))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.int4(), optax.sgd(0.1, momentum=0.9))
 
   References:
     Wang et al, `ZeRO++: Extremely Efficient Collective Communication for
@@ -309,11 +440,6 @@ def int4(bucket_size: int | None = None, *, axis_name="data",
   """
   return _block_int_compressor(4, bucket_size, exchange, error_feedback,
                                axis_name, policy, options)
-
-
-for _f in (int8, int4):
-  _f.__doc__ = _f.__doc__.replace("{exchange}", _EXCHANGE_DOC)
-del _f
 
 
 def _uint8_span(S):
@@ -388,10 +514,54 @@ def uint8(bucket_size: int | None = None, *, axis_name="data",
     axis_name: the data axis.
     error_feedback: keep the rounding error per device.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.uint8(), optax.adam(1e-3))
+  Raises:
+    ValueError: naming the argument, for ``bucket_size`` not an int ``>=
+      1``, an ``error_feedback`` other than True, False, ``"ef21"`` and
+      ``"diana"`` (``"diana"`` is refused: rounding to the nearest code
+      is biased), or an ``axis_name``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses; the update raises one when it
+      is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``10 + [i,
+    -i / 2, 1.5, 8 - i] / 8``, with a leaf policy that compresses even a
+    4-value leaf: all values lie in ``[l, h] = [9.5, 11]``, so the 256
+    levels are ``(h - l) / 255 = 0.0059`` apart (symmetric int8 codes
+    would be ``11 / 127 = 0.087`` apart). The update is within a level of
+    the exact mean, and error feedback keeps the rest: ``n`` times the
+    update plus the residuals is the sum of the gradients:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.uint8(policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = 10 + np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i],
+    ...                             axis=1) / 8
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(grads.mean(0).round(4), np.asarray(update, np.float64).round(4))
+    [10.5625  9.7188 10.1875 10.4375] [10.5618  9.7184 10.1882 10.4368]
+    >>> print(np.allclose(8 * update + np.sum(residual, 0), grads.sum(0),
+    ...                   atol=1e-4))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.uint8(), optax.adam(1e-3))
 
   References:
     PyTorch, `DDP Communication Hooks: quantization hooks

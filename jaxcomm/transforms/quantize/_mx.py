@@ -237,7 +237,7 @@ def from_blocks(y, layout):
 @dataclasses.dataclass(frozen=True)
 class MxCodec(_codec.CodecBase):
   """Each device's chunks in an MX format by all-to-all; the owner adds
-  them in float32 and all-gathers its sum, in MX again (:func:`mx`).
+  them in float32 and all-gathers its sum, in MX again (:func:`jaxcomm.mx`).
 
   Attributes:
     fmt: the format's name (a key of ``FORMATS``).
@@ -316,11 +316,56 @@ def mx(fmt: str = "mxfp8", *, axis_name="data", error_feedback=False,
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep each device's rounding error.
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the reducer rounds again, so the mean is not the mean of what was
+      sent).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.mx("mxfp4", error_feedback=True),
-                     optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``fmt`` that is not one of the
+      five above, or an ``axis_name``, ``error_feedback`` (``"ef21"`` and
+      ``"diana"`` are refused: the mean is not the mean of what was
+      sent), ``policy`` or option that :func:`jaxcomm.compressed`
+      refuses; the update raises one when it is called outside a context
+      that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf (one short block). In MXFP4 device 8's ``[8, -4, 1.5, 0]`` has
+    the scale ``2^(3 - 2) = 2``, and ``1.5 / 2`` rounds to the E2M1 value
+    1 (a tie, to the even code), so it sends ``[8, -4, 2, 0]``; with error
+    feedback its residual keeps the difference. The summed chunk is
+    rounded to MXFP4 again on its way back:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.mx("mxfp4", error_feedback=True,
+    ...                 policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None, :4]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(grads[7] - np.asarray(residual[7]))  # what device 8 sent
+    [ 8. -4.  2.  0.]
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [ 4.  -2.   1.5  3. ]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.mx("mxfp4", error_feedback=True),
+    ...                   optax.sgd(0.1))
 
   References:
     Open Compute Project, `OCP Microscaling Formats (MX) Specification

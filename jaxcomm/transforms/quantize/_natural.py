@@ -51,7 +51,7 @@ def natural_round(x: jax.Array, key: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class NaturalCodec(_codec.CodecBase):
   """Natural compression of each device's ``x``; each chunk's owner
-  re-rounds the average (:func:`natural`). No fields: it has no
+  re-rounds the average (:func:`jaxcomm.natural`). No fields: it has no
   hyperparameters."""
 
   name = "natural"
@@ -88,8 +88,12 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
     {2^{\\lfloor \\log_2 |x| \\rfloor}}
 
   ``E[C(x)] = x`` and the variance is at most ``|x|^2 / 8``. Each value
-  travels as 9 bits (sign and float32 exponent byte; see
-  :func:`natural_round`). On 3 or more devices the exchange is two-phase
+  travels as 9 bits (sign and float32 exponent byte): the rounding is done
+  on the bits, the exponent incremented iff a uniform 23-bit integer is
+  below the 23 mantissa bits, so the probability is exact (subnormals
+  round to 0 or the smallest normal; values within a factor two of the
+  float32 maximum round down; NaN becomes an infinity). On 3 or more
+  devices the exchange is two-phase
   (:func:`jaxcomm.collectives.natural_allreduce`): the owner of each chunk
   averages the ``n`` decoded chunks and natural-compresses the average
   again with its own noise (``fold_in(key, n + device_index)``), as the
@@ -97,18 +101,68 @@ def natural(*, axis_name="data", error_feedback: bool = False, policy=None,
   unbiased and each device sends about 18 bits per element whatever ``n``
   (an all-gather would send ``9 (n - 1)``: more than a float32 psum from
   ``n = 8``). The second rounding is not fed back: with error feedback the
-  mass is not exactly conserved. On 2 devices the codes are all-gathered
-  and averaged exactly.
+  mass is not exactly conserved. On 2 devices, and for a bucket so small
+  that padding makes the all-gather the cheaper one (under 128 elements
+  on 8 devices), the codes are all-gathered and averaged exactly.
 
   Args:
     axis_name: the data axis.
     error_feedback: keep the rounding error (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the owner's second rounding makes the mean differ from the mean of
+      what was sent).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.natural(), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for an ``error_feedback`` other than
+      True, False, ``"ef21"`` and ``"diana"`` (both of these are refused:
+      the mean is not the mean of what was sent), or an ``axis_name``,
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses; the
+      update raises one when it is called outside a context that binds
+      ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf, and error feedback to read back what each device sent: every
+    value is a signed power of two, ``1.5`` is sent as ``1`` or ``2``, 3
+    as 2 or 4. This bucket is small, so the codes are all-gathered and
+    the update is exactly their mean; no mass is lost:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.natural(error_feedback=True,
+    ...                      policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> sent = grads - np.asarray(residual, np.float64)
+    >>> print(grads[2], sent[2])                   # device 3
+    [ 3.  -1.5  1.5  5. ] [ 2. -1.  2.  8.]
+    >>> print(np.unique(np.abs(sent)))
+    [0.  0.5 1.  2.  4.  8. ]
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(4))
+    [ 4.5  -2.25  1.5   3.5 ] [ 4.125  -2.5625  1.375   4.375 ]
+    >>> print(np.allclose(8 * update, sent.sum(0)))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.natural(), optax.sgd(0.1))
 
   References:
     Horvath et al, `Natural Compression for Distributed Deep Learning

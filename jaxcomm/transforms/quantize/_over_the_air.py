@@ -68,10 +68,24 @@ class OverTheAirCodec(_codec.CodecBase):
 
   @property
   def name(self):
+    """The public name with the SNR, ``"ota_analog(10.0dB)"``."""
     return ("ota_onebit" if self.one_bit else "ota_analog") + \
       f"({self.snr_db}dB)"
 
   def apply(self, x, state, ctx):
+    """One step on one bucket: the channel applied to the summed messages.
+
+    Args:
+      x: this device's flat ``float32[L]`` bucket (error feedback added).
+      state: the codec's state for the bucket (``()``: stateless).
+      ctx: the step's :class:`jaxcomm.Context` (the key the channel is
+        drawn from, the device index, the axis).
+
+    Returns:
+      A :class:`jaxcomm.CodecResult` of the receiver's estimate
+      (identical on every device), what this device transmitted (zeros
+      when silent) and ``state``.
+    """
     size = x.shape[0]
     active, noise = _channel(ctx, size, self.threshold)
     inv_snr = 10.0 ** (-self.snr_db / 10.0)
@@ -92,6 +106,16 @@ class OverTheAirCodec(_codec.CodecBase):
     return _codec.CodecResult(mean=mean, sent=s, state=state)
 
   def wire(self, layout, n):
+    """The collectives :meth:`~jaxcomm.OverTheAirCodec.apply` issues.
+
+    Args:
+      layout: the bucket's static layout.
+      n: the number of devices (the payload does not depend on it).
+
+    Returns:
+      ``[("all-reduce", bytes)]``: the bucket's values and the active
+      count (and, analog, the power), 4 bytes each.
+    """
     return [("all-reduce", 4 * (layout.size + (1 if self.one_bit else 2)))]
 
 
@@ -126,8 +150,8 @@ def ota_analog(snr_db: float, *, threshold: float = 0.0, axis_name="data",
   the exchange is a float32 all-reduce and the channel (per-device Rayleigh
   gains, the silent devices below ``threshold``, noise of power ``P /
   SNR``, ``P`` the devices' mean power per element) is applied in software
-  with a key seeded by ``seed``. See
-  :mod:`jaxcomm.transforms.quantize._over_the_air`.
+  with a key seeded by ``seed`` (the docstring of
+  ``jaxcomm/transforms/quantize/_over_the_air.py`` describes the channel).
 
   Args:
     snr_db: receive SNR per element, in dB.
@@ -138,6 +162,55 @@ def ota_analog(snr_db: float, *, threshold: float = 0.0, axis_name="data",
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: the channel's seed.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
+
+  Raises:
+    ValueError: naming the argument, for an ``snr_db`` that is not a
+      number, a ``threshold`` that is not a number ``>= 0``, or an
+      ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"`` are
+      refused: the estimate is not the mean of what was sent),
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses; the
+      update raises one when it is called outside a context that binds
+      ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf. With the cut-off ``threshold=1`` about ``1 - e^-1 = 63%`` of
+    the devices stay silent in a step, here devices 1, 4, 5, 7 and 8
+    (with error feedback each keeps its whole gradient); at 40 dB the
+    estimate is the mean of the other three, up to the channel's noise:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.ota_analog(40.0, threshold=1.0, error_feedback=True,
+    ...                         policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> silent = np.all(np.asarray(residual) == grads, axis=1)
+    >>> print(np.flatnonzero(silent) + 1)          # the silent devices
+    [1 4 5 7 8]
+    >>> heard = grads[~silent].mean(0)
+    >>> print(heard.round(3), np.abs(update - heard).max() < 0.05)
+    [ 3.667 -1.833  1.5    4.333] True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.ota_analog(20.0), optax.sgd(0.1))
   """
   snr_db, threshold = _args(snr_db, threshold)
   return _compressor.compressed(
@@ -179,6 +252,49 @@ def ota_onebit(snr_db: float, *, threshold: float = 0.0, axis_name="data",
     error_feedback: keep ``x - sign(x)`` per device (not in the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: the channel's seed.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
+
+  Raises:
+    ValueError: naming the argument, for an ``snr_db`` that is not a
+      number, a ``threshold`` that is not a number ``>= 0``, or an
+      ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"`` are
+      refused: a vote is not the mean of what was sent), ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses; the update raises
+      one when it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient
+    ``[i, -i, i - 6, 1]``, except device 1, whose last value is ``-20``;
+    a leaf policy compresses even this 4-value leaf. At 10 dB the noise
+    (``0.32`` per element) is small beside the sums of signs, ``8``,
+    ``-8``, ``-2`` and ``6``, so the receiver takes the majority sign, as
+    :func:`jaxcomm.signsgd`, although the last column's mean is negative:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.ota_onebit(10.0, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i, i - 6, np.where(i == 1, -20.0, 1.0)],
+    ...                        axis=1)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64))
+    [ 4.5   -4.5   -1.5   -1.625] [ 1. -1. -1.  1.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.ota_onebit(10.0), optax.sgd(1e-4))
   """
   snr_db, threshold = _args(snr_db, threshold)
   return _compressor.compressed(

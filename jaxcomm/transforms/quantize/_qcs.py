@@ -72,7 +72,7 @@ def draws(key, block: int, c: int, m: int):
 class QcsCodec(_codec.CodecBase):
   """Subsampled randomized Hadamard measurements of each block, quantized
   to integer codes of one shared scale, summed exactly, reconstructed by
-  the transpose (:func:`qcs`).
+  the transpose (:func:`jaxcomm.qcs`).
 
   Attributes:
     ratio: ``m / B``, the measurements kept per block, in ``(0, 1]``.
@@ -132,9 +132,10 @@ def qcs(ratio: float | None = None, block: int | None = None,
         levels: int | None = None, *, axis_name="data",
         error_feedback: bool = True, policy=None, seed: int = 0,
         **options):
-  """Quantized compressive sampling: random structured measurements of
-  the gradient, quantized and all-reduced, reconstructed by the
-  transpose, with error feedback.
+  """Quantized compressive sampling of the gradient, with error feedback.
+
+  Random structured measurements of the gradient, quantized and
+  all-reduced, reconstructed by the transpose.
 
   .. math::
     y_i = P x_i, \\quad u = \\frac{1}{n} P^T \\sum_{i=1}^{n} Q(y_i),
@@ -175,10 +176,56 @@ def qcs(ratio: float | None = None, block: int | None = None,
     error_feedback: keep what the measurements miss (default True).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the shared key the projection and the noise come from.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its residual holds what each
+    device's measurements missed).
 
-    tx = optax.chain(jaxcomm.qcs(ratio=0.25), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``,
+      a ``block`` that is not a power of two ``>= 2``, ``levels`` not an
+      int in ``[1, 32767]``, an ``error_feedback`` other than True,
+      False, ``"ef21"`` and ``"diana"`` (``"diana"`` is refused: the
+      reconstruction is biased), or an ``axis_name``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses; the update raises
+      one when it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf, one block of ``B = 4``, of which ``ratio=0.5`` keeps ``m = 2``
+    measurements. The update is the transpose of the mean measurements,
+    so it misses part of the mean; what each device's measurements
+    missed stays in its residual, and no mass is lost: ``n`` times the
+    update plus the residuals is the sum of the gradients:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.qcs(ratio=0.5, block=4,
+    ...                  policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [ 3.375 -3.375  2.531  2.531]
+    >>> print(np.allclose(8 * update + np.sum(residual, 0), grads.sum(0),
+    ...                   atol=1e-5))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.qcs(ratio=0.25), optax.sgd(0.1))
 
   References:
     Abdi, Fekri, `Quantized Compressive Sampling of Stochastic Gradients

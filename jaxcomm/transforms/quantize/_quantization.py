@@ -312,7 +312,7 @@ def _safe_ratio(x, s):
 @dataclasses.dataclass(frozen=True)
 class QsgdCodec(IntegerCodec):
   """QSGD's stochastic levels on each bucket's norm, its maximum over
-  devices (:func:`qsgd`).
+  devices (:func:`jaxcomm.qsgd`).
 
   Attributes:
     levels: ``s``, the largest code (in ``[1, MAX_LEVELS]``).
@@ -387,11 +387,54 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
       ``"diana"`` (unbiased: DIANA's shifts, with ``shift_rate``).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate`` with
+      ``error_feedback="diana"`` only).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.qsgd(levels=15, bucket_size=512),
-                     optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for ``levels`` not an int in ``[1,
+      32767]``, ``bucket_size`` not an int ``>= 1``, an
+      ``error_feedback`` other than True, False, ``"ef21"`` and
+      ``"diana"``, or an ``axis_name``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses; the update raises one when it
+      is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``: one bucket of 4, whose largest norm over devices is
+    ``S = ||[8, -4, 1.5, 0]|| = 9.07``. With ``s = 4`` levels the update
+    is ``S / (4 n)`` times the sum of the devices' integer codes, and it
+    lies within one level ``S / 4`` of the exact mean:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.qsgd(levels=4, bucket_size=4,
+    ...                   policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> update = np.asarray(update, np.float64)
+    >>> S = np.linalg.norm(grads, axis=1).max()
+    >>> print((update * 8 * 4 / S).round(3))      # the summed codes
+    [15. -8.  5. 11.]
+    >>> print(grads.mean(0), np.abs(update - grads.mean(0)).max() < S / 4)
+    [ 4.5  -2.25  1.5   3.5 ] True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.qsgd(levels=15, bucket_size=512),
+    ...                   optax.sgd(0.1))
 
   References:
     Alistarh et al, `QSGD: Communication-Efficient SGD via Gradient
@@ -418,7 +461,7 @@ def qsgd(levels: int | None = None, bucket_size: int | None = None, *,
 @dataclasses.dataclass(frozen=True)
 class TerngradCodec(IntegerCodec):
   """TernGrad's stochastic ternary codes on each leaf's maximum, its
-  maximum over devices (:func:`terngrad`); one bucket per leaf.
+  maximum over devices (:func:`jaxcomm.terngrad`); one bucket per leaf.
 
   Attributes:
     clip_sigma: ``c``: each leaf is first clipped to ``c`` times the
@@ -486,10 +529,49 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
       ``"diana"`` (without ``clip_sigma``, which biases it).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the noise; every device folds in its index.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate`` with
+      ``error_feedback="diana"`` only).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.terngrad(clip_sigma=2.5), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``clip_sigma`` that is not a
+      positive number or None, an ``error_feedback`` other than True,
+      False, ``"ef21"`` and ``"diana"`` (``"diana"`` is refused with
+      ``clip_sigma``, which biases the codes), or an ``axis_name``,
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses; the
+      update raises one when it is called outside a context that binds
+      ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, so the shared scale is ``s = 8``: each device sends
+    ternary codes (``sign(g_k)`` with probability ``|g_k| / s``, else 0),
+    and the update is ``s / n`` times their sum, an integer in ``[-8,
+    8]`` here:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.terngrad(policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [ 3. -3.  2.  3.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.terngrad(clip_sigma=2.5), optax.sgd(0.1))
 
   References:
     Wen et al, `TernGrad: Ternary Gradients to Reduce Communication in

@@ -23,7 +23,7 @@ from jaxcomm.transforms.quantize._quantization import _sign
 
 
 class OneBitState(NamedTuple):
-  """Codec state of :func:`onebit`.
+  """Codec state of :func:`jaxcomm.onebit`.
 
   Attributes:
     server_error: ``float32[S]`` per device (``S`` the bucket's stored
@@ -44,8 +44,8 @@ _per_device.register(OneBitState, server_error=_per_device.OWNED)
 @dataclasses.dataclass(frozen=True)
 class OneBitCodec(_codec.CodecBase):
   """Scaled signs by DeepSpeed's two-phase compressed allreduce, with the
-  chunk owners' server error as state (:func:`onebit`). No fields: it has
-  no hyperparameters."""
+  chunk owners' server error as state (:func:`jaxcomm.onebit`). No fields:
+  it has no hyperparameters."""
 
   name = "onebit"
   mean_of_sent = False
@@ -98,10 +98,54 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the worker error (the server error is always kept).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its codec state a
+    :class:`jaxcomm.OneBitState` per bucket).
 
-    tx = optax.chain(jaxcomm.onebit(), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for an ``error_feedback`` other than
+      True, False, ``"ef21"`` and ``"diana"`` (both of these are refused:
+      the server re-compresses the mean), or an ``axis_name``,
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses; the
+      update raises one when it is called outside a context that binds
+      ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf. The update is one scale times the signs of the averaged
+    messages; what the devices' signs and the server's left out stays in
+    the worker residuals and the chunk owner's server error, so ``n``
+    times the update plus both errors is the sum of the gradients:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.onebit(policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return (update, state.residual[0][None],
+    ...           state.codec[0].server_error[None])
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual, server = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"), P("data"))))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(3))
+    [ 4.5  -2.25  1.5   3.5 ] [ 3.562 -3.562  3.562  3.562]
+    >>> kept = np.sum(residual, 0) + np.sum(server, 0)
+    >>> print(np.allclose(8 * update + kept, grads.sum(0), atol=1e-5))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.onebit(), optax.sgd(0.1))
 
   References:
     Seide et al, `1-Bit Stochastic Gradient Descent and its Application to
@@ -121,16 +165,21 @@ def onebit(*, axis_name="data", error_feedback: bool = True, policy=None,
 
 
 class SignumState(NamedTuple):
-  """Codec state of :func:`signum`: the local momentum, per device (one
-  flat float32 buffer per bucket, laid out as the bucket)."""
+  """Codec state of :func:`jaxcomm.signum`: the local momentum.
+
+  Attributes:
+    momentum: ``float32[L]`` per device, ``L`` the bucket's size (laid out
+      as the bucket): this device's ``m_i``, on which the devices vote.
+  """
 
   momentum: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class MajorityVoteCodec(_codec.CodecBase):
-  """The devices' majority sign times ``scale`` (:func:`signsgd`), or
-  their vote on each device's local momentum (:func:`signum`).
+  """The devices' majority sign times ``scale``
+  (:func:`jaxcomm.signsgd`), or their vote on each device's local momentum
+  (:func:`jaxcomm.signum`).
 
   Attributes:
     scale: ``gamma``, the size of the voted sign.
@@ -197,10 +246,48 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(x)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.signsgd(), optax.sgd(1e-4))
+  Raises:
+    ValueError: naming the argument, for a ``scale`` that is not a
+      positive number, an ``error_feedback`` other than True, False,
+      ``"ef21"`` and ``"diana"`` (both of these are refused: a vote is
+      not the mean of what was sent), or an ``axis_name``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses; the update raises
+      one when it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient
+    ``[i, -i, i - 6, 1]``, except device 1, whose last value is ``-20``;
+    a leaf policy compresses even this 4-value leaf. The update is the
+    majority sign; in the last column 7 devices vote ``+1``, although the
+    mean is negative.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.signsgd(policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, _ = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i, i - 6, np.where(i == 1, -20.0, 1.0)],
+    ...                        axis=1)
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(grads.mean(0), np.asarray(update, np.float64))
+    [ 4.5   -4.5   -1.5   -1.625] [ 1. -1. -1.  1.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.signsgd(), optax.sgd(1e-4))
 
   References:
     Bernstein et al, `signSGD: Compressed Optimisation for Non-Convex
@@ -233,9 +320,10 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
   The momentum ``m_i`` is per-device codec state; the exchange is
   :func:`jaxcomm.collectives.majority_vote` (about 2 bits per element per
   device). Use a downstream optimizer without momentum
-  (``optax.sgd(lr)``). As :func:`signsgd`, no error feedback by default and
-  no mass conservation; sign(0) = +1, so coordinates with zero momentum
-  move by ``-lr * scale`` (mask such leaves out, see :func:`signsgd`).
+  (``optax.sgd(lr)``). As :func:`jaxcomm.signsgd`, no error feedback by
+  default and no mass conservation; sign(0) = +1, so coordinates with zero
+  momentum move by ``-lr * scale`` (mask such leaves out, see
+  :func:`jaxcomm.signsgd`).
 
   Args:
     beta: momentum in ``[0, 1)`` (injectable).
@@ -244,10 +332,55 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
     error_feedback: keep ``x - scale * sign(m)`` per device (not in the
       paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its codec state a
+    :class:`jaxcomm.SignumState` per bucket).
 
-    tx = optax.chain(jaxcomm.signum(0.9), optax.sgd(1e-4))
+  Raises:
+    ValueError: naming the argument, for a ``beta`` outside ``[0, 1)``, a
+      ``scale`` that is not a positive number, an ``error_feedback``
+      other than True, False, ``"ef21"`` and ``"diana"`` (both of these
+      are refused: a vote is not the mean of what was sent), or an
+      ``axis_name``, ``policy`` or option that :func:`jaxcomm.compressed`
+      refuses; the update raises one when it is called outside a context
+      that binds ``axis_name``.
+
+  Examples:
+    Two steps on the 8 devices: device ``i`` (1 to 8) has the gradient
+    ``g_i = [i, -i, i - 6, 1]`` (device 1's last value ``-20``), then
+    ``-g_i / 2``. The first vote is :func:`jaxcomm.signsgd`'s; at the
+    second the momentum ``0.09 g_i - 0.05 g_i = 0.04 g_i`` still points
+    the first way, so the vote does not flip:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.signum(0.9, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(-g[0] / 2, state)
+    ...   return first, second, state.codec[0].momentum[None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i, i - 6, np.where(i == 1, -20.0, 1.0)],
+    ...                        axis=1)
+    >>> first, second, momentum = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P(), P("data"))))(grads)
+    >>> print(np.asarray(first, np.float64), np.asarray(second, np.float64))
+    [ 1. -1. -1.  1.] [ 1. -1. -1.  1.]
+    >>> print(np.asarray(momentum[0], np.float64).round(3))   # device 1's
+    [ 0.04 -0.04 -0.2  -0.8 ]
+
+    In training, an optimizer without momentum follows it:
+
+    >>> opt = optax.chain(jaxcomm.signum(0.9), optax.sgd(1e-4))
 
   References:
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
@@ -268,7 +401,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
 @dataclasses.dataclass(frozen=True)
 class EfSignSgdCodec(_codec.CodecBase):
   """Signs times each leaf's ``||x||_1 / d``, all-gathered
-  (:func:`ef_signsgd`); a gossip codec. No fields: it has no
+  (:func:`jaxcomm.ef_signsgd`); a gossip codec. No fields: it has no
   hyperparameters."""
 
   name = "ef_signsgd"
@@ -312,17 +445,59 @@ def ef_signsgd(*, axis_name="data", error_feedback: bool = True,
   per leaf of ``d`` elements. The average is the exact linear average of
   what each device sent, so error feedback conserves gradient mass; the
   signs and the per-leaf scales are all-gathered (each device sends ``n-1``
-  bits per element: :func:`onebit`'s two-phase exchange scales better). The
-  paper's step ``x -= lr * Delta`` is ``optax.sgd(lr)`` downstream.
+  bits per element: :func:`jaxcomm.onebit`'s two-phase exchange scales
+  better). The paper's step ``x -= lr * Delta`` is ``optax.sgd(lr)``
+  downstream.
 
   Args:
     axis_name: the data axis.
     error_feedback: keep the residual (the paper's point; default True).
     policy: a :class:`jaxcomm.LeafPolicy`.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`.
 
-    tx = optax.chain(jaxcomm.ef_signsgd(), optax.sgd(0.01))
+  Raises:
+    ValueError: naming the argument, for an ``error_feedback`` other than
+      True, False, ``"ef21"`` and ``"diana"`` (``"diana"`` is refused:
+      scaled signs are biased), or an ``axis_name``, ``policy`` or option
+      that :func:`jaxcomm.compressed` refuses; the update raises one when
+      it is called outside a context that binds ``axis_name``.
+
+  Examples:
+    On the 8 devices, device ``i`` (1 to 8) has the gradient ``[i, -i /
+    2, 1.5, 8 - i]``, with a leaf policy that compresses even a 4-value
+    leaf. Device ``i`` sends ``||g_i||_1 / 4`` times its signs
+    ``[+, -, +, +]`` (sign(0) = +1), device 8 ``3.375``. The update is
+    the exact mean of the messages, and the residuals keep the rest:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.ef_signsgd(policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i / 2, 0 * i + 1.5, 8 - i], axis=1)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(grads[7] - np.asarray(residual[7], np.float64))  # device 8's
+    [ 3.375 -3.375  3.375  3.375]
+    >>> print(grads.mean(0), np.asarray(update, np.float64).round(4))
+    [ 4.5  -2.25  1.5   3.5 ] [ 2.9375 -2.9375  2.9375  2.9375]
+    >>> print(np.allclose(8 * update + np.sum(residual, 0), grads.sum(0)))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.ef_signsgd(), optax.sgd(0.01))
 
   References:
     Karimireddy et al, `Error Feedback Fixes SignSGD and other Gradient

@@ -223,7 +223,8 @@ def adacomp(bin_size: int | None = None, *,
   selects more, the largest ``|G_j|`` of the selection travel (equal
   magnitudes first by index) and the rest stays in the residual, to
   compete again at the next step (nothing is dropped with error feedback).
-  The exchange is the all-gather of :func:`topk`, sized by the capacity.
+  The exchange is the all-gather of :func:`jaxcomm.topk`, sized by the
+  capacity.
 
   The default capacity, 3 slots per bin, is sized to the rule's measured
   rate with headroom: without a capacity (digits MLP and CNN, batch 8, 200
@@ -258,10 +259,50 @@ def adacomp(bin_size: int | None = None, *,
     error_feedback: keep what was not sent (the paper's residue).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`: with error feedback its residual
+    holds what each device has not sent yet, and its ``codec`` holds an
+    ``AdaCompState`` per bucket.
 
-    tx = optax.chain(jaxcomm.adacomp(50), optax.sgd(0.1, momentum=0.9))
+  Raises:
+    ValueError: naming the argument, for a ``bin_size`` that is not an
+      int ``>= 1``, a ``capacity_factor`` below 1 (or traced), or an
+      ``axis_name``, ``error_feedback``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one when
+      ``bin_size`` exceeds a compressed leaf.
+
+  Examples:
+    Bins of 4: device ``i`` (1 to 8) has the gradient ``i * [4, 1, 3,
+    0.5, -2, 2, 0.5, 1]``. At the first step (no residue, ``H = 2G``) an
+    element is sent where ``|G|`` is at least half its bin's largest:
+    ``4, 3`` of the first bin and ``-2, 2, 1`` of the second, 5 pairs per
+    device, which the state counts:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.adacomp(4, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.codec[0].sent[None]
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [4.0, 1, 3, 0.5, -2, 2, 0.5, 1])
+    >>> update, sent = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(update).round(3), np.asarray(sent))
+    [18.   0.  13.5  0.  -9.   9.   0.   4.5] [5 5 5 5 5 5 5 5]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.adacomp(50), optax.sgd(0.1, momentum=0.9))
 
   References:
     Chen et al, `AdaComp: Adaptive Residual Gradient Compression for

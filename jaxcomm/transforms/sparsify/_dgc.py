@@ -329,9 +329,10 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     ``ratio`` (0: no warm-up).
 
   Selection per leaf (``k = max(1, ceil(density * L))``) uses the sampled
-  threshold of :func:`sampled_select` (``exact=False``; the samples of all
-  leaves come from one draw, :func:`dgc_bucket_sample`, and all leaves are
-  selected together) or exact top-k.
+  threshold of ``sampled_select`` in ``jaxcomm/transforms/sparsify/_dgc.py``
+  (``exact=False``; the samples of all leaves come from one draw,
+  ``dgc_bucket_sample``, and all leaves are selected together) or exact
+  top-k.
 
   Departs from the paper in the exchange of the warm-up: message sizes must
   be static, so each stage has its own exchange (capacity sized for that
@@ -342,11 +343,16 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
   ``8 * 0.25 * (4 + b)`` bytes per element, more than a dense psum: warm-up
   trades bytes for accuracy early in training.
 
+  The static arguments default to None (meaning the values below), so that
+  ``optax.inject_hyperparams(jaxcomm.dgc)`` injects only what it is given.
+
   Args:
     ratio: target density in ``(0, 1]`` (static; default 0.001, the
       paper's).
-    momentum: momentum ``m`` of the correction (None: plain error feedback).
-    clip_norm: local clipping norm (None: no clipping).
+    momentum: momentum ``m`` of the correction, in ``[0, 1]`` (None:
+      plain error feedback); forwarded to :func:`jaxcomm.compressed`.
+    clip_norm: local clipping norm, ``> 0`` (None: no clipping); forwarded
+      to :func:`jaxcomm.compressed`.
     warmup_steps_per_stage: steps per warm-up stage (static int >= 0;
       default 0, no warm-up).
     warmup_densities: warm-up densities (static, decreasing).
@@ -355,19 +361,62 @@ def dgc(ratio: float | None = None, *, momentum: float | None = 0.9,
     exact: exact top-k instead of the sampled threshold (static).
     max_rounds: bound on the threshold adjustment rounds (static; default
       10).
+    axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep what was not sent (the paper's accumulation).
       ``False`` needs ``momentum=None``: momentum correction accumulates
       the velocity in the residual.
-
-  The static arguments default to None (meaning the values above), so that
-  ``optax.inject_hyperparams(jaxcomm.dgc)`` injects only what it is given.
-    axis_name: the data axis (a name, a tuple of names, or None).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the PRNG key (the threshold's samples).
+    **options: ``start_step``, ``momentum_masking``, ``lr_schedule``,
+      ``residual_decay`` and ``shift_rate``, the options every compressor
+      takes (besides ``momentum`` and ``clip_norm`` above), forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.dgc(0.001, momentum=0.9), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio``, ``sample_ratio`` or
+      warm-up density outside ``(0, 1]`` (or traced), a negative
+      ``warmup_steps_per_stage`` or ``max_rounds``, an ``exact`` that is
+      not a bool, ``error_feedback`` other than True with ``momentum``
+      set, or an ``axis_name``, ``error_feedback``, ``policy``,
+      ``momentum``, ``clip_norm`` or option that
+      :func:`jaxcomm.compressed` refuses.
+
+  Examples:
+    Density 0.25 of 8 values (2 per device; the sample is then the whole
+    leaf, so the threshold is exact) with the default momentum 0.9.
+    Device ``i`` (1 to 8) has the gradient ``i * [4, -3, 2, 1, 0, ...]``
+    twice. The first step sends ``4, -3`` (``u`` and ``v`` are zeroed
+    there); at the second, ``v`` holds ``4, -3`` there again but ``2 +
+    (0.9 * 2 + 2) = 5.8`` at the third coordinate, so ``4`` and ``5.8``
+    travel:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.dgc(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(g[0], state)
+    ...   return first, second
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [4.0, -3, 2, 1, 0, 0, 0, 0])
+    >>> first, second = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(first).round(3))
+    [ 18.  -13.5   0.    0.    0.    0.    0.    0. ]
+    >>> print(np.asarray(second).round(3))
+    [18.   0.  26.1  0.   0.   0.   0.   0. ]
+
+    In training, an optimizer without momentum follows it:
+
+    >>> opt = optax.chain(jaxcomm.dgc(0.001, momentum=0.9), optax.sgd(0.1))
 
   References:
     Lin et al, `Deep Gradient Compression: Reducing the Communication

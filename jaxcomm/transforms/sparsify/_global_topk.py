@@ -97,10 +97,54 @@ def gtopk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     error_feedback: keep what did not reach the global sum.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.gtopk(0.001), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``granularity`` other than ``"leaf"`` or
+      ``"model"``, or an ``axis_name``, ``error_feedback``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses. The update raises
+      one on a number of devices that is not a power of two.
+
+  Examples:
+    ``k = 2`` of 8 values: device ``d`` (0 to 7) has ``d + 1`` at
+    coordinate ``d`` and ``0.5`` at ``d + 1`` (mod 8), so the local
+    selections cover every coordinate, where :func:`jaxcomm.topk`'s
+    update would have 8 nonzeros. The merges keep 2 in all; what a device
+    selected that did not reach the sum stays in its residual, so the
+    gradient mass is conserved:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.gtopk(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> d = np.arange(8)
+    >>> grads = np.zeros((8, 8))
+    >>> grads[d, d], grads[d, (d + 1) % 8] = d + 1.0, 0.5
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> update, residual = np.asarray(update), np.asarray(residual)
+    >>> print(update.round(3))
+    [0.    0.    0.    0.    0.    0.    0.875 1.062]
+    >>> print(np.allclose(8 * update + residual.sum(0), grads.sum(0)))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.gtopk(0.001), optax.sgd(0.1))
 
   References:
     Shi et al, `A Distributed Synchronous SGD Algorithm with Global Top-k
@@ -181,11 +225,48 @@ def csc(chunk_size: int, ratio: float, *, axis_name="data",
     error_feedback: keep the unsent chunks.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the chunk selection is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.csc(chunk_size=1024, ratio=0.01),
-                     optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``chunk_size`` that is not an
+      int ``>= 1``, a ``ratio`` outside ``(0, 1]`` (or traced), or an
+      ``axis_name``, ``error_feedback``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses.
+
+  Examples:
+    Chunks of 2 values, one of the 4 exchanged: device ``i`` (1 to 8) has
+    ``i`` in the first chunk and ``3, 3`` in the last. The summed L1 norms
+    (36 against 48) pick the last chunk on every device, though device 8's
+    own first chunk is the larger there; its values arrive as their exact
+    mean:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.csc(2, 0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> grads = np.zeros((8, 8))
+    >>> grads[:, 0], grads[:, 6:] = np.arange(1.0, 9.0), 3.0
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(update).round(3))
+    [0. 0. 0. 0. 0. 0. 3. 3.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.csc(chunk_size=1024, ratio=0.01),
+    ...                   optax.sgd(0.1))
 
   References:
     Sun et al, `Optimizing Network Performance for Distributed DNN Training

@@ -96,8 +96,10 @@ class GmcCodec(_codec.CodecBase):
 def gmc(ratio: float, beta: float = 0.9, *, axis_name="data",
         error_feedback: bool = True, policy=None, seed: int = 0,
         **options):
-  """Global momentum compression: sparsified momentum SGD whose momentum
-  is the model's last step, not each device's own.
+  """Global momentum compression: top-k with the global momentum added.
+
+  Sparsified momentum SGD whose momentum is the model's last step, not
+  each device's own.
 
   .. math::
     z_i = u_i + g_i + \\beta d, \\quad s_i = \\mathrm{top}_k(z_i), \\quad
@@ -123,10 +125,54 @@ def gmc(ratio: float, beta: float = 0.9, *, axis_name="data",
     error_feedback: True (the only mode: the memory ``u_i`` is GMC's).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``momentum`` is refused: GMC's momentum
+      is ``beta``; so is ``shift_rate``, DIANA's).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its residual is the memory ``u_i``, its
+    ``codec`` the global momentum ``d``).
 
-    tx = optax.chain(jaxcomm.gmc(0.01, beta=0.9), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``beta`` outside ``[0, 1)``, ``error_feedback``
+      other than True, a ``momentum`` option, or an ``axis_name``,
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses.
+      ``tx.init`` raises one when ``ratio`` keeps fewer than one element
+      of every compressed leaf.
+
+  Examples:
+    ``k = 2`` of 4 values and ``beta = 0.5``: device ``i`` (1 to 8) has
+    the gradient ``i * [1, 0.5, 0.25, 0]`` twice. The first update is the
+    mean of the top 2, ``d = [4.5, 2.25, 0, 0]``; at the second each
+    device adds ``beta d`` before its top-k, so the update is ``1.5 d``
+    (heavy ball where nothing is cut), and the memory ``u_i`` has
+    gathered ``0.25 i`` twice at the third coordinate:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.gmc(0.5, beta=0.5, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(g[0], state)
+    ...   return first, second, state.residual[0][None]
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array([1.0, 0.5, 0.25, 0])
+    >>> first, second, memory = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P(), P("data"))))(grads)
+    >>> print(np.asarray(first).round(3), np.asarray(second).round(3))
+    [4.5  2.25 0.   0.  ] [6.75  3.375 0.    0.   ]
+    >>> print(np.asarray(memory[7]).round(3))
+    [0. 0. 4. 0.]
+
+    In training, plain SGD follows it:
+
+    >>> opt = optax.chain(jaxcomm.gmc(0.01, beta=0.9), optax.sgd(0.1))
 
   References:
     Zhao et al, `Global Momentum Compression for Sparse Communication in

@@ -104,9 +104,10 @@ class LagCodec(_codec.CodecBase):
 @_compressor.shared_options
 def lag(zeta: float = 1.0, *, axis_name="data", error_feedback="ef21",
         policy=None, seed: int = 0, **options):
-  """Lazy aggregation (LAG): each device re-sends its gradient only when it
-  has moved enough since the one it last sent; the others' last ones are
-  reused.
+  """Lazy aggregation (LAG): a device sends only when its gradient moved.
+
+  Each device re-sends its gradient only when it has moved enough since
+  the one it last sent; the others' last ones are reused.
 
   .. math::
     h_i \\leftarrow \\begin{cases} g_i & \\|g_i - h_i\\|^2 >
@@ -139,10 +140,51 @@ def lag(zeta: float = 1.0, *, axis_name="data", error_feedback="ef21",
       estimates).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (with EF21, ``lr_schedule``,
+      ``residual_decay`` and ``shift_rate`` are refused; ``momentum`` is
+      EF21-SGDM's).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState`: EF21's estimates ``h_i`` and ``h``,
+    and a ``LagState`` per bucket in its ``codec``.
 
-    tx = optax.chain(jaxcomm.lag(zeta=1.0), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``zeta`` that is not a finite
+      number ``>= 0``, an ``error_feedback`` other than ``"ef21"``, or an
+      ``axis_name``, ``policy`` or option that :func:`jaxcomm.compressed`
+      refuses.
+
+  Examples:
+    Device ``i`` (1 to 8) has the gradient ``i * [1, -2, 0.5, 0]`` at two
+    steps. At the first every device sends and the update is the exact
+    mean; at the second no gradient has moved, so no device sends (the
+    state counts the senders) and the same mean is reused:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.lag(1.0, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   senders = state.codec[0].senders
+    ...   second, state = tx.update(g[0], state)
+    ...   return first, second, senders, state.codec[0].senders
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array([1.0, -2, 0.5, 0])
+    >>> first, second, n1, n2 = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(first).round(3), np.asarray(second).round(3))
+    [ 4.5  -9.    2.25  0.  ] [ 4.5  -9.    2.25  0.  ]
+    >>> print(int(n1), int(n2))
+    8 0
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.lag(zeta=1.0), optax.sgd(0.1))
 
   References:
     Chen et al, `LAG: Lazily Aggregated Gradient for Communication-Efficient

@@ -212,13 +212,14 @@ def mgs(ratio: float, link: _wire.CostModel | None = None,
         topk_seconds_per_element: float | None = None, *, axis_name="data",
         error_feedback: bool = True, policy=None, seed: int = 0,
         **options):
-  """Merged gradient sparsification: top-k over groups of consecutive
-  layers, merged where the link's startup time costs more than waiting.
+  """Merged gradient sparsification: top-k over merged groups of layers.
 
-  Layers (compressed leaves, in the bucket's order) are merged by
-  :func:`merge_plan`, the paper's greedy rule on the alpha-beta model
-  ``link`` (backward pass from the last layer to the first, one
-  all-gather of pairs per group); each group ``G`` sends its ``k_G =
+  Groups of consecutive layers are merged where the link's startup time
+  costs more than waiting. Layers (compressed leaves, in the bucket's
+  order) are merged by ``merge_plan`` (in
+  ``jaxcomm/transforms/sparsify/_mgs.py``), the paper's greedy rule on the
+  alpha-beta model ``link`` (backward pass from the last layer to the
+  first, one all-gather of pairs per group); each group ``G`` sends its ``k_G =
   max(1, ceil(ratio |G|))`` largest ``|x|`` as (index, value) pairs, with
   error feedback (the paper's residuals):
 
@@ -227,8 +228,9 @@ def mgs(ratio: float, link: _wire.CostModel | None = None,
     x_i - s_i, \\quad u = \\frac{1}{n} \\sum_i s_i
 
   One group per layer is layer-wise top-k (:func:`jaxcomm.topk`), one
-  group for the model is ``topk(granularity="model")``;
-  :func:`timeline` predicts the three (``python -m benchmarks.mgs``).
+  group for the model is ``topk(granularity="model")``; ``timeline``
+  (beside ``merge_plan``) predicts the three (``python -m
+  benchmarks.mgs``).
 
   Departures: a jitted JAX step runs the update after the whole backward
   pass, so there is no wait-free pipeline to overlap: the groups'
@@ -253,11 +255,58 @@ def mgs(ratio: float, link: _wire.CostModel | None = None,
     error_feedback: keep what was not sent (default True, as the paper).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.mgs(0.01, jaxcomm.wire.CostModel.link(1.0)),
-                     optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``link`` that is not a finite
+      :class:`jaxcomm.wire.CostModel`, a ``backward_seconds`` or
+      ``topk_seconds_per_element`` that is not a finite number ``>= 0``
+      (or is traced), or an ``axis_name``, ``error_feedback``, ``policy``
+      or option that :func:`jaxcomm.compressed` refuses. ``tx.init``
+      raises one when ``ratio`` keeps fewer than one element of every
+      bucket.
+
+  Examples:
+    Two layers of 8 values, ``k = max(1, ceil(ratio |G|))`` per group.
+    With no backward time to hide the messages behind
+    (``backward_seconds=0``), a second startup of the link buys nothing,
+    so the layers merge into one group of 16 and its top 4 all fall in
+    ``a``; layer-wise top-k would send 2 of ``b``. Device ``i`` (1 to 8)
+    has ``i`` times the values below:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.mgs(0.25, backward_seconds=0.0,
+    ...                  policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's grads
+    ...   g = jax.tree.map(lambda x: x[0], g)
+    ...   update, state = tx.update(g, tx.init(g))
+    ...   return update
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = {"a": i * np.array([4.0, 3, 2, 1, 0, 0, 0, 0]),
+    ...          "b": i * np.array([0.5, 0.25, 0, 0, 0, 0, 0, 0])}
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(update["a"]).round(3))
+    [18.  13.5  9.   4.5  0.   0.   0.   0. ]
+    >>> print(np.asarray(update["b"]).round(3))
+    [0. 0. 0. 0. 0. 0. 0. 0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(
+    ...   jaxcomm.mgs(0.01, jaxcomm.wire.CostModel.link(1.0)), optax.sgd(0.1))
 
   References:
     Shi et al, `Communication-Efficient Distributed Deep Learning with

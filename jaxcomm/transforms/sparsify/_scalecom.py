@@ -135,10 +135,57 @@ def scalecom(ratio: float, *, beta: float | None = None, axis_name="data",
     error_feedback: keep what was not sent.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased; with ``beta < 1``, so are ``momentum`` and
+      ``lr_schedule``).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet; with
+    ``beta < 1`` the codec part keeps its filtered copy).
 
-    tx = optax.chain(jaxcomm.scalecom(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``beta`` outside ``(0, 1]``, ``beta < 1`` with
+      ``error_feedback`` other than True or with ``momentum`` or
+      ``lr_schedule``, or an ``axis_name``, ``error_feedback``,
+      ``policy`` or option that :func:`jaxcomm.compressed` refuses.
+
+  Examples:
+    ``k = 2`` of 8 values; device ``d`` (0 to 7) has the gradient ``[d,
+    -d, 1, -1, 0, ...]``. At step 0 the leader is device 0, whose largest
+    are ``1, -1``: every device sends its values there, whose mean is the
+    update, though most devices' largest are elsewhere. At step 1 device 1
+    leads: its ``x = g + e`` is largest at the first two coordinates,
+    where every device sends what two steps have put there, ``2d`` and
+    ``-2d``:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.scalecom(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(g[0], state)
+    ...   return first, second
+    >>> d = np.arange(8.0)                         # device d = 0 .. 7
+    >>> grads = np.zeros((8, 8))
+    >>> grads[:, 0], grads[:, 1], grads[:, 2], grads[:, 3] = d, -d, 1, -1
+    >>> first, second = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(first).round(3))
+    [ 0.  0.  1. -1.  0.  0.  0.  0.]
+    >>> print(np.asarray(second).round(3))
+    [ 7. -7.  0.  0.  0.  0.  0.  0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.scalecom(0.01), optax.sgd(0.1))
 
   References:
     Chen et al, `ScaleCom: Scalable Sparsified Gradient Compression for

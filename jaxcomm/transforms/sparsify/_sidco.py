@@ -171,8 +171,7 @@ def sidco(ratio: float, *, distribution: str = "exponential",
           capacity_factor: float | None = None, axis_name="data",
           error_feedback: bool = True, policy=None, seed: int = 0,
           **options):
-  """SIDCo: sparsification by a statistical threshold (no sort, no
-  sample).
+  """SIDCo: sparsification by a statistical threshold (no sort, no sample).
 
   Per leaf, ``|x|`` (``x = g + e``) is fitted by a sparsity-inducing
   distribution in ``stages`` peaks-over-threshold stages (stage 1 at density
@@ -183,7 +182,7 @@ def sidco(ratio: float, *, distribution: str = "exponential",
   number selected varies from step to step around ``k``; when it exceeds
   the capacity, the first by index travel and the rest stays in the
   residual (nothing is dropped with error feedback). The exchange is the
-  all-gather of :func:`topk`, sized by the capacity.
+  all-gather of :func:`jaxcomm.topk`, sized by the capacity.
 
   Departs from the paper in two stated ways: the number of stages is fixed
   (the paper adapts it every few hundred steps from the achieved density;
@@ -205,10 +204,49 @@ def sidco(ratio: float, *, distribution: str = "exponential",
     error_feedback: keep what was not sent.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.sidco(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` or ``first_ratio``
+      outside ``(0, 1]`` (or traced), a ``distribution`` other than
+      ``"exponential"`` or ``"gpareto"``, ``stages`` outside ``[1, 16]``,
+      a ``capacity_factor`` below 1 (or traced), or an ``axis_name``,
+      ``error_feedback``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one when
+      ``ratio`` keeps fewer than one element of every compressed leaf.
+
+  Examples:
+    Density 0.25 of 8 values (one stage: ``ratio`` is not below
+    ``first_ratio``). Device ``i`` (1 to 8) has the gradient ``i * [8,
+    -4, 2, 1, -1, 0.5, 0.5, 0]``: the exponential fit's threshold is
+    ``mean |x| * log 4``, ``2.95 i``, and the two values above it travel:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.sidco(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [8.0, -4, 2, 1, -1, 0.5, 0.5, 0])
+    >>> update = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(update).round(3))
+    [ 36. -18.   0.   0.   0.   0.   0.   0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.sidco(0.01), optax.sgd(0.1))
 
   References:
     Abdelmoniem et al, `An Efficient Statistical-based Gradient Compression

@@ -335,8 +335,9 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
              momentum: float = 0.9, momentum_masking: bool = True,
              lr_schedule=None, axis_name="data", error_feedback: bool = False,
              policy=None, seed: int = 0, **options):
-  """FetchSGD: count sketches averaged with one all-reduce, momentum and
-  error accumulation in sketch space, top-k recovery (Rothchild et al.).
+  """FetchSGD: count sketches averaged with one all-reduce, top-k recovery.
+
+  Momentum and error accumulation run in sketch space (Rothchild et al.).
 
   .. math::
     S = \\frac{1}{n}\\sum_i \\mathcal{S}(g_i), \\quad
@@ -346,7 +347,7 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
 
   Each device count-sketches its bucket into ``[rows, cols]`` (hash and
   sign per row from ``seed``, defined in
-  :mod:`jaxcomm.transforms.sparsify._sketch`),
+  ``jaxcomm/transforms/sparsify/_sketch.py``),
   and one psum of the table gives the mean sketch ``S``: ``4 rows cols``
   bytes per device per bucket, flat in ``n`` and in the model size. The
   momentum sketch ``S_u`` and error sketch ``S_e`` are replicated codec
@@ -409,16 +410,61 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
     error_feedback: must be False (the error feedback is in sketch space).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the sketch's hash (mod ``2^32``) and of the state's key.
-    **options: ``start_step``, ``clip_norm`` (and ``residual_decay``, which
-      needs a residual and is refused), forwarded to
-      :func:`jaxcomm.compressed`.
+    **options: ``start_step``, ``clip_norm``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes (besides
+      ``momentum``, ``momentum_masking`` and ``lr_schedule`` above, which
+      are FetchSGD's own), forwarded to :func:`jaxcomm.compressed`
+      (``residual_decay``, which needs a residual, and ``shift_rate``,
+      DIANA's, are refused).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` with no residual; its ``codec`` holds
+    ``(S_u, S_e)`` per bucket (and the rate ``S_e`` was last kept at, with
+    ``lr_schedule``).
 
-  Example::
+  Raises:
+    ValueError: naming the argument, for a ``k_ratio`` outside ``(0, 1]``
+      (or traced), ``cols`` or ``rows`` that is not an int ``>= 1``, a
+      ``momentum`` outside ``[0, 1)``, a ``momentum_masking`` that is not
+      a bool, an ``lr_schedule`` that is not callable, an
+      ``error_feedback`` other than False, a ``seed`` that is not an
+      integer, or an ``axis_name``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one when a
+      bucket's ``k`` exceeds ``cols``, or ``k_ratio`` keeps fewer than one
+      element of every bucket.
 
-    tx = optax.chain(jaxcomm.fetchsgd(0.001, cols=50_000), optax.sgd(0.1))
+  Examples:
+    ``k = 2`` of 8 values from a sketch of 5 rows of 64 columns (few
+    enough collisions for the medians to be exact). Device ``i`` (1 to 8)
+    has the gradient ``i * [4, -3, 2, 1, 0, ...]``: the first update is
+    the top 2 of the mean gradient, ``18, -13.5``. With a zero gradient
+    next, the error sketch still holds the rest, ``[9, 4.5]``, plus the
+    momentum sketch's ``0.9`` times it: ``1.9 * [9, 4.5]`` travels:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.fetchsgd(0.25, cols=64,
+    ...                       policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(jnp.zeros_like(g[0]), state)
+    ...   return first, second
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [4.0, -3, 2, 1, 0, 0, 0, 0])
+    >>> first, second = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(first).round(3))
+    [ 18.  -13.5   0.    0.    0.    0.    0.    0. ]
+    >>> print(np.asarray(second).round(3))
+    [ 0.    0.   17.1   8.55  0.    0.    0.    0.  ]
+
+    In training, an optimizer without momentum follows it:
+
+    >>> opt = optax.chain(jaxcomm.fetchsgd(0.001, cols=50_000),
+    ...                   optax.sgd(0.1))
 
   References:
     Rothchild et al, `FetchSGD: Communication-Efficient Federated Learning

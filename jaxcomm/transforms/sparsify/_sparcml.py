@@ -240,8 +240,10 @@ class SparcmlCodec(_codec.CodecBase):
 @_compressor.shared_options
 def sparcml(ratio: float, *, axis_name="data", error_feedback: bool = True,
             policy=None, seed: int = 0, **options):
-  """SparCML: top-k with error feedback, summed by a sparse all-reduce that
-  goes dense when the union of the devices' supports fills.
+  """SparCML: top-k summed by a sparse all-reduce that goes dense when full.
+
+  Top-k with error feedback, summed by a sparse all-reduce that goes dense
+  when the union of the devices' supports fills.
 
   .. math::
     s_i = \\mathrm{top}_k(g_i + e_i), \\quad u = \\frac{1}{n} \\sum_i s_i,
@@ -256,8 +258,8 @@ def sparcml(ratio: float, *, axis_name="data", error_feedback: bool = True,
   fewer words than the range's ``m`` float32 values), as the dense range
   once one is not (``DSAR_Split_allgather``). The largest union is one
   4-byte all-reduce; the decision is the same on every device.
-  :class:`SparcmlState` keeps the last union and the steps that went
-  dense.
+  The codec state, a ``SparcmlState`` per bucket, keeps the last union and
+  the steps that went dense.
 
   Never more than the dense all-reduce: each phase's message is smaller
   than the matching phase of a dense reduce-scatter + all-gather (the
@@ -272,8 +274,7 @@ def sparcml(ratio: float, *, axis_name="data", error_feedback: bool = True,
   too). The union is counted from the positions an owner received
   (sorted once; no pass over its range), so a position whose values
   cancel to 0 still counts and travels as a 0. The all-gather's sparse
-  message
-  holds the largest union possible, capped at the break-even; where the
+  message holds the largest union possible, capped at the break-even; where the
   cap binds, both programs are compiled and a ``lax.cond`` on the
   measured union picks one (the claim lists both, as :func:`jaxcomm.lag`
   lists its conditional all-reduce). The paper's recursive-doubling
@@ -288,10 +289,53 @@ def sparcml(ratio: float, *, axis_name="data", error_feedback: bool = True,
       SGD with error accumulation), or False.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet; its
+    ``codec`` holds a ``SparcmlState`` per bucket).
 
-    tx = optax.chain(jaxcomm.sparcml(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), or an ``axis_name``, ``error_feedback``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses. ``tx.init`` raises
+      one when ``ratio`` keeps fewer than one element of every compressed
+      leaf.
+
+  Examples:
+    ``k = 2`` of 64 values: device ``d`` (0 to 7) has ``d + 1`` and
+    ``-(d + 1)`` at coordinates ``4d`` and ``4d + 1``. The 8 ranges of 8
+    positions each receive two devices' pairs, a union of 4, under the
+    break-even: the all-gather stays sparse, and the update is the exact
+    mean at all 16 coordinates sent:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.sparcml(1 / 32, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 64]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.codec[0]
+    >>> d = np.arange(8)
+    >>> grads = np.zeros((8, 64))
+    >>> grads[d, 4 * d], grads[d, 4 * d + 1] = d + 1.0, -(d + 1.0)
+    >>> update, info = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> update = np.asarray(update)
+    >>> print(np.count_nonzero(update), np.allclose(update, grads.mean(0)))
+    16 True
+    >>> print(int(info.union), int(info.dense_steps))
+    4 0
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.sparcml(0.01), optax.sgd(0.1))
 
   References:
     Renggli et al, `SparCML: High-Performance Sparse Communication for

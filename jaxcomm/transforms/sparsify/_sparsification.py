@@ -195,10 +195,52 @@ def topk(ratio: float, *, granularity: str = "leaf",
     error_feedback: keep the unsent coordinates (Stich et al. 2018).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by top-k itself).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.topk(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``granularity`` other than ``"leaf"`` or
+      ``"model"``, a ``value_bits`` not among 1, 2, 4, 8 and None, or an
+      ``axis_name``, ``error_feedback``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one when
+      ``ratio`` keeps fewer than one element of every compressed leaf
+      (bucket, with ``granularity="model"``).
+
+  Examples:
+    On the 8 devices, with a leaf policy that compresses even a 4-value
+    leaf: device ``i`` (1 to 8) has the gradient ``[i, -i, 0.1, 0.2]``.
+    Each sends its two largest values, so the first update is their mean;
+    error feedback keeps ``[0.1, 0.2]``, sent at the next step (here with
+    a zero gradient):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.topk(0.5, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   state = tx.init(g[0])
+    ...   first, state = tx.update(g[0], state)
+    ...   second, state = tx.update(jnp.zeros_like(g[0]), state)
+    ...   return first, second
+    >>> i = np.arange(1.0, 9.0)[:, None]          # device i = 1 .. 8
+    >>> grads = np.concatenate([i, -i, 0 * i + 0.1, 0 * i + 0.2], axis=1)
+    >>> first, second = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    >>> print(np.asarray(first).round(3), np.asarray(second).round(3))
+    [ 4.5 -4.5  0.   0. ] [0.  0.  0.1 0.2]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.topk(0.01), optax.sgd(0.1))
 
   References:
     Aji et al, `Sparse Communication for Distributed Gradient Descent
@@ -385,7 +427,9 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     u_S = \\frac{1}{n}\\sum_i (x_i)_S, \\quad u_{\\bar S} = 0
 
   All devices draw the same ``k`` coordinates from the step key kept in the
-  state (:func:`randomk_indices`), so no index travels: the ``k`` values
+  state (``randomk_indices`` in
+  ``jaxcomm/transforms/sparsify/_sparsification.py``: 24 rounds of a
+  keyed swap-or-not permutation), so no index travels: the ``k`` values
   are summed with one plain psum (``4 k`` bytes, independent of ``n``).
   Values are not rescaled by ``L / k``: with error feedback (the default)
   the unsent coordinates are sent later, as in Stich et al.
@@ -394,15 +438,57 @@ def randomk(ratio: float, *, granularity: str = "leaf", axis_name="data",
     ratio: fraction of coordinates sent, in ``(0, 1]`` (static); one
       below ``1 / L`` for every leaf (bucket, with ``granularity=
       "model"``) is refused at init.
-    granularity: ``"leaf"`` or ``"model"`` (as :func:`topk`).
+    granularity: ``"leaf"`` or ``"model"`` (as :func:`jaxcomm.topk`).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent coordinates.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the shared PRNG key.
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.randomk(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), a ``granularity`` other than ``"leaf"`` or
+      ``"model"``, or an ``axis_name``, ``error_feedback``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses. ``tx.init`` raises
+      one when ``ratio`` keeps fewer than one element of every compressed
+      leaf (bucket, with ``granularity="model"``).
+
+  Examples:
+    Device ``i`` (1 to 8) has the gradient ``i * [1, 2, ..., 8]``. All
+    devices send the values at the same 4 coordinates, drawn from the
+    shared key: the update there is the exact mean, and zero elsewhere,
+    where each device keeps its values in its residual:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.randomk(0.5, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.arange(1.0, 9.0)
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> update, residual = np.asarray(update), np.asarray(residual)
+    >>> sent = update != 0
+    >>> print(sent.sum(), np.allclose(update[sent], grads.mean(0)[sent]))
+    4 True
+    >>> print(bool(((residual != 0) == ~sent).all()))
+    True
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.randomk(0.01), optax.sgd(0.1))
 
   References:
     Stich et al, `Sparsified SGD with Memory
@@ -464,7 +550,7 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
     \\text{ largest)}, \\quad e_i \\leftarrow x_i - s_i
 
   Every coordinate with ``|x| >= value`` is sent, up to a static capacity
-  of ``c = max(1, ceil(capacity_ratio * L))`` per leaf
+  of ``c = max(1, ceil(capacity_ratio * L))`` per leaf.
   When more qualify, the ``c`` largest ``|x|`` are sent (ties: lower
   index first) and the overflow stays in the residual (with error feedback
   it is sent later; nothing is dropped): late coordinates of a leaf do not
@@ -474,20 +560,60 @@ def threshold(value: float, *, capacity_ratio: float | None = None,
   Departs from Strom, who sends each selected coordinate as ``+-value``
   (one sign bit beside the index): here the exact value travels (as GRACE's
   ``threshold``), so nothing beyond the unsent coordinates enters the
-  residual; the exchange is the all-gather of :func:`topk`.
+  residual; the exchange is the all-gather of :func:`jaxcomm.topk`.
 
   Args:
-    value: the threshold ``tau > 0``.
+    value: the threshold ``tau > 0`` (finite; may be traced under
+      ``optax.inject_hyperparams``).
     capacity_ratio: the message capacity as a fraction of each leaf, in
       ``(0, 1]`` (static; default 0.01).
     axis_name: the data axis (a name, a tuple of names, or None).
     error_feedback: keep the unsent coordinates (Strom's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.threshold(1e-3), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``value`` that is not a
+      finite number above 0, a ``capacity_ratio`` outside ``(0, 1]``, or
+      an ``axis_name``, ``error_feedback``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses.
+
+  Examples:
+    Threshold 2 and room for 4 of the 8 values per device: device ``i``
+    (1 to 8) has the gradient ``[i, -i / 2, 0.3, 0, ...]``, so it sends
+    ``i`` once ``i >= 2`` and ``-i / 2`` once ``i >= 4``; the counts
+    sent are read from the residuals:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.threshold(2.0, capacity_ratio=0.5,
+    ...                        policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, jnp.sum(state.residual[0] != g[0])[None]
+    >>> i = np.arange(1.0, 9.0)                   # device i = 1 .. 8
+    >>> grads = np.zeros((8, 8))
+    >>> grads[:, 0], grads[:, 1], grads[:, 2] = i, -i / 2, 0.3
+    >>> update, sent = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(update)[:3].round(4), np.asarray(sent))
+    [ 4.375 -1.875  0.   ] [0 1 1 2 2 2 2 2]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.threshold(1e-3), optax.sgd(0.1))
 
   References:
     Strom, `Scalable Distributed DNN Training Using Commodity GPU Cloud

@@ -266,8 +266,10 @@ class TernaryCodec(_codec.CodecBase):
 @_compressor.shared_options
 def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
         policy=None, seed: int = 0, **options):
-  """Sparse ternary compression: top-k, then every kept value replaced by
-  its sign times the mean magnitude of the kept values.
+  """Sparse ternary compression: top-k, each kept value sign times a mean.
+
+  Top-k, then every kept value replaced by its sign times the mean
+  magnitude of the kept values.
 
   .. math::
     x_i = g_i + e_i, \\quad \\mu_i = \\frac{1}{k} \\sum_{j \\in T_i}
@@ -279,7 +281,7 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
   with fewer than ``k`` nonzeros) sends 0, at a padding position past the
   leaf that the decoder drops. A leaf's message is
   ``mu`` (float32), ``k`` sign bits and the positions Golomb-coded
-  (:mod:`jaxcomm.collectives._golomb`: about ``log2(1/ratio) + 2`` bits
+  (``jaxcomm/collectives/_golomb.py``: about ``log2(1/ratio) + 2`` bits
   each), one all-gather of every device's message; the update is the mean
   of the decoded messages. Sattler et al. also compress the downstream
   (server -> client) update; in an all-gather there is none.
@@ -291,10 +293,50 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
     error_feedback: keep what was not sent (the paper's residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by STC itself).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.stc(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), or an ``axis_name``, ``error_feedback``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses. ``tx.init`` raises
+      one when ``ratio`` keeps fewer than one element of every compressed
+      leaf.
+
+  Examples:
+    ``k = 2`` of 8 values: device ``i`` (1 to 8) has the gradient ``i *
+    [4, -2, 1, 0, ...]``. It keeps ``4i, -2i`` and sends ``mu = 3i`` with
+    their signs; the update is the mean, and device 8's residual keeps
+    ``32 - 24``, ``-16 + 24`` and the unsent ``8``:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.stc(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [4.0, -2, 1, 0, 0, 0, 0, 0])
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(update).round(3))
+    [ 13.5 -13.5   0.    0.    0.    0.    0.    0. ]
+    >>> print(np.asarray(residual[7]).round(3))
+    [8. 8. 8. 0. 0. 0. 0. 0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.stc(0.01), optax.sgd(0.1))
 
   References:
     Sattler et al, `Robust and Communication-Efficient Federated Learning
@@ -314,9 +356,11 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
 @_compressor.shared_options
 def sbc(ratio: float, *, axis_name="data", error_feedback: bool = True,
         policy=None, seed: int = 0, **options):
-  """Sparse binary compression: the k largest and the k most negative
-  values are compared by their mean magnitudes; only the larger group is
-  sent, every value replaced by its mean.
+  """Sparse binary compression: k values of one sign, sent as their mean.
+
+  The k largest and the k most negative values are compared by their
+  mean magnitudes; only the larger group is sent, every value replaced
+  by its mean.
 
   .. math::
     \\mu^+ = \\frac{1}{k} \\sum \\mathrm{top}_k(x), \\quad
@@ -338,10 +382,51 @@ def sbc(ratio: float, *, axis_name="data", error_feedback: bool = True,
     error_feedback: keep what was not sent.
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused by SBC itself).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule``, ``residual_decay`` and
+      ``shift_rate``, the options every compressor takes, forwarded to
+      :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is refused:
+      the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (with error feedback, its residual
+    holds what each device has not sent yet).
 
-    tx = optax.chain(jaxcomm.sbc(0.01), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for a ``ratio`` outside ``(0, 1]``
+      (or traced), or an ``axis_name``, ``error_feedback``, ``policy`` or
+      option that :func:`jaxcomm.compressed` refuses. ``tx.init`` raises
+      one when ``ratio`` keeps fewer than one element of every compressed
+      leaf.
+
+  Examples:
+    ``k = 2`` of 8 values: device ``i`` (1 to 8) has the gradient ``i *
+    [4, 2, -1, -3, 0, ...]``. Its two largest average ``3i``, its two most
+    negative ``-2i``: the positive pair wins and both travel as ``3i``.
+    Device 8's residual keeps ``32 - 24``, ``16 - 24`` and the whole
+    negative side:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.sbc(0.25, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 8]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> grads = np.arange(1.0, 9.0)[:, None] * np.array(
+    ...   [4.0, 2, -1, -3, 0, 0, 0, 0])
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(update).round(3))
+    [13.5 13.5  0.   0.   0.   0.   0.   0. ]
+    >>> print(np.asarray(residual[7]).round(3))
+    [  8.  -8.  -8. -24.   0.   0.   0.   0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.sbc(0.01), optax.sgd(0.1))
 
   References:
     Sattler et al, `Sparse Binary Compression: Towards Distributed Deep

@@ -453,7 +453,7 @@ def variance_sparsification(
   ``r`` is the error-feedback residual (the paper's delayed update;
   ``zeta`` is :func:`jaxcomm.compressed`'s ``residual_decay``, and the
   decayed part is dropped, by design); ``v`` is kept per device in the
-  codec state (:class:`VarianceState`: a second buffer the size of the
+  codec state (a ``VarianceState``: a second buffer the size of the
   compressed leaves, beside the residual). ``Q`` rounds ``|r|`` to the
   nearest power of two ``2^k`` (ties up). A sent element is one 32-bit
   word: its sign (bit 31), the code ``E - k`` in ``exponent_bits`` bits,
@@ -524,10 +524,58 @@ def variance_sparsification(
     error_feedback: True (the only mode: ``r`` is the residual).
     policy: a :class:`jaxcomm.LeafPolicy`.
     seed: seed of the state's PRNG key (unused).
+    **options: ``start_step``, ``clip_norm``, ``momentum``,
+      ``momentum_masking``, ``lr_schedule`` and ``shift_rate``, the
+      options every compressor takes (besides ``residual_decay`` above),
+      forwarded to :func:`jaxcomm.compressed` (``shift_rate``, DIANA's, is
+      refused: the message is biased).
 
-  Example::
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.CompressState` (its residual is ``r``, its ``codec``
+    a ``VarianceState`` per bucket); its update takes the extra keyword
+    argument ``grad_variance``.
 
-    tx = optax.chain(jaxcomm.variance_sparsification(1.0), optax.sgd(0.1))
+  Raises:
+    ValueError: naming the argument, for an ``alpha`` that is not a
+      finite number ``>= 0``, a ``capacity_ratio`` outside ``(0, 1]``
+      (or traced), ``exponent_bits`` outside ``[1, 8]``, a
+      ``residual_decay`` outside ``[0, 1]``, an ``error_feedback`` other
+      than True, or an ``axis_name``, ``policy`` or option that
+      :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one for a
+      bucket larger than the position bits can address; the update, for a
+      ``grad_variance`` whose tree or shapes differ from the gradients'.
+
+  Examples:
+    ``alpha = 0.5`` sends from the first step (the statistic is ``g^2``
+    without ``grad_variance``, and ``0.5 g^2 < g^2``), with room for every
+    value. Device ``i`` (1 to 8) has the gradient ``[i, -1.5, 0.3, 0]``;
+    each value travels as the power of two nearest it (``3 -> 4``, ``5
+    -> 4``, ``6 -> 8``, ``-1.5 -> -2``, ``0.3 -> 0.25``) and the rounding
+    error stays in the residual:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()       # 8 devices on "data"
+    >>> tx = jaxcomm.variance_sparsification(
+    ...   0.5, capacity_ratio=1.0, policy=jaxcomm.LeafPolicy(min_size=1))
+    >>> def step(g):                               # this device's [1, 4]
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   return update, state.residual[0][None]
+    >>> grads = np.zeros((8, 4))
+    >>> grads[:, 0], grads[:, 1], grads[:, 2] = np.arange(1.0, 9.0), -1.5, 0.3
+    >>> update, residual = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"))))(grads)
+    >>> print(np.asarray(update).round(4))
+    [ 4.875 -2.     0.25   0.   ]
+    >>> print(np.asarray(residual)[:, 0].round(3))
+    [ 0.  0. -1.  0.  1. -2. -1.  0.]
+
+    In training, an optimizer follows it:
+
+    >>> opt = optax.chain(jaxcomm.variance_sparsification(1.0),
+    ...                   optax.sgd(0.1))
 
   References:
     Tsuzuku, Imachi, Akiba, `Variance-based Gradient Compression for
