@@ -149,7 +149,45 @@ def pipe_sgd(exchange: optax.GradientTransformation | None = None, *,
       late.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`PipeSGDState`.
+
+  Raises:
+    ValueError: naming the argument, when ``width`` is not an int >= 2,
+      ``exchange`` is not a jaxcomm compressor (an ``optax.chain`` or an
+      optimizer, say), or ``axis_name`` names another axis than a given
+      exchange's. The update raises a ValueError for a state that is not
+      a :class:`PipeSGDState`, and (through the exchange) outside a
+      context that binds the exchange's axis.
+
+  Examples:
+    Around a compressor, before the optimizer:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = optax.chain(jaxcomm.pipe_sgd(jaxcomm.topk(0.01)),
+    ...                  optax.sgd(0.1))
+
+    Two steps on 8 devices around top-k (half of a 4-value leaf sent).
+    Device ``i`` (1 to 8) has the gradient ``[i, -i, 0.1, 0.2]`` at step
+    0 and twice it at step 1. Step 0 applies zero (nothing averaged yet);
+    step 1 applies step 0's average, ``[4.5, -4.5, 0, 0]``, not its own:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> policy = jaxcomm.LeafPolicy(min_size=1)      # compress 4 values
+    >>> tx = jaxcomm.pipe_sgd(jaxcomm.topk(0.5, policy=policy))
+    >>> def two_steps(g):
+    ...   state = tx.init(g[0])
+    ...   u0, state = tx.update(g[0], state)
+    ...   u1, state = tx.update(2 * g[0], state)
+    ...   return u0, u1
+    >>> i = jnp.arange(1.0, 9.0)[:, None]
+    >>> grads = jnp.concatenate([i, -i, 0 * i + 0.1, 0 * i + 0.2], axis=1)
+    >>> u0, u1 = jax.jit(jax.shard_map(
+    ...   two_steps, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P())))(grads)
+    >>> print(np.asarray(u0).round(3), np.asarray(u1).round(3))
+    [0. 0. 0. 0.] [ 4.5 -4.5  0.   0. ]
 
   References:
     Li et al, `Pipe-SGD: A Decentralized Pipelined SGD Framework for
@@ -247,8 +285,10 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
               tau_max: int | None = None,
               seed: int = 0,
               axis_name="data") -> optax.GradientTransformationExtraArgs:
-  """Bounded-staleness SGD simulated in SPMD: device ``i``'s contribution to
-  the average is its gradient of ``tau_i`` steps ago.
+  """Bounded-staleness SGD, simulated in SPMD: gradients ``tau_i`` steps old.
+
+  Device ``i``'s contribution to the average is its gradient of ``tau_i``
+  steps ago.
 
   .. math::
     u_t = \\mathrm{exchange}\\big(g_{1, t - \\tau_1(t)}, \\dots,
@@ -264,7 +304,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
   ``tau`` is fixed per device (an int for all, or one per device along the
   exchange's axis) or, with ``tau=None``, drawn each step from
   ``uniform{0..tau_max}`` per device with a key folded from ``seed`` and
-  the step (the same draw on every device; :func:`staleness`). With a fixed
+  the step (the same draw on every device; ``staleness``). With a fixed
   ``tau`` every gradient is applied exactly once, ``tau_i`` steps late;
   with a random one a gradient may be applied twice or never (a simulated
   staleness distribution, not a queue). ``tau=0`` is plain synchronous SGD.
@@ -288,7 +328,49 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
     seed: the seed of the random staleness (``tau=None``).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`StaleState`.
+
+  Raises:
+    ValueError: naming the argument, when ``tau`` is not an int >= 0, a
+      non-empty sequence of them or None, ``tau_max`` is missing with
+      ``tau=None``, not an int >= 0 or below ``max(tau)``, ``seed`` is not
+      an int >= 0, ``exchange`` is not a jaxcomm compressor, or
+      ``axis_name`` names another axis than a given exchange's. The update
+      raises a ValueError when ``tau`` has not one entry per device, and
+      for a state that is not a :class:`StaleState`.
+    NameError: from JAX, when the update runs outside a context that
+      binds the exchange's axis (a ``shard_map`` or
+      :class:`jaxcomm.parallel.DataParallel` step).
+
+  Examples:
+    Around a compressor, before the optimizer:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = optax.chain(jaxcomm.stale_sgd(jaxcomm.int8(), tau=1),
+    ...                  optax.sgd(0.1))
+
+    Three steps on 8 devices around the dense mean; devices 4 to 7 are
+    one step late. Every device's gradient is ``t + 1`` at step ``t``, so
+    the average is ``(t + 1 + t) / 2``: at step 0 the late half hands
+    zeros (no gradient yet), then its previous step's gradient:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> tx = jaxcomm.stale_sgd(tau=(0, 0, 0, 0, 1, 1, 1, 1))
+    >>> def three_steps(g):
+    ...   state, out = tx.init(g[0]), []
+    ...   for t in range(3):
+    ...     update, state = tx.update((t + 1) * g[0], state)
+    ...     out.append(update)
+    ...   return jnp.stack(out)
+    >>> updates = jax.jit(jax.shard_map(
+    ...   three_steps, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=P()))(jnp.ones((8, 2)))
+    >>> print(np.asarray(updates).round(3))
+    [[0.5 0.5]
+     [1.5 1.5]
+     [2.5 2.5]]
 
   References:
     Grishchenko et al, `Asynchronous Distributed Learning with Sparse
@@ -419,6 +501,16 @@ def spy(step_size: float, l1: float, probability: float, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its ``init`` carries the
     wire claim (``jaxcomm.wire.claimed(tx, params, n)``).
+
+  Raises:
+    ValueError: naming the argument, when ``step_size`` is not a finite
+      number > 0, ``l1`` not a finite number >= 0, ``probability`` not in
+      ``(0, 1]``, ``identify`` not a bool, ``seed`` not an int >= 0, or
+      ``axis_name`` invalid. The update raises a ValueError without
+      ``params``, and for a state that is not a :class:`SpyState`.
+    NameError: from JAX, when the update runs outside a context that
+      binds ``axis_name`` (a ``shard_map`` or
+      :class:`jaxcomm.parallel.DataParallel` step).
 
   References:
     Grishchenko et al, `Asynchronous Distributed Learning with Sparse

@@ -47,8 +47,8 @@ class PowerSGDState(NamedTuple):
 
   Attributes:
     q: the warm-start ``Q`` per batch of same-shape matrices in the bucket
-      (see :func:`batches`), ``(G, m, r)`` float32, identical on every
-      device (replicated).
+      (its runs of equal matrix shapes, in order), ``(G, m, r)`` float32,
+      identical on every device (replicated).
     approx_error: this device's relative approximation error of the last
       compressed step, ``|x_i - sent_i| / |x_i|`` over the bucket's leaves
       (per device; 0 before the first compressed step).
@@ -495,9 +495,55 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
     :class:`PowerSGDState` with the approximation error and compression
     ratio of the last step.
 
-  Example::
+  Raises:
+    ValueError: naming the argument, when ``rank`` or
+      ``num_iters_per_step`` is not an int >= 1, ``seed`` not an int,
+      ``min_compression_rate`` not a finite number >= 0,
+      ``orthogonalization_epsilon`` negative, ``warm_start`` or
+      ``batch_same_shape`` not a bool, ``orthogonalization`` or
+      ``sharded`` not one of its choices, ``sharded="whole"`` with
+      ``num_iters_per_step > 1``, or one of ``**options`` is unknown or out
+      of range (:func:`jaxcomm.compressed`). The update raises a
+      ValueError outside a context that binds ``axis_name`` (a
+      ``shard_map`` or :class:`jaxcomm.parallel.DataParallel` step).
 
-    tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+  Examples:
+    Before the optimizer, as every compressor:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
+
+    One step on 8 devices. Device ``i`` (1 to 8) holds the rank-2
+    gradient ``i a b^T + (-1)^i c d^T`` (16 x 16); the mean over devices
+    is ``4.5 a b^T``, of rank 1. Rank-1 PowerSGD finds it exactly while
+    each device sends ``(16 + 16) * 1`` values instead of 256, and what a
+    device could not send (the part of ``c d^T`` outside ``span(a)``)
+    stays in its error-feedback residual:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> tx = jaxcomm.powersgd(rank=1)
+    >>> a, b = jnp.linspace(-1.0, 1.0, 16), jnp.cos(jnp.arange(16.0))
+    >>> c, d = jnp.eye(16)[0], jnp.sin(jnp.arange(16.0))
+    >>> i = jnp.arange(1.0, 9.0)[:, None, None]
+    >>> grads = i * jnp.outer(a, b) + (-1.0) ** i * jnp.outer(c, d)
+    >>> def step(g):
+    ...   update, state = tx.update(g[0], tx.init(g[0]))
+    ...   codec = state.codec[0]                        # a PowerSGDState
+    ...   return update, state.residual[0][None], codec.compression_ratio
+    >>> update, residual, ratio = jax.jit(jax.shard_map(
+    ...   step, mesh=mesh, in_specs=P("data"),
+    ...   out_specs=(P(), P("data"), P())))(grads)
+    >>> print(np.abs(update - grads.mean(0)).max() < 1e-4)
+    True
+    >>> print(np.linalg.matrix_rank(update), float(ratio))
+    1 8.0
+    >>> a_hat = a / jnp.linalg.norm(a)
+    >>> off = jnp.linalg.norm(c - (c @ a_hat) * a_hat) * jnp.linalg.norm(d)
+    >>> print(round(float(off), 3))
+    2.563
+    >>> print(np.linalg.norm(residual, axis=1).round(3))
+    [2.563 2.563 2.563 2.563 2.563 2.563 2.563 2.563]
 
   References:
     Vogels et al, `PowerSGD: Practical Low-Rank Gradient Compression for

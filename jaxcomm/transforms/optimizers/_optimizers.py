@@ -82,7 +82,12 @@ class OneBitLambState(NamedTuple):
   """State of :func:`onebit_lamb`.
 
   Attributes:
-    mu, nu, nu_count, exchange: as :class:`OneBitAdamState`.
+    mu: the momentum, identical on every device (``float32[S]``; as
+      :class:`OneBitAdamState`).
+    nu: the variance, frozen from ``freeze_step`` (``float32[S]``).
+    nu_count: how many times ``nu`` was updated (its bias correction).
+    exchange: the 1-bit exchange's :class:`jaxcomm.CompressState` (step
+      counter, per-device worker error, per-device server error).
     nu_fresh: the variance re-estimated after the freeze from the
       momentum's change (``(m - b1 m_prev) / (1 - b1)``), ``float32[S]``.
     coeff: per floating leaf (layer), the moving average of LAMB's trust
@@ -199,7 +204,8 @@ def onebit_adam(
 
   Args:
     learning_rate: a number or an optax schedule of the step.
-    b1, b2: Adam's moment decays, in ``[0, 1)``.
+    b1: Adam's momentum decay, in ``[0, 1)``.
+    b2: Adam's variance decay, in ``[0, 1)``.
     eps: added to ``sqrt(v_hat)``.
     weight_decay: decoupled weight decay (needs ``params`` in ``update``).
     freeze_step: warm-up steps (static): the variance freezes and the
@@ -214,9 +220,68 @@ def onebit_adam(
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`OneBitAdamState`.
 
-  Example::
+  Raises:
+    ValueError: naming the argument, when ``learning_rate`` (a number) or
+      ``weight_decay`` is negative or not finite, ``b1`` or ``b2`` is not
+      in ``[0, 1)``, ``eps`` is not a finite number > 0, ``freeze_step`` is
+      not an int >= 0 or is traced (it must be static),
+      ``bias_correction`` is not a bool, or ``policy`` / ``axis_name`` is
+      invalid. The update raises a ValueError for gradients that do not
+      fit the params or the state, a complex gradient leaf,
+      ``weight_decay`` without ``params``, a state that is not a
+      :class:`OneBitAdamState`, and outside a context that binds
+      ``axis_name``.
 
-    tx = jaxcomm.onebit_adam(1e-3, freeze_step=1000)
+  Examples:
+    The whole optimizer (it replaces ``optax.adamw``; no mean first):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = jaxcomm.onebit_adam(1e-3, freeze_step=1000)
+
+    A :class:`jaxcomm.parallel.DataParallel` step on 8 devices: device
+    ``i`` pulls the 16 x 16 ``w`` toward its own target ``t_i`` (loss
+    ``|w - t_i|^2 / 2``), so the optimum is the mean target. Two warm-up
+    steps (Adam on the exact mean gradient), then two steps whose
+    momentum travels as 1-bit signs; the distance to the optimum keeps
+    falling:
+
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> signs = jnp.where(jnp.sin(jnp.arange(256.0)) < 0, -1.0, 1.0)
+    >>> noise = 0.4 * jnp.sin(0.7 * jnp.arange(2048.0))
+    >>> targets = (signs + noise.reshape(8, 256)).reshape(8, 16, 16)
+    >>> loss = lambda p, t: 0.5 * jnp.sum((p["w"] - t[0]) ** 2)
+    >>> tx = jaxcomm.onebit_adam(0.1, freeze_step=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros((16, 16))})
+    >>> for _ in range(4):
+    ...   params, state, _ = dp.step(params, state, targets)
+    ...   print(round(float(jnp.linalg.norm(params["w"] - targets.mean(0))),
+    ...               2))
+    14.38
+    12.79
+    11.28
+    9.84
+
+    The warm-up steps are ``optax.adam``'s on the mean gradient:
+
+    >>> adam, w = optax.adam(0.1), jnp.zeros((16, 16))
+    >>> s = adam.init(w)
+    >>> for _ in range(2):
+    ...   u, s = adam.update(w - targets.mean(0), s)   # the mean gradient
+    ...   w = w + u
+    ...   print(round(float(jnp.linalg.norm(w - targets.mean(0))), 2))
+    14.38
+    12.79
+
+    and what they move is the dense psum's 256 float32 values; a step
+    after the freeze moves packed signs (1 bit per value) and their
+    scales in each of the exchange's two phases:
+
+    >>> w0 = {"w": jnp.zeros((16, 16))}
+    >>> jaxcomm.wire.claimed(tx, w0, 8, step=0)[0]
+    ('all-reduce', 1024)
+    >>> jaxcomm.wire.claimed(tx, w0, 8, step=2)[:2]
+    [('all-to-all', 64), ('all-gather', 64)]
 
   References:
     Tang et al, `1-bit Adam: Communication Efficient Large-Scale Training
@@ -350,21 +415,73 @@ def onebit_lamb(
 
   Args:
     learning_rate: a number or an optax schedule of the step.
-    b1, b2, eps, weight_decay, freeze_step, bias_correction: as
-      :func:`onebit_adam` (``eps`` 1e-6 as ``optax.lamb``).
-    max_coeff, min_coeff: bounds of the trust ratio.
-    coeff_beta: decay of the trust ratio's moving average.
-    factor_max, factor_min: bounds of the frozen ratio's rescaling.
+    b1: the momentum decay, in ``[0, 1)``.
+    b2: the variance decay, in ``[0, 1)``.
+    eps: added to ``sqrt(v_hat)`` (1e-6 as ``optax.lamb``).
+    weight_decay: decoupled weight decay ``lambda``, part of the direction
+      ``u`` the trust ratio scales.
+    freeze_step: warm-up steps (static): the variance and the trust ratio
+      freeze and the 1-bit exchange starts at this step.
+    bias_correction: correct the moments' initial bias as Adam does.
+    max_coeff: upper bound of the trust ratio.
+    min_coeff: lower bound of the trust ratio.
+    coeff_beta: decay of the trust ratio's moving average, in ``[0, 1]``.
+    factor_max: upper bound of the frozen ratio's rescaling.
+    factor_min: lower bound of the frozen ratio's rescaling.
     factor_threshold: largest relative change of the rescaling per step.
-    axis_name, policy: as :func:`onebit_adam`.
+    axis_name: the data axis (a name, a tuple of names, or None).
+    policy: a :class:`jaxcomm.LeafPolicy`: small leaves travel in the
+      fused dense psum, exactly.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`OneBitLambState`.
 
-  Example::
+  Raises:
+    ValueError: naming the argument, for the arguments it shares with
+      :func:`jaxcomm.onebit_adam` as there; when ``min_coeff``,
+      ``max_coeff``, ``factor_min`` or ``factor_max`` is not > 0,
+      ``coeff_beta`` not in ``[0, 1]``, ``factor_threshold`` negative, or
+      ``min_coeff > max_coeff`` or ``factor_min > factor_max``. The update
+      raises a ValueError without ``params`` (the trust ratio needs them)
+      and where :func:`jaxcomm.onebit_adam`'s does.
 
-    tx = jaxcomm.onebit_lamb(1e-3, freeze_step=1000, weight_decay=0.01)
+  Examples:
+    The whole optimizer (it replaces ``optax.lamb``; no mean first):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = jaxcomm.onebit_lamb(1e-3, freeze_step=1000, weight_decay=0.01)
+
+    A :class:`jaxcomm.parallel.DataParallel` step on 8 devices: device
+    ``i`` pulls the 16 x 16 ``w`` toward its own target ``t_i`` (loss
+    ``|w - t_i|^2 / 2``), so the optimum is the mean target. Two warm-up
+    steps (LAMB on the exact mean gradient; at ``w = 0`` the trust ratio
+    is 1, then ``|w| / |u|``), then two steps with the frozen ratio and
+    the momentum sent as 1-bit signs; the distance to the optimum keeps
+    falling:
+
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> signs = jnp.where(jnp.sin(jnp.arange(256.0)) < 0, -1.0, 1.0)
+    >>> noise = 0.4 * jnp.sin(0.7 * jnp.arange(2048.0))
+    >>> targets = (signs + noise.reshape(8, 256)).reshape(8, 16, 16)
+    >>> loss = lambda p, t: 0.5 * jnp.sum((p["w"] - t[0]) ** 2)
+    >>> tx = jaxcomm.onebit_lamb(0.1, freeze_step=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros((16, 16))})
+    >>> for _ in range(4):
+    ...   params, state, _ = dp.step(params, state, targets)
+    ...   print(round(float(jnp.linalg.norm(params["w"] - targets.mean(0))),
+    ...               2))
+    14.38
+    14.22
+    12.94
+    11.81
+
+    The ratio's moving average, frozen since the freeze: ``0.9 * 1 + 0.1 *
+    0.1`` (``|w| / |u| = 1.6 / 16`` at the second step):
+
+    >>> print(np.asarray(state.coeff).round(3))
+    [0.91]
 
   References:
     Li et al, `1-bit LAMB: Communication Efficient Large-Scale

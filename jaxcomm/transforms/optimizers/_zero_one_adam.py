@@ -27,8 +27,10 @@ from jaxcomm.transforms.quantize import _signs
 # ------------------------------------------------------------- 0/1 Adam --
 
 class ZeroOneAdamState(NamedTuple):
-  """The moments and schedules of :func:`zero_one_adam` (its
-  :class:`LocalState`'s ``inner``).
+  """The moments and schedules of :func:`zero_one_adam`.
+
+  The ``inner`` of its :class:`jaxcomm.LocalState` (whose ``compress``
+  holds the three exchanges' states: dense, 1-bit gradient, 1-bit sync).
 
   Attributes:
     mu: the momentum (identical on every device while the variance is
@@ -169,7 +171,9 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
 
   Args:
     learning_rate: a number or an optax schedule.
-    b1, b2, eps: Adam's constants.
+    b1: Adam's momentum decay, in ``[0, 1]``.
+    b2: Adam's variance decay, in ``[0, 1]``.
+    eps: added to ``sqrt(nu)``, >= 0.
     weight_decay: added to the update as ``wd x`` (DeepSpeed's form).
     var_freeze_step: steps with a variance (static).
     var_update_scaler: variance updates before their interval doubles.
@@ -177,6 +181,71 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     local_step_clipper: the largest sync interval.
     axis_name: the data axis.
     policy: the exchanges' :class:`jaxcomm.LeafPolicy`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`jaxcomm.LocalState` with a :class:`ZeroOneAdamState` as its
+    ``inner``; its updates move each device's own params.
+
+  Raises:
+    ValueError: naming the argument, when ``var_freeze_step`` is not an
+      int >= 0, ``var_update_scaler``, ``local_step_scaler`` or
+      ``local_step_clipper`` not an int >= 1, ``b1`` or ``b2`` not in
+      ``[0, 1]``, ``eps`` or ``weight_decay`` negative, ``learning_rate``
+      (a number) negative or not finite, or ``axis_name`` / ``policy``
+      invalid. The update raises a ValueError without ``params``, for a
+      state that is not the :class:`jaxcomm.LocalState` its ``init``
+      returned, and outside a context that binds ``axis_name``.
+
+  Examples:
+    The whole optimizer, with params per device:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> tx = jaxcomm.zero_one_adam(1e-3, var_freeze_step=1000)
+
+    A :class:`jaxcomm.parallel.DataParallel` step on 8 devices: device
+    ``i`` pulls the 16 x 16 ``w`` toward its own target ``t_i`` (loss
+    ``|w - t_i|^2 / 2``), so the optimum is the mean target. With
+    ``var_freeze_step=1`` and a sync interval that doubles every step up
+    to 2, the steps are: a dense variance step, a local step ending in a
+    1-bit sync, a local step (the devices' params part), a sync (they
+    agree again). The params carry a leading device axis; the distance of
+    their device mean to the optimum falls:
+
+    >>> mesh = jaxcomm.parallel.make_mesh()           # 8 devices on "data"
+    >>> signs = jnp.where(jnp.sin(jnp.arange(256.0)) < 0, -1.0, 1.0)
+    >>> noise = 0.4 * jnp.sin(0.7 * jnp.arange(2048.0))
+    >>> targets = (signs + noise.reshape(8, 256)).reshape(8, 16, 16)
+    >>> best = targets.mean(0)
+    >>> loss = lambda p, t: 0.5 * jnp.sum((p["w"] - t[0]) ** 2)
+    >>> tx = jaxcomm.zero_one_adam(0.03, var_freeze_step=1,
+    ...                            local_step_scaler=1, local_step_clipper=2)
+    >>> dp = jaxcomm.parallel.DataParallel(loss, tx, mesh)
+    >>> params, state = dp.init({"w": jnp.zeros((16, 16))})
+    >>> params["w"].shape
+    (8, 16, 16)
+    >>> for _ in range(4):
+    ...   params, state, _ = dp.step(params, state, targets)
+    ...   w = np.asarray(params["w"])
+    ...   apart = bool(np.ptp(w, axis=0).max() > 0)
+    ...   print(apart, round(float(np.linalg.norm(w.mean(0) - best)), 2))
+    False 14.46
+    False 11.69
+    True 8.09
+    False 3.95
+
+    What each step moves: the dense mean (256 float32 values), then
+    packed signs (1 bit per value) and their scales in each of the two
+    phases of a sync, nothing on the local step (the 4 bytes: the devices
+    agreeing on non-finite values):
+
+    >>> w0 = {"w": jnp.zeros((16, 16))}
+    >>> for t in range(4):
+    ...   print(jaxcomm.wire.claimed(tx, w0, 8, step=t))
+    [('all-reduce', 1028)]
+    [('all-to-all', 64), ('all-gather', 64), ('all-reduce', 4)]
+    []
+    [('all-to-all', 64), ('all-gather', 64), ('all-reduce', 4)]
   """
   var_freeze_step = _checks.step("var_freeze_step", var_freeze_step)
   var_update_scaler = _checks.integer("var_update_scaler",
