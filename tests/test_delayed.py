@@ -347,3 +347,17 @@ def test_one_tau_per_device_is_checked_against_the_axis(mesh):
   tx = jaxcomm.stale_sgd(tau=(0, 1, 2))
   with pytest.raises(ValueError, match="tau has 3 entries for 8 devices"):
     harness.device_run(tx, mesh, harness.make_grads(seed=0, steps=1))
+
+
+@pytest.mark.parametrize("make", [
+  lambda: jaxcomm.stale_sgd(tau=1),
+  lambda: jaxcomm.spy(0.1, l1=0.0, probability=0.5),
+], ids=["stale_sgd", "spy"])
+def test_an_unbound_axis_is_named_not_a_jax_name_error(make):
+  """Outside shard_map the update says which axis it needs (as every other
+  method does through check_axis), not JAX's bare NameError."""
+  tx = make()
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    tx.update({"w": jnp.ones(4)}, state, params)

@@ -338,10 +338,9 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
       an int >= 0, ``exchange`` is not a jaxcomm compressor, or
       ``axis_name`` names another axis than a given exchange's. The update
       raises a ValueError when ``tau`` has not one entry per device, and
-      for a state that is not a :class:`StaleState`.
-    NameError: from JAX, when the update runs outside a context that
-      binds the exchange's axis (a ``shard_map`` or
-      :class:`jaxcomm.parallel.DataParallel` step).
+      for a state that is not a :class:`StaleState`, and when it runs
+      outside a context that binds the exchange's axis (a ``shard_map`` or
+      :class:`jaxcomm.parallel.DataParallel` step), naming that axis.
 
   Examples:
     Around a compressor, before the optimizer:
@@ -391,7 +390,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
 
   def update_fn(updates, state, params=None, **extra):
     _checks.state_type("stale_sgd", state, StaleState)
-    n = _core.axis_size(axis)
+    n = _core.check_axis(axis, "jaxcomm.stale_sgd")
     t = state.count
     mine = staleness(taus, tau_max, t, n, seed)[_core.axis_index(axis)]
     write = jnp.mod(t, slots)
@@ -507,10 +506,9 @@ def spy(step_size: float, l1: float, probability: float, *,
       number > 0, ``l1`` not a finite number >= 0, ``probability`` not in
       ``(0, 1]``, ``identify`` not a bool, ``seed`` not an int >= 0, or
       ``axis_name`` invalid. The update raises a ValueError without
-      ``params``, and for a state that is not a :class:`SpyState`.
-    NameError: from JAX, when the update runs outside a context that
-      binds ``axis_name`` (a ``shard_map`` or
-      :class:`jaxcomm.parallel.DataParallel` step).
+      ``params``, for a state that is not a :class:`SpyState`, and when it
+      runs outside a context that binds ``axis_name`` (a ``shard_map`` or
+      :class:`jaxcomm.parallel.DataParallel` step), naming that axis.
 
   References:
     Grishchenko et al, `Asynchronous Distributed Learning with Sparse
@@ -540,7 +538,7 @@ def spy(step_size: float, l1: float, probability: float, *,
     g, _ = ravel_pytree(updates)
     x, unravel = ravel_pytree(params)
     x32 = x.astype(jnp.float32)
-    n = _core.axis_size(axis_name)
+    n = _core.check_axis(axis_name, "jaxcomm.spy")
     i = _core.axis_index(axis_name)
     key = jax.random.fold_in(
       jax.random.fold_in(jax.random.PRNGKey(seed), state.count), i)
