@@ -1,7 +1,7 @@
 """jaxcomm: communication-efficient data-parallel training for JAX.
 
-Gradient compressors are Optax ``GradientTransformation``s that carry their
-own error-feedback state; use them inside a ``jax.shard_map`` (or
+Gradient compressors are Optax gradient transformations that carry their own
+error-feedback state; use them inside a ``jax.shard_map`` (or
 ``jax.pmap``) train step::
 
   tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))

@@ -62,7 +62,7 @@ class Context(NamedTuple):
     step: the step counter before this step (int32 array).
     key: a PRNG key for this step, identical on every device (a shared key
       for random-k; fold in ``device_index`` for independent noise).
-    layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+    layout: the bucket's static ``Layout`` (``jaxcomm._buckets``).
     grad: for a codec with ``wants_gradient`` only (else None): this
       step's fresh contribution to ``x`` as the bucket's flat buffer: the
       (clipped) gradient ``g``, or DGC's momentum ``u`` with ``momentum``.
@@ -98,7 +98,7 @@ class Codec(Protocol):
   """What :func:`compressed` takes: a compressor's math and exchange.
 
   :func:`compressed` lays the compressed leaves into flat float32 buckets
-  (:mod:`jaxcomm._buckets`) and calls the codec once per bucket, on the
+  (``jaxcomm._buckets``) and calls the codec once per bucket, on the
   bucket itself: ``init(layout)``, ``apply(x, state, ctx)`` with ``x`` the
   ``[layout.size]`` buffer and ``ctx.layout`` its layout, ``wire(layout,
   n)``. Per-leaf semantics go through the layout's group views, one op per
@@ -154,7 +154,7 @@ class Codec(Protocol):
     """The codec's state for one bucket.
 
     Args:
-      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+      layout: the bucket's static ``Layout`` (``jaxcomm._buckets``).
 
     Returns:
       A pytree of arrays (``()`` for a stateless codec), the same on
@@ -172,8 +172,8 @@ class Codec(Protocol):
         layout).
 
     Returns:
-      A :class:`CodecResult`: the decoded device mean, what this device's
-      message decodes to, and the new state.
+      A :class:`CodecResult` with the decoded device mean, what this
+      device's message decodes to, and the new state.
     """
 
   def wire(self, layout, n: int) -> list[Collective]:
@@ -182,7 +182,7 @@ class Codec(Protocol):
     Checked against the compiled HLO in tests.
 
     Args:
-      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+      layout: the bucket's static ``Layout`` (``jaxcomm._buckets``).
       n: the number of devices along the data axis.
 
     Returns:
@@ -250,7 +250,7 @@ class SteppedCodec(Codec, Protocol):
     """What step ``step`` moves.
 
     Args:
-      layout: the bucket's static :class:`jaxcomm._buckets.Layout`.
+      layout: the bucket's static ``Layout`` (``jaxcomm._buckets``).
       n: the number of devices along the data axis.
       step: the step counter.
 
@@ -345,7 +345,7 @@ class CodecBase:
     default accepts every layout.
 
     Args:
-      layouts: the buckets' :class:`jaxcomm._buckets.Layout` objects.
+      layouts: the buckets' ``Layout`` (``jaxcomm._buckets``) objects.
     """
     del layouts
 
@@ -490,7 +490,7 @@ def spec_of(tx) -> Spec:
     tx: the compressor itself (not an ``optax.chain`` around it).
 
   Returns:
-    Its ``Spec``: codec, leaf policy, axis name and ``start_step``, which
+    Its ``Spec`` (codec, leaf policy, axis name and ``start_step``), which
     :func:`jaxcomm.wire.claimed` reads.
 
   Raises:

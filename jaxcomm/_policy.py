@@ -64,7 +64,7 @@ class LeafPolicy:
   go through one fused dense psum.
 
   Compressed leaves are laid out in flat float32 buckets
-  (:mod:`jaxcomm._buckets`) and the compressor runs once per bucket:
+  (``jaxcomm._buckets``) and the compressor runs once per bucket:
   ``bucket_bytes`` caps a bucket's size (as DDP's ``bucket_cap_mb``; a leaf
   larger than the cap gets a bucket of its own); ``None`` puts every
   compressed leaf in one bucket, the smallest program.

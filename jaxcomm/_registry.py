@@ -154,7 +154,7 @@ class Method:
     defaults: arguments used when the caller gives none (the required
       ones, e.g. ``ratio``, and the defaults ``train.py`` runs).
     static_args: arguments ``optax.inject_hyperparams`` must keep static,
-      derived from the factory's signature (:func:`derive_static_args`).
+      derived from the factory's signature (``derive_static_args``).
     aliases: other names ``train.py`` accepts.
     gossip: a decentralized method (no sync: params never agree exactly).
     kind: a compressor's kind, one of :data:`KINDS` (None for the other

@@ -23,7 +23,7 @@ def varying_axes(x) -> frozenset:
       ``jax.eval_shape``).
 
   Returns:
-    A frozenset of axis names: empty outside ``jax.shard_map``, or where
+    A frozenset of axis names, empty outside ``jax.shard_map`` or where
     ``check_vma`` is off.
 
   Examples:

@@ -161,7 +161,7 @@ def axis_size(axis_name: AxisName) -> int:
       multiply), or None.
 
   Returns:
-    An int: 1 when ``axis_name`` is None.
+    An int (1 when ``axis_name`` is None).
   """
   size = 1
   for name in _names(axis_name):
@@ -177,7 +177,7 @@ def axis_index(axis_name: AxisName) -> jax.Array:
       product, the first major), or None.
 
   Returns:
-    An int32 scalar array: 0 when ``axis_name`` is None.
+    An int32 scalar array (0 when ``axis_name`` is None).
   """
   names = _names(axis_name)
   if not names:
@@ -256,9 +256,9 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False):
     tiled: concatenate along ``axis`` instead of stacking a new axis.
 
   Returns:
-    Every device's ``x``, in device order: shape ``x.shape`` with ``n``
-    inserted at ``axis`` (or ``x.shape[axis]`` multiplied by ``n`` when
-    ``tiled``), the same on every device.
+    Every device's ``x``, in device order, the same on every device. Its
+    shape is ``x.shape`` with ``n`` inserted at ``axis`` (or
+    ``x.shape[axis]`` multiplied by ``n`` when ``tiled``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxcomm
@@ -368,8 +368,8 @@ def all_to_all(x, axis_name: AxisName, split_axis: int = 0,
       the order of the devices that sent them.
 
   Returns:
-    This device's received chunks, concatenated: the same shape as ``x``
-    when ``split_axis == concat_axis``.
+    This device's received chunks, concatenated (the same shape as ``x``
+    when ``split_axis == concat_axis``).
 
   Examples:
     Device ``i`` holds ``[10 i, 10 i + 1, ..., 10 i + 7]``; after the
@@ -630,7 +630,8 @@ def scatter_gather_sum(flat: jax.Array, axis_name: AxisName,
     wire_dtype: dtype of both messages.
 
   Returns:
-    float32 vector of ``flat``'s length: the sum, identical on all devices.
+    The sum, a float32 vector of ``flat``'s length, identical on all
+    devices.
   """
   if axis_name is None:
     return wire_cast(flat, wire_dtype).astype(jnp.float32)
@@ -800,7 +801,7 @@ def from_words(w: jax.Array, dtype) -> jax.Array:
     dtype: the dtype they were packed from.
 
   Returns:
-    The values as ``dtype``: ``w.shape[-1] * 4 / itemsize`` along the
+    The values as ``dtype``, ``w.shape[-1] * 4 / itemsize`` along the
     last axis.
   """
   itemsize = jnp.dtype(dtype).itemsize

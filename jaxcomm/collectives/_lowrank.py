@@ -379,7 +379,7 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
   same-shape matrices is one batched matmul.
 
   Before ``M Q``, ``Q``'s columns are divided by a power of two near their
-  largest magnitude (:func:`pow2_scale`; exact), so that a warm-started
+  largest magnitude (``pow2_scale``; exact), so that a warm-started
   ``Q``, which carries the gradients' scale, does not square it: ``P``'s
   columns come out scaled, which changes no orthogonalization's result
   (the ``eps`` of Gram-Schmidt and of rank 1 is scaled alike). Finite
@@ -390,7 +390,7 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
     qs: starting ``Q`` per batch, ``(G, m, r)``, identical on every device.
     axis_name: the data axis, or None (one device, no collective).
     num_devices: static size of the axis.
-    orthogonalize: ``f(p, eps)`` from :func:`orthogonalizer`, or any
+    orthogonalize: ``f(p, eps)`` from ``orthogonalizer``, or any
       function whose result does not change when ``p``'s columns are
       scaled by positive powers of two.
     eps: the orthogonalization epsilon.
@@ -399,7 +399,7 @@ def lowrank_allreduce(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
       power of two near ``max |M|`` so that it cannot overflow).
 
   Returns:
-    A :class:`LowRankResult`.
+    A ``LowRankResult``.
   """
   ms = list(ms)
   rest = ms
@@ -514,7 +514,7 @@ def lowrank_allreduce_whole(ms: Sequence[jax.Array], qs: Sequence[jax.Array],
     eps: the orthogonalization epsilon.
 
   Returns:
-    A :class:`LowRankResult` of this device's blocks; ``sent_sq`` is 0
+    A ``LowRankResult`` of this device's blocks; ``sent_sq`` is 0
     (the rows of a block's ``P`` are not orthonormal on their own: the
     caller measures its error directly).
   """

@@ -168,9 +168,23 @@ def integer_allreduce(codes: jax.Array, bound: int, axis_name, *,
   Returns:
     ``int32[L]``, the sum, identical (and typed invariant) on every device.
 
-  Example::
+  Raises:
+    ValueError: when ``codes`` is not a 1-D integer array, or ``bound``
+      (with ``low``) does not fit 32-bit codes.
 
-    total = integer_allreduce(jnp.array([1, -1, 0]), 1, "data")
+  Examples:
+    Ternary codes on 8 devices: device ``i`` sends ``[1, -1, i % 2]``;
+    the exact sum crosses as 2-bit codes:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> def f(i):
+    ...   codes = jnp.stack([1, -1, i[0] % 2])
+    ...   return jaxcomm.collectives.integer_allreduce(codes, 1, "data")
+    >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+    ...               out_specs=P())(jnp.arange(8)).tolist()
+    [8, -8, 4]
   """
   codes = _check_int(codes)
   length = codes.shape[0]
@@ -332,13 +346,13 @@ def _decode(msg, p: "RequantizedPlan", block: int):
 
 def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
                           *, bits: int, block: int):
-  """Two-phase all-reduce of ``bits``-bit block codes, the chunk sums
-  requantized to ``bits`` bits by their owners (server error kept).
+  """Two-phase all-reduce of ``bits``-bit block codes, sums requantized.
 
-  The vector is cut into ``n`` chunks of ``C`` elements
-  (:func:`requantized_plan`), each chunk into blocks of ``B = block``
-  elements (the last one of a chunk may be short). Every block is coded
-  on a step of its own maximum (:func:`block_quantize`): ``w = Q(x)``,
+  The chunk sums are requantized to ``bits`` bits by their owners, who
+  keep what that rounding left out (a server error). The vector is cut
+  into ``n`` chunks of ``C`` elements, each chunk into blocks of ``B =
+  block`` elements (the last one of a chunk may be short). Every block is
+  coded on a step of its own maximum: ``w = Q(x)``,
   codes in ``[-q, q]``, ``q = 2^(bits-1) - 1``, one bf16 step per block.
 
   Phase 1 (all-to-all): device ``j`` receives chunk ``j`` of every
@@ -362,17 +376,22 @@ def requantized_allreduce(x: jax.Array, server_error: jax.Array, axis_name,
   Args:
     x: ``float[L]``, this device's vector.
     server_error: ``float32[S]``, ``S >= L`` (a state buffer stored in
-      whole tiles, zeros past ``L``); the chunks are those of its width
-      (``requantized_plan(S, ...)``), and this device reads and writes only
-      its own chunk ``[j C, (j + 1) C)`` (zero elsewhere).
+      whole tiles, zeros past ``L``); the chunks are those of its width,
+      and this device reads and writes only its own chunk ``[j C, (j + 1)
+      C)`` (zero elsewhere).
     axis_name: the axis, or None.
-    bits: 4 or 8 (static).
+    bits: 2, 4 or 8 (static).
     block: elements per step, ``>= 1`` (static).
 
   Returns:
     ``(mean, sent, server_error)``: ``float32[L]`` identical (typed
     invariant) on every device; this device's decoded message ``w``; the
     new server error.
+
+  Raises:
+    ValueError: naming the argument, when ``bits`` or ``block`` is not
+      allowed, ``x`` is not a 1-D floating array, or ``server_error`` is
+      not a 1-D floating array at least as long as ``x``.
 
   References:
     Google, `EQuARX: Efficient Quantized AllReduce in XLA for Distributed
@@ -458,8 +477,9 @@ def natural_allreduce(values: jax.Array, axis_name,
 
   ``values`` must be natural-compressed float32 (zero mantissa bits): each
   travels as its sign bit (32 to a word) and its exponent byte (4 to a
-  word). With :func:`natural_plan`'s ``gather`` every device decodes all
-  ``n`` rows and averages them exactly; with ``scatter`` the owner of a
+  word). With the ``gather`` exchange (up to 2 devices) every device
+  decodes all ``n`` rows and averages them exactly; with ``scatter`` (from
+  3 devices on) the owner of a
   chunk averages the ``n`` decoded chunks and calls ``reround`` on the
   average (the sum of powers of two is not one), so each device sends
   about 18 bits per element whatever ``n``. An unbiased ``reround`` (natural
@@ -473,6 +493,9 @@ def natural_allreduce(values: jax.Array, axis_name,
 
   Returns:
     ``float32[L]``: the mean, identical (invariant) on every device.
+
+  Raises:
+    ValueError: when ``values`` is not a 1-D float32 array.
   """
   values = jnp.asarray(values)
   if values.dtype != jnp.float32:

@@ -77,9 +77,23 @@ def majority_vote(x: jax.Array, axis_name) -> jax.Array:
     ``float32[L]`` of +1/-1, identical (typed invariant) on every device.
     Ties (even ``n``) give +1.
 
-  Example::
+  Raises:
+    ValueError: when ``x`` is not a 1-D floating array.
 
-    v = majority_vote(jnp.ravel(grad), "data")
+  Examples:
+    Eight devices vote on three signs: all positive, five of eight
+    negative, a tie:
+
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> def f(i):
+    ...   x = jnp.stack([1.0, jnp.where(i[0] < 5, -1.0, 1.0),
+    ...                  jnp.where(i[0] % 2 == 0, -1.0, 1.0)])
+    ...   return jaxcomm.collectives.majority_vote(x, "data")
+    >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+    ...               out_specs=P())(jnp.arange(8)).tolist()
+    [1.0, -1.0, 1.0]
 
   References:
     Bernstein et al, `signSGD with Majority Vote is Communication Efficient
@@ -211,8 +225,8 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     sizes: the leaves' sizes (static), summing to ``L``.
     server_error: ``float32[S]``, ``S >= L`` (a state buffer stored in
       whole tiles, zeros past ``L``; see
-      :attr:`jaxcomm._buckets.Layout.stored_size`); the chunks are those
-      of its width, ``C = chunk_length(S, n)``, and this device reads and
+      ``Layout.stored_size``); the chunks are those of its width, ``C =
+      ceil(S / n)`` rounded up for alignment, and this device reads and
       writes only its own chunk ``[k C, (k + 1) C)`` (zero elsewhere).
     axis_name: the axis, or None.
     norm: ``"l2"`` (default, DeepSpeed's ``||v||_2 / sqrt(d)``) or
@@ -223,6 +237,10 @@ def compressed_allreduce(x: jax.Array, sizes: Sequence[int],
     ``(mean, sent, server_error)``: ``mean`` ``float32[L]`` identical and
     invariant on every device; ``sent`` the worker's decoded message ``w``;
     the new server error.
+
+  Raises:
+    ValueError: when ``x`` is not a 1-D floating array, ``sizes`` do not
+      sum to its length, or ``norm`` is unknown.
 
   References:
     Tang et al, `1-bit Adam: Communication Efficient Large-Scale Training
@@ -380,6 +398,9 @@ def gather_signs(x: jax.Array, scales: jax.Array, sizes: Sequence[int],
 
   Returns:
     ``float32[L]``, identical and invariant on every device.
+
+  Raises:
+    ValueError: when ``x`` is not a 1-D floating array.
   """
   x = _check_flat(x)
   sizes = [int(s) for s in sizes]

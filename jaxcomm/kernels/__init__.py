@@ -82,7 +82,7 @@ other        all               jnp
 **Inside ``jax.shard_map``** with ``check_vma=True``, every kernel's outputs
 are typed varying over the mesh axes its inputs vary over (invariant inputs
 give invariant outputs), in interpret mode too; see
-:mod:`jaxcomm.kernels._dispatch`.
+``jaxcomm.kernels._dispatch``.
 """
 
 from jaxcomm.kernels import bitpack

@@ -40,7 +40,7 @@ workers and 40x at 64, and is the CPU path. The same bit-sliced counter is
 the body of the vote kernel.
 
 Kernels and accelerators: the kernels use only ``pl.pallas_call`` with a grid
-and ``BlockSpec``s, integer shifts, compares and one-axis reductions, with
+and block specs, integer shifts, compares and one-axis reductions, with
 blocks that are powers of two and multiples of (8, 128) where TPU asks for
 it. In JAX 0.10 a plain ``pl.pallas_call`` on GPU goes to Mosaic GPU, which
 needs explicit layouts these portable kernels do not carry, so on GPU the
@@ -358,8 +358,8 @@ def count_votes(words: jax.Array, length: int) -> jax.Array:
     length: number of elements (static).
 
   Returns:
-    ``int32[length]``, each in ``[-n_workers, n_workers]``: the sum of the
-    unpacked signs over workers (so ``vote`` is ``count_votes >= 0``).
+    The sum of the unpacked signs over workers, ``int32[length]``, each
+    in ``[-n_workers, n_workers]`` (so ``vote`` is ``count_votes >= 0``).
 
   Raises:
     ValueError: when ``words`` is not ``(n_workers, ceil(length / 32))``.

@@ -319,7 +319,7 @@ def threshold_select(x: jax.Array, threshold, capacity: int, *,
     threshold: a scalar, may be traced (e.g. from :func:`sampled_threshold`).
     capacity: the static buffer size.
     interpret: run the Pallas kernel in interpret mode.
-    use_kernel: as in :func:`jaxcomm.kernels.bitpack.pack_signs`.
+    use_kernel: as in :func:`jaxcomm.kernels.pack_signs`.
 
   Returns:
     ``(values, indices, count)``: the first ``capacity`` selected entries by

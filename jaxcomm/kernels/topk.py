@@ -5,8 +5,9 @@ The selection step of the sparsifying compressors (top-k, DGC, gTop-k):
 * :func:`topk_abs` -- the ``k`` entries of largest ``|x|``, exact
   (:func:`topk_abs_bracketed`: the same result through a threshold search,
   faster on a GPU for large ``k``).
-* :func:`threshold_select` -- every entry with ``|x| >= threshold``, in index
-  order, compacted into a buffer of static ``capacity``.
+* :func:`~jaxcomm.kernels.threshold_select` -- every entry with
+  ``|x| >= threshold``, in index order, compacted into a buffer of static
+  ``capacity``.
 * :func:`sampled_threshold` -- a DGC-style estimate of the threshold that
   keeps about ``k`` entries, from a sample of ``|x|``.
 
@@ -18,8 +19,9 @@ Conventions:
   rule of ``lax.top_k``), and results come in decreasing ``|x|`` order. The
   kernel path keeps that rule, so it matches the reference index for index.
   NaN inputs give unspecified results.
-* **Sentinel** in :func:`threshold_select`: unused slots of the buffer hold
-  index ``len(x)`` (one past the end) and value 0, so
+* **Sentinel** in :func:`~jaxcomm.kernels.threshold_select`: unused
+  slots of the buffer hold index ``len(x)`` (one past the end) and value
+  0, so
   ``zeros(n).at[indices].add(values, mode="drop")`` ignores them. ``count`` is
   the number of entries above the threshold; when it exceeds ``capacity`` the
   ``capacity`` lowest indices are kept and ``count > capacity`` tells the
@@ -78,7 +80,7 @@ References:
   Chern et al, `TPU-KNN: K Nearest Neighbor Search at Peak FLOP/s
   <https://arxiv.org/abs/2206.14286>`_, 2022 (``lax.approx_max_k``).
 
-Threshold selection and compaction live in :mod:`jaxcomm.kernels.threshold`
+Threshold selection and compaction live in ``jaxcomm.kernels.threshold``
 (re-exported here).
 """
 
@@ -276,8 +278,8 @@ def topk_abs_bracketed(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
      sample hits (a standard deviation of ~9% of the count) the first
      ``t`` is almost always inside: one pass.
   3. The entries ``>= t`` compacted in index order
-     (:func:`compact_segments`, capacity ``2k + 64``) and ``lax.top_k`` of
-     those few candidates.
+     (``threshold.compact_segments``, capacity ``2k + 64``) and
+     ``lax.top_k`` of those few candidates.
 
   Ties that no threshold can split (say, more than ``k + 64`` zeros when
   fewer than ``k`` entries are nonzero) end the bisection at two adjacent
@@ -322,10 +324,10 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   program has the same ops for any number of segments and sizes: one
   sample draw for all segments and one sort for their thresholds, one
   threshold search (one loop; each round one pass over ``x`` and a
-  per-segment popcount), two compactions (:func:`compact_segments`) and
-  one sort of all candidates by ``(segment, -|x|, index)`` for the cut; on
-  a GPU the loop waits on the host once per round, not once per round and
-  group.
+  per-segment popcount), two compactions
+  (``threshold.compact_segments``) and one sort of all candidates by
+  ``(segment, -|x|, index)`` for the cut; on a GPU the loop waits on the
+  host once per round, not once per round and group.
 
   Returns:
     Per group ``(values, indices)`` of shape ``[count, k]``: signed values
@@ -536,7 +538,8 @@ def sampled_threshold(x: jax.Array, k: int, key: jax.Array | None,
     k' = \\lceil k \\, |S| / L \\rceil
 
   Departs from DGC in that it does not re-select when the count misses
-  ``k``; the caller sees the count from :func:`threshold_select`.
+  ``k``; the caller sees the count from
+  :func:`~jaxcomm.kernels.threshold_select`.
 
   The top ``k'`` of the sample is taken as :func:`topk_abs` would take it
   (the same dispatch on ``k'``, the same exact result on either path).

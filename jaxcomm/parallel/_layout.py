@@ -48,9 +48,28 @@ def _abstract(tree):
 
 
 def local_params(tx: optax.GradientTransformation, params) -> bool:
-  """Whether ``tx`` lets params differ between devices (a local-update
-  optimizer: :func:`jaxcomm.local_sgd`, :func:`jaxcomm.diloco`, ...), so
-  that :class:`DataParallel` keeps them per device."""
+  """Whether ``tx`` lets params differ between devices.
+
+  True for a local-update optimizer (:func:`jaxcomm.local_sgd`,
+  :func:`jaxcomm.diloco`, ...): :class:`DataParallel` then keeps params
+  per device. Nothing runs (``tx.init`` is traced abstractly).
+
+  Args:
+    tx: the optimizer.
+    params: the params (arrays or ``jax.ShapeDtypeStruct`` leaves).
+
+  Returns:
+    A bool.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxcomm
+    >>> params = {"w": jnp.zeros(4)}
+    >>> jaxcomm.parallel.local_params(jaxcomm.local_sgd(optax.sgd(0.1), 4),
+    ...                               params)
+    True
+    >>> jaxcomm.parallel.local_params(jaxcomm.topk(0.5), params)
+    False
+  """
   return bool(_local_engine.local_states(jax.eval_shape(tx.init,
                                                  _abstract(params))))
 
@@ -147,7 +166,29 @@ def state_layout(tx: optax.GradientTransformation, params, mesh,
       (:func:`update_on_shards`): the model axes left to the compiler; the
       state is then that of each device's own shards, with params
       replicated over an auto axis updated as one copy per device of it
-      (:func:`expand`).
+      (``_specs.expand``).
+
+  Returns:
+    A tree like ``tx.init(params)`` with a ``False``, ``True`` or
+    frozenset leaf per state leaf (above).
+
+  Raises:
+    ValueError: when ``axis_name`` is not an axis of ``mesh``, params hold
+      Flax NNX Variables other than ``nnx.Param``, auto axes split no
+      params leaf, or ``tx``'s updates differ between devices (replicated
+      params would drift apart), naming the leaves.
+
+  Examples:
+    Top-k keeps a residual per device; its step counter and key are
+    replicated:
+
+    >>> import jax.numpy as jnp, optax, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> tx = jaxcomm.topk(0.5)
+    >>> layout = jaxcomm.parallel.state_layout(tx, {"w": jnp.zeros(512)},
+    ...                                        mesh)
+    >>> layout.residual, layout.count, layout.key
+    ((True,), False, False)
   """
   n = _data_size(mesh, axis_name)
   names = _names(axis_name)
@@ -306,10 +347,21 @@ def _check_auto_axes_split(params, specs, mesh, auto_axes) -> None:
 def state_specs(layout, axis_name: str = "data", *, auto_axes=()):
   """PartitionSpecs for a state laid out by :func:`state_layout`.
 
-  With ``auto_axes`` (a step manual over the data axes only, see
-  :func:`update_on_shards`): the specs for that step's ``in_specs``, naming
-  the data axes only; the state's sharding over the auto axes stays on the
-  arrays (as :func:`init_state` placed them) and is left to the compiler.
+  Per-device leaves get ``P(axis_name)`` (or the data axes they vary
+  over), replicated ones ``P()``. With ``auto_axes`` (a step manual over
+  the data axes only, see :func:`update_on_shards`): the specs for that
+  step's ``in_specs``, naming the data axes only; the state's sharding
+  over the auto axes stays on the arrays (as :func:`init_state` placed
+  them) and is left to the compiler.
+
+  Args:
+    layout: :func:`state_layout`'s tree.
+    axis_name: the data axis, or a tuple of them.
+    auto_axes: the model axes left to the compiler, or ``()``.
+
+  Returns:
+    A tree of ``PartitionSpec`` like ``layout``, for ``jax.shard_map``'s
+    ``in_specs`` and ``out_specs``.
   """
   if auto_axes:
     keep = set(_names(axis_name))
@@ -327,13 +379,39 @@ def _map_laid_out(fn, state, layout, who: str):
 
 
 def to_local(state, layout):
-  """Inside shard_map: drops the leading size-1 axis of per-device leaves."""
+  """Inside shard_map: drops the leading size-1 axis of per-device leaves.
+
+  Args:
+    state: the state as the step receives it (:func:`state_specs`).
+    layout: :func:`state_layout`'s tree.
+
+  Returns:
+    The state ``tx.update`` takes, per-device leaves without their
+    leading axis and the rest unchanged.
+
+  Raises:
+    ValueError: naming what does not fit when ``state`` does not have
+      ``layout``'s structure.
+  """
   return _map_laid_out(lambda x, b: x[0] if b else x, state, layout,
                        "to_local")
 
 
 def to_global(state, layout):
-  """Inside shard_map: adds the leading axis back to per-device leaves."""
+  """Inside shard_map: adds the leading axis back to per-device leaves.
+
+  Args:
+    state: the state ``tx.update`` returned.
+    layout: :func:`state_layout`'s tree.
+
+  Returns:
+    The state as the step returns it (:func:`state_specs`), per-device
+    leaves with a leading axis of size 1.
+
+  Raises:
+    ValueError: naming what does not fit when ``state`` does not have
+      ``layout``'s structure.
+  """
   return _map_laid_out(lambda x, b: x[None] if b else x, state, layout,
                        "to_global")
 
@@ -348,6 +426,34 @@ def init_state(tx: optax.GradientTransformation, params, mesh,
   the rest is replicated. With params sharded over model axes (``specs``,
   default :func:`param_specs`), ``tx.init`` runs on each device's block;
   with ``auto_axes`` (see :func:`state_layout`) on each device's shards.
+
+  Args:
+    tx: the optimizer.
+    params: the params (replicated over the data axes; placed with a
+      ``NamedSharding`` over model axes for a sharded model).
+    mesh: the mesh.
+    axis_name: the data axis, or a tuple of them.
+    layout: :func:`state_layout`'s tree (None: derived here).
+    specs: the params' ``PartitionSpec`` tree over model axes (None:
+      :func:`param_specs`).
+    auto_axes: the model axes left to the compiler, or ``()``.
+
+  Returns:
+    The state as global arrays. Per-device leaves have a leading axis of
+    one row per device, sharded over the data axes (every row the same
+    value); the rest is replicated.
+
+  Raises:
+    ValueError: as :func:`state_layout` does when it derives the layout,
+      and for Flax NNX Variables other than ``nnx.Param`` in ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> state = jaxcomm.parallel.init_state(jaxcomm.topk(0.5),
+    ...                                     {"w": jnp.zeros(512)}, mesh)
+    >>> state.residual[0].shape                    # one row per device
+    (8, 512)
   """
   _check_nnx_params(params, "init_state")
   if specs is None:

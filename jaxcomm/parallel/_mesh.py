@@ -20,6 +20,25 @@ def make_mesh(num_devices: int | None = None, axis_name: str = "data", *,
       1 gives a one-axis mesh. Compression runs over the data axis only.
     model_axis: name of that second axis.
     devices: devices to use (default ``jax.devices()``).
+
+  Returns:
+    A ``jax.sharding.Mesh`` of shape ``(num_devices,)`` over
+    ``(axis_name,)``, or ``(num_devices, model)`` over ``(axis_name,
+    model_axis)``.
+
+  Raises:
+    ValueError: when ``model < 1``, or ``num_devices * model`` is not
+      between 1 and the number of devices.
+
+  Examples:
+    On the 8 devices of the test suite (CPU devices simulated with
+    ``--xla_force_host_platform_device_count=8``):
+
+    >>> import jaxcomm
+    >>> dict(jaxcomm.parallel.make_mesh().shape)
+    {'data': 8}
+    >>> dict(jaxcomm.parallel.make_mesh(model=2, model_axis="fsdp").shape)
+    {'data': 4, 'fsdp': 2}
   """
   devices = list(devices if devices is not None else jax.devices())
   if model < 1:
@@ -52,6 +71,27 @@ def make_pod_mesh(num_slices: int | None = None, *, slow_axis: str = "dcn",
   ``slow_axis``, its devices in order along ``fast_axis``. Use
   ``axis_name=(slow_axis, fast_axis)`` in :class:`DataParallel`, dense
   averaging over ``fast_axis`` and compression over ``slow_axis``.
+
+  Args:
+    num_slices: cut the devices, in order, into this many equal groups
+      (None: group them by slice, else by process).
+    slow_axis: the name of the axis across groups.
+    fast_axis: the name of the axis inside a group.
+    devices: devices to use (default ``jax.devices()``).
+
+  Returns:
+    A ``jax.sharding.Mesh`` of shape ``(groups, devices per group)``, both
+    axes Auto.
+
+  Raises:
+    ValueError: naming the argument: an axis name that is not a
+      non-empty str, equal axis names, ``num_slices`` not a positive int
+      or not dividing the devices, groups of different sizes.
+
+  Examples:
+    >>> import jaxcomm
+    >>> dict(jaxcomm.parallel.make_pod_mesh(2).shape)
+    {'dcn': 2, 'ici': 4}
   """
   for name, v in (("slow_axis", slow_axis), ("fast_axis", fast_axis)):
     if not isinstance(v, str) or not v:

@@ -51,6 +51,13 @@ def initialize(coordinator_address: str | None = None,
     process_id: this process's id, in ``[0, num_processes)``.
     local_device_count: CPU devices to simulate in this process.
     timeout_s: how long to wait for the other processes before failing.
+
+  Raises:
+    ValueError: when only some of ``coordinator_address``,
+      ``num_processes`` and ``process_id`` are given, or one is out of
+      range (the address not ``host:port``).
+    ConnectionError: when a process other than 0 cannot reach the
+      coordinator within ``timeout_s``.
   """
   explicit = (coordinator_address, num_processes, process_id)
   if any(v is not None for v in explicit) and any(v is None for v in explicit):

@@ -24,7 +24,17 @@ def _global(x, sharding):
 
 
 def replicate(tree, mesh):
-  """Places a pytree replicated on every device of ``mesh``."""
+  """Places a pytree replicated on every device of ``mesh``.
+
+  Each process passes the same values; works across processes.
+
+  Args:
+    tree: a pytree of arrays (host or device), the same on every process.
+    mesh: the mesh to place on.
+
+  Returns:
+    ``tree`` as global ``jax.Array`` leaves, replicated (``P()``).
+  """
   sharding = NamedSharding(mesh, P())
   return jax.tree.map(lambda x: _global(x, sharding), tree)
 
@@ -34,6 +44,26 @@ def shard_batch(batch, mesh, axis_name: str = "data"):
 
   Leading axes are split over ``axis_name``. On one process pass the whole
   global batch; on many, each process passes its own contiguous slice.
+
+  Args:
+    batch: a pytree of arrays whose leading axis (the examples) splits
+      evenly over this process's devices of ``axis_name``.
+    mesh: the mesh.
+    axis_name: the axis (or tuple of axes) the examples are split over.
+
+  Returns:
+    ``batch`` as global ``jax.Array`` leaves sharded ``P(axis_name)``.
+
+  Raises:
+    ValueError: naming the leaf, when a leading axis does not split
+      evenly; or when ``axis_name`` is not an axis of ``mesh``.
+
+  Examples:
+    >>> import numpy as np, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> batch = jaxcomm.parallel.shard_batch({"x": np.zeros((16, 3))}, mesh)
+    >>> batch["x"].shape, batch["x"].sharding.shard_shape((16, 3))
+    ((16, 3), (2, 3))
   """
   n = _data_size(mesh, axis_name)
   per_process = max(1, n // jax.process_count())

@@ -18,7 +18,7 @@ other blocks, so the state is re-cut element by element:
   total over the slice's devices is re-cut the same way, then given to the
   device whose chunk now holds it;
 * a warm start (PowerSGD's ``Q``, registered ``WARM`` in
-  :mod:`jaxcomm._per_device`) owes nothing: it restarts as at init;
+  ``jaxcomm._per_device``) owes nothing: it restarts as at init;
 * a per-device scalar (a step count, a statistic): the largest (integers)
   or the mean (floats) of the slice's old blocks, on every new block.
 
@@ -163,12 +163,15 @@ def reshard_state(state, layout, template, template_layout, *, params,
     params: the whole (logical) params, arrays or ShapeDtypeStructs.
     specs: their PartitionSpecs over the model axes (the same rules on
       both sizes).
-    axis_name: the data axis (one); its size ``data_size`` is kept (change
-      it afterwards with :func:`resize_state`).
-    old_axes, new_axes: ``{axis: size}`` of the model axes before and
-      after; the same names.
+    axis_name: the data axis (one); its size is kept (change it
+      afterwards with :func:`resize_state`).
+    data_size: the data axis's size, the same before and after.
+    old_axes: ``{axis: size}`` of the model axes the state was laid out
+      on.
+    new_axes: ``{axis: size}`` of the model axes to move it to; the same
+      names as ``old_axes``.
     compressors: the jaxcomm compressors whose states the state holds, in
-      the order their ``CompressState``s appear in it (for their bucket
+      the order their ``CompressState`` entries appear in it (for their bucket
       plans).
 
   Returns:

@@ -16,7 +16,7 @@ from jaxcomm.collectives import _signs
 def _kinds(state) -> list:
   """For each leaf: ``False`` (averaged over merged devices, copied to new
   ones), ``"owned"`` or ``("restart", v)``, as its state type registered
-  (:mod:`jaxcomm._per_device`)."""
+  (``jaxcomm._per_device``)."""
   flags = []
 
   def visit(x, kind):
@@ -159,7 +159,7 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
   A field its state type registered as owned by chunks (onebit's server
   error: device ``k`` holds its chunk's mass in full) has its total re-cut
   into the new devices' chunks; gossip memory (CHOCO's public copies,
-  push-sum's weight) restarts as at init. See :mod:`jaxcomm._per_device`.
+  push-sum's weight) restarts as at init. See ``jaxcomm._per_device``.
   Replicated leaves are unchanged.
 
   Args:
@@ -178,9 +178,30 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
       ``model_axes`` every such leaf must have ``data_size`` times the
       model sizes rows; a state with no data-only leaf needs it given.
 
+  Returns:
+    The state for ``num_devices`` devices, host arrays, laid out as
+    ``layout`` says (per-device leaves with ``num_devices`` rows, times
+    the model sizes).
+
   Raises:
     ValueError: naming what does not fit (a leaf's rows that are not the
       data size times the model sizes, sizes that do not divide).
+
+  Examples:
+    Top-k's residuals on 8 devices (device ``i``'s all ``i``), moved to 4:
+    each pair of merged devices keeps their mean, so ``mean_i e_i`` (3.5)
+    is unchanged.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcomm
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> tx, params = jaxcomm.topk(0.5), {"w": jnp.zeros(512)}
+    >>> layout = jaxcomm.parallel.state_layout(tx, params, mesh)
+    >>> state = jax.device_get(jaxcomm.parallel.init_state(tx, params, mesh))
+    >>> rows = np.arange(8.0, dtype=np.float32)[:, None] * np.ones((8, 512))
+    >>> state = state._replace(residual=(rows.astype(np.float32),))
+    >>> small = jaxcomm.parallel.resize_state(state, layout, 4)
+    >>> small.residual[0][:, 0].tolist()
+    [0.5, 2.5, 4.5, 6.5]
   """
   num_devices = _checks.integer("num_devices", num_devices, 1)
   if data_size is not None:
@@ -299,14 +320,31 @@ def _resize_rows(x: np.ndarray, new: int, add) -> np.ndarray:
 
 
 def resize_params(params, num_devices: int):
-  """Per-device params (host arrays, leading device axis, as a local-update
-  optimizer's :class:`DataParallel` holds them) on ``num_devices`` devices:
-  averaged over groups of old devices when shrinking, copied when growing,
-  so the device average (the synchronised model) is kept.
+  """Per-device params moved to ``num_devices`` devices.
+
+  The params are averaged over groups of old devices when shrinking and
+  copied when growing, so the device average (the synchronised model) is
+  kept.
+
+  Args:
+    params: per-device params as host arrays, every leaf with the same
+      leading device axis (as a local-update optimizer's
+      :class:`DataParallel` holds them).
+    num_devices: the new number of devices; the old and new numbers must
+      divide one another.
+
+  Returns:
+    The params with a leading axis of ``num_devices`` rows.
 
   Raises:
     ValueError: when the leaves do not share one leading (device) axis
       size: params without a device axis would be averaged row by row.
+
+  Examples:
+    >>> import numpy as np, jaxcomm
+    >>> params = {"w": np.arange(8.0)[:, None]}    # 8 devices' rows
+    >>> jaxcomm.parallel.resize_params(params, 2)["w"].tolist()
+    [[1.5], [5.5]]
   """
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   sizes = {}

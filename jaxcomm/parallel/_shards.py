@@ -108,8 +108,9 @@ def _typed_as(tree, specs):
 
 
 def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
-  """``update(grads, state, params, **extra) -> (new_params, new_state)``
-  for a step manual over the data axes only (``jax.shard_map(...,
+  """The update of a sharded step, run on each device's own shards.
+
+  For a step manual over the data axes only (``jax.shard_map(...,
   axis_names=set(data axes))``): ``tx.update`` and the updates applied on
   each device's own shards of every leaf.
 
@@ -121,7 +122,7 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
   norm scale) is compressed on every device of that axis from the same
   slice gradient and the copies' results averaged (an all-reduce of that
   leaf over the fast axis, where the plain step all-reduces its gradient
-  over every device); see :func:`expand`.
+  over every device).
 
   Args:
     tx: the optimizer.
@@ -133,10 +134,12 @@ def update_on_shards(tx, layout, specs, axis_name, auto_axes, mesh=None):
     auto_axes: the mesh axes left to the compiler.
     mesh: the mesh (default: the step's).
 
-  ``grads`` and ``params`` are the whole (logical) arrays the step sees,
-  ``state`` the state as the step's ``in_specs`` (:func:`state_specs` with
-  ``auto_axes``) give it; ``extra`` (e.g. ``value=`` the loss for a
-  local-update optimizer) is passed to ``tx.update`` unchanged.
+  Returns:
+    ``update(grads, state, params, **extra) -> (new_params, new_state)``:
+    ``grads`` and ``params`` are the whole (logical) arrays the step sees,
+    ``state`` the state as the step's ``in_specs`` (:func:`state_specs`
+    with ``auto_axes``) give it; ``extra`` (e.g. ``value=`` the loss for a
+    local-update optimizer) is passed to ``tx.update`` unchanged.
   """
   keep = set(auto_axes)
   inner_state = jax.tree.map(

@@ -43,11 +43,36 @@ def _spec_axes(spec) -> set:
 
 
 def param_specs(params, mesh, axis_name="data"):
-  """Each params leaf's PartitionSpec over the mesh's non-data axes (its
-  NamedSharding on ``mesh``; ``P()`` for host arrays and replicated ones).
+  """Each params leaf's PartitionSpec over the mesh's non-data axes.
 
-  Raises a ValueError naming a leaf sharded over a data axis: data
-  parallelism replicates params over those.
+  Args:
+    params: the params (arrays or ``jax.ShapeDtypeStruct`` leaves).
+    mesh: the mesh.
+    axis_name: the data axis, or a tuple of them.
+
+  Returns:
+    A tree of ``PartitionSpec`` like ``params``, each leaf's
+    ``NamedSharding`` spec on ``mesh`` (``P()`` for host arrays, arrays on
+    another mesh and replicated ones).
+
+  Raises:
+    ValueError: naming a leaf sharded over a data axis (data parallelism
+      replicates params over those).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxcomm
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jaxcomm.parallel.make_mesh(4, model=2, model_axis="fsdp")
+    >>> w = jax.device_put(jnp.zeros((8, 4)),
+    ...                    NamedSharding(mesh, P("fsdp", None)))
+    >>> params = {"w": w, "b": jnp.zeros(4)}
+    >>> specs = jaxcomm.parallel.param_specs(params, mesh)
+    >>> tuple(specs["w"]), tuple(specs["b"])
+    (('fsdp', None), ())
+    >>> jaxcomm.parallel.shard_shapes(params, specs, mesh)["w"].shape
+    (4, 4)
+    >>> jaxcomm.parallel.shard_splits(specs, mesh)   # leaves: b, w
+    [(), ((0, ('fsdp',), 2),)]
   """
   names = set(_names(axis_name))
 
@@ -85,9 +110,20 @@ def _local_shape(shape, spec, mesh) -> tuple:
 
 
 def shard_shapes(params, specs, mesh):
-  """One device's shards of ``params`` split by ``specs`` on ``mesh``, as
-  ShapeDtypeStructs: what a compressor in the update on shards (or block
-  mode) works on, e.g. for :func:`jaxcomm.wire.claimed`."""
+  """One device's shards of ``params`` split by ``specs`` on ``mesh``.
+
+  What a compressor in the update on shards (or block mode) works on,
+  e.g. for :func:`jaxcomm.wire.claimed`.
+
+  Args:
+    params: the params (arrays or ``jax.ShapeDtypeStruct`` leaves).
+    specs: their ``PartitionSpec`` tree (:func:`param_specs`).
+    mesh: the mesh.
+
+  Returns:
+    ``params``' structure with ``jax.ShapeDtypeStruct`` leaves of one
+    device's block shapes.
+  """
   return jax.tree.map(
     lambda x, sp: jax.ShapeDtypeStruct(_local_shape(np.shape(x), sp, mesh),
                                        jnp.result_type(x)), params, specs,
@@ -95,13 +131,22 @@ def shard_shapes(params, specs, mesh):
 
 
 def shard_splits(specs, mesh) -> list:
-  """Per params leaf (``jax.tree.leaves`` order of ``specs``), how the
-  whole leaf is split into one device's block: ``((dim, axes, size),
-  ...)`` for each dimension a spec entry splits over mesh axes
-  (``size`` the devices along them), ``()`` for a whole leaf. What
-  compressors see inside :func:`update_on_shards` (``Layout.splits``), and
-  what :func:`jaxcomm.wire.claimed` takes as ``splits=`` to claim the bytes
-  of one device's blocks."""
+  """Per params leaf, how the whole leaf is split into one device's block.
+
+  What compressors see inside :func:`update_on_shards`
+  (``Layout.splits``), and what :func:`jaxcomm.wire.claimed` takes as
+  ``splits=`` to claim the bytes of one device's blocks.
+
+  Args:
+    specs: the params' ``PartitionSpec`` tree (:func:`param_specs`).
+    mesh: the mesh.
+
+  Returns:
+    A list in the ``jax.tree.leaves`` order of ``specs``. Per leaf, a
+    tuple of ``(dim, axes, size)``, one for each dimension a spec entry
+    splits over mesh axes (``size`` the devices along them); ``()`` for a
+    whole leaf.
+  """
   shape = dict(mesh.shape)
   out = []
   for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):

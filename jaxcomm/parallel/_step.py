@@ -33,14 +33,6 @@ class DataParallel:
   crosses the wire (differentiating through replicated params directly would
   let JAX insert its own dense psum).
 
-  Example::
-
-    mesh = jaxcomm.parallel.make_mesh()
-    tx = optax.chain(jaxcomm.powersgd(rank=4), optax.sgd(0.1))
-    dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
-    params, opt_state = dp.init(params)
-    params, opt_state, metrics = dp.step(params, opt_state, batch)
-
   With a local-update optimizer (:func:`jaxcomm.local_sgd`,
   :func:`jaxcomm.adacomm`, :func:`jaxcomm.overlap_local_sgd`,
   :func:`jaxcomm.diloco`) params differ between devices between syncs:
@@ -120,6 +112,38 @@ class DataParallel:
       ``--xla_cpu_collective_call_terminate_timeout_seconds`` in
       ``XLA_FLAGS`` before JAX starts, as train.py and the tests do);
       ``True`` blocks on any backend.
+
+  Raises:
+    ValueError: naming the argument: ``axis_name`` not an axis of
+      ``mesh``, ``update_args`` not callable or given with ``auto_axes``,
+      ``auto_axes`` or ``batch_axes`` that do not fit the mesh's axes,
+      ``block`` not a bool.
+
+  Examples:
+    A least-squares fit on 8 devices, top-k (half of the 4 weights' gradient
+    sent, the rest kept as each device's residual) before SGD; every step
+    gets the 64-example batch split 8 per device:
+
+    >>> import jax.numpy as jnp, numpy as np, optax, jaxcomm
+    >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    >>> y = x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> mesh = jaxcomm.parallel.make_mesh()        # 8 devices on "data"
+    >>> tx = optax.chain(
+    ...   jaxcomm.topk(0.5, policy=jaxcomm.LeafPolicy(min_size=1)),
+    ...   optax.sgd(0.1))
+    >>> dp = jaxcomm.parallel.DataParallel(loss_fn, tx, mesh)
+    >>> params, opt_state = dp.init({"w": jnp.zeros(4)})
+    >>> opt_state[0].residual[0].shape             # a residual per device
+    (8, 4)
+    >>> for _ in range(60):
+    ...   params, opt_state, metrics = dp.step(params, opt_state,
+    ...                                        {"x": x, "y": y})
+    >>> print(np.asarray(params["w"], np.float64).round(2))
+    [ 1.  -2.   0.5  3. ]
+    >>> float(metrics["loss"]) < 1e-4
+    True
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
@@ -168,6 +192,7 @@ class DataParallel:
 
   @property
   def num_devices(self) -> int:
+    """The number of devices along the data axes."""
     return _placement._data_size(self.mesh, self.axis_name)
 
   def init(self, params):
@@ -179,6 +204,23 @@ class DataParallel:
     sharding the step takes, for :meth:`lower` to compile the step ahead
     of time, on any mesh (a compile-only TPU topology included:
     :mod:`jaxcomm.aot`).
+
+    Args:
+      params: the initial params (host or device arrays, placed with a
+        ``NamedSharding`` over model axes for a sharded model; or
+        ``jax.ShapeDtypeStruct`` leaves).
+
+    Returns:
+      ``(params, state)`` as the step takes them. Params are replicated
+      over the data axes (per device, a leading axis of n rows, for a
+      local-update optimizer) and the state laid out by
+      :func:`state_layout` (:func:`init_state`).
+
+    Raises:
+      ValueError: when a params leaf is not floating (it has no gradient),
+        params hold Flax NNX Variables other than ``nnx.Param``, abstract
+        and concrete leaves are mixed, or the layout cannot be derived
+        (:func:`state_layout`).
     """
     _layout._check_nnx_params(params, "DataParallel.init")
     if _is_abstract(params):
@@ -232,9 +274,16 @@ class DataParallel:
     return params, state
 
   def abstract_batch(self, batch):
-    """A batch's abstract inputs (shapes and dtypes of the global batch)
-    with the sharding :meth:`step` gives it: for :meth:`lower` ahead of
-    time."""
+    """A batch's abstract inputs, for :meth:`lower` ahead of time.
+
+    Args:
+      batch: the global batch (arrays, or anything with a shape and a
+        dtype).
+
+    Returns:
+      ``batch`` as ``jax.ShapeDtypeStruct`` leaves with the sharding
+      :meth:`step` gives it (split over ``batch_axes``).
+    """
     sharding = NamedSharding(self.mesh, P(self.batch_axes))
     return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
@@ -265,26 +314,52 @@ class DataParallel:
                         is_leaf=lambda x: isinstance(x, P))
 
   def place_params(self, host_params):
-    """Host params as this step's inputs: split over model axes as given to
-    :meth:`init`, and per device (a leading axis of size n over the data
-    axis) for a local-update optimizer, else replicated over the data
-    axis."""
+    """Host params as this step's inputs.
+
+    Call it after :meth:`init` (e.g. to start from a checkpoint).
+
+    Args:
+      host_params: params as host arrays, shaped as :meth:`init` returned
+        them (with the leading axis of n rows for a local-update
+        optimizer).
+
+    Returns:
+      The params as global arrays, split over model axes as given to
+      :meth:`init`, and per device (a leading axis of size n over the data
+      axis) for a local-update optimizer, else replicated over the data
+      axis.
+    """
     return jax.tree.map(_placement._global, host_params,
                         self._param_shardings())
 
   def synchronized(self, params):
-    """The model to evaluate or export: ``params`` themselves when they are
-    replicated; with per-device params (local-update optimizers) their
-    device average, replicated (exactly the common value when every device
-    holds the same one, as right after a sync)."""
+    """The model to evaluate or export.
+
+    Args:
+      params: the params :meth:`step` returned.
+
+    Returns:
+      ``params`` themselves when they are replicated; with per-device
+      params (local-update optimizers) their device average, replicated
+      (exactly the common value when every device holds the same one, as
+      right after a sync).
+    """
     if not self.per_device_params:
       return params
     return synchronized(params, self.mesh, self.param_specs)
 
   def shard_batch(self, batch):
-    """This process's slice of a batch as global arrays (see shard_batch):
-    split over the data axes, and with ``auto_axes`` also over
-    ``batch_axes`` inside each slice (as FSDP splits it)."""
+    """This process's slice of a batch as global arrays.
+
+    Args:
+      batch: this process's examples (the whole batch on one process),
+        leading axis first (see :func:`shard_batch`).
+
+    Returns:
+      The batch as global arrays split over the data axes, and with
+      ``auto_axes`` also over ``batch_axes`` inside each slice (as FSDP
+      splits it).
+    """
     return _placement.shard_batch(batch, self.mesh, self.batch_axes)
 
   def _build(self, with_state: bool, with_rng: bool):
@@ -353,18 +428,16 @@ class DataParallel:
     return batch, model_state
 
   def step(self, params, state, batch, *, model_state=None, rng=None):
-    """One step: ``(params, state, metrics)``, plus the new model state as
-    a fourth value when ``model_state`` is given; batch from
-    :meth:`shard_batch` (plain host arrays are sharded here). Metrics are
-    device averages; with a local-update optimizer (``per_device_params``)
-    they are per device (leading axis n), since those steps send nothing
-    between syncs.
+    """One train step.
+
+    Each device takes the gradient of ``loss_fn`` on its share of the
+    batch, ``tx`` exchanges what it sends, and the updates are applied.
 
     Args:
       params: the params :meth:`init` (or the previous step) returned.
       state: the optimizer state, likewise.
-      batch: the global batch; its leading axes are split over the data
-        axes.
+      batch: the global batch, from :meth:`shard_batch`, or host arrays
+        (sharded here); its leading axes are split over the data axes.
       model_state: mutable non-parameter model state (e.g. BatchNorm
         statistics, ``nnx.state(model, nnx.BatchStat)``), replicated;
         ``loss_fn`` gets it as ``model_state=`` and returns ``(out,
@@ -373,6 +446,19 @@ class DataParallel:
       rng: a PRNG key for this step; ``loss_fn`` gets ``rng=
         jax.random.fold_in(rng, i)`` on the device of index ``i`` along the
         data axes.
+
+    Returns:
+      ``(params, state, metrics)``, plus the new model state as a fourth
+      value when ``model_state`` is given. ``metrics`` holds ``"loss"``
+      (and ``"aux"`` with ``has_aux``), device averages; with a
+      local-update optimizer (``per_device_params``) they are per device
+      (leading axis n), since those steps send nothing between syncs.
+
+    Raises:
+      ValueError: when :meth:`init` has not run, the state does not fit
+        the layout, an input's buffers were donated to an earlier step,
+        ``model_state`` is given with per-device params, or ``loss_fn``
+        returns the wrong structure.
     """
     fn, args = self._prepare(params, state, batch, model_state, rng)
     if self.block:
@@ -381,10 +467,26 @@ class DataParallel:
     return fn(*args)
 
   def lower(self, params, state, batch, *, model_state=None, rng=None):
-    """The lowered step (for :func:`jaxcomm.wire.report`); ``.compile()``
-    it for the compiled program. Takes concrete inputs or abstract ones
-    (:meth:`init` of abstract params, :meth:`abstract_batch`): nothing is
-    allocated then, and the mesh may be a compile-only topology."""
+    """The lowered step, e.g. for :func:`jaxcomm.wire.report`.
+
+    ``.compile()`` it for the compiled program. Takes concrete inputs or
+    abstract ones (:meth:`init` of abstract params,
+    :meth:`abstract_batch`): nothing is allocated then, and the mesh may
+    be a compile-only topology.
+
+    Args:
+      params: the params, as for :meth:`step`.
+      state: the optimizer state, as for :meth:`step`.
+      batch: the batch, as for :meth:`step`.
+      model_state: as for :meth:`step`.
+      rng: as for :meth:`step`.
+
+    Returns:
+      The ``jax.stages.Lowered`` step.
+
+    Raises:
+      ValueError: as :meth:`step` does for its inputs.
+    """
     fn, args = self._prepare(params, state, batch, model_state, rng)
     return fn.lower(*args)
 
@@ -534,10 +636,19 @@ def _device_mean(tree, axis_name):
 
 
 def synchronized(params, mesh, specs=None):
-  """Per-device params (leading device axis) -> their device average,
-  replicated on ``mesh`` (split over model axes as ``specs`` say); where
-  every device holds the same value, that value exactly (a mean of equal
-  floats may round)."""
+  """Per-device params averaged over devices, replicated on ``mesh``.
+
+  Args:
+    params: per-device params, a leading device axis on every leaf.
+    mesh: the mesh to place the result on.
+    specs: the params' ``PartitionSpec`` tree over model axes (None:
+      replicated everywhere).
+
+  Returns:
+    The device average of each leaf, replicated over the data axes (split
+    over model axes as ``specs`` say); where every device holds the same
+    value, that value exactly (a mean of equal floats may round).
+  """
   rep = (NamedSharding(mesh, P()) if specs is None else jax.tree.map(
     lambda sp: NamedSharding(mesh, sp), specs,
     is_leaf=lambda x: isinstance(x, P)))
@@ -552,9 +663,21 @@ def synchronized(params, mesh, specs=None):
 
 
 def consensus_distance(params) -> jax.Array:
-  """``max_i |x_i - mean_j x_j|`` over every element of per-device params
-  (leading device axis): how far decentralized or local training has let
-  the devices drift apart (0 right after a sync)."""
+  """How far decentralized or local training has let devices drift apart.
+
+  Args:
+    params: per-device params, a leading device axis on every leaf.
+
+  Returns:
+    ``max_i |x_i - mean_j x_j|`` over every element, a float32 scalar
+    array (0 right after a sync).
+
+  Examples:
+    >>> import numpy as np, jaxcomm
+    >>> rows = {"w": np.array([[1.0, 2.0], [3.0, 2.0]])}   # 2 devices
+    >>> float(jaxcomm.parallel.consensus_distance(rows))
+    1.0
+  """
   def one(x):
     x = x.astype(jnp.float32)
     return jnp.max(jnp.abs(x - jnp.mean(x, axis=0, keepdims=True)))
