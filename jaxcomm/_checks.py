@@ -57,6 +57,23 @@ def integer(name: str, value, lo: int | None = None, hi: int | None = None,
   return int(value)
 
 
+# jax.random.PRNGKey takes a seed that fits an int64.
+MAX_SEED = 2**63 - 1
+
+
+def seed(name: str, value) -> Any:
+  """A PRNG seed: an int in ``[0, MAX_SEED]`` (booleans, floats and
+  strings refused here rather than by JAX at the first traced step). A
+  traced integer passes unchecked (an injected hyperparameter); a traced
+  value of another dtype is refused."""
+  if isinstance(value, jax.core.Tracer):
+    if not jnp.issubdtype(value.dtype, jnp.integer) or value.ndim:
+      raise ValueError(f"{name} must be an int >= 0, got a traced "
+                       f"{value.dtype}{list(value.shape)}")
+    return value
+  return integer(name, value, 0, MAX_SEED)
+
+
 def boolean(name: str, value) -> bool:
   """``value``, which must be a Python bool."""
   if not isinstance(value, bool):
@@ -65,9 +82,10 @@ def boolean(name: str, value) -> bool:
 
 
 def number(name: str, value, lo: float | None = None, hi: float | None = None,
-           *, lo_open: bool = False, finite: bool = False) -> Any:
+           *, lo_open: bool = False, finite: bool = True) -> Any:
   """A real number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); NaN is
-  refused, and so is an infinity with ``finite``. Tracers pass unchecked
+  refused, and so is an infinity unless ``finite=False`` (for an argument
+  whose documentation gives an infinity a meaning). Tracers pass unchecked
   (injected hyperparameters)."""
   if isinstance(value, jax.core.Tracer):
     return value
@@ -127,7 +145,9 @@ def ratio(name: str, value) -> float:
     raise ValueError(
       f"{name} sets the message size and must be static (a Python number); "
       f"list it in optax.inject_hyperparams(static_args=...)")
-  if isinstance(value, bool):
+  # float("0.1") is 0.1: a string (or bool) is refused here, as number()
+  # refuses it.
+  if isinstance(value, (str, bytes, bool)):
     raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
   try:
     r = float(value)

@@ -116,7 +116,23 @@ def test_says_it_is_a_simulation():
   (lambda: jaxcomm.ota_analog(float("nan")), "snr_db"),
   (lambda: jaxcomm.ota_analog("10"), "snr_db"),
   (lambda: jaxcomm.ota_onebit(10.0, threshold=-1.0), "threshold"),
+  (lambda: jaxcomm.ota_analog(float("-inf")), "snr_db"),
+  (lambda: jaxcomm.ota_onebit(float("inf")), "snr_db"),
+  (lambda: jaxcomm.ota_onebit(10.0, threshold=float("inf")), "threshold"),
 ])
 def test_bad_arguments_are_named(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+def test_onebit_sends_plus_one_for_a_zero_gradient():
+  """``sign(0) = +1`` (documented): all-zero gradients send ``+1`` from
+  every device, and at 40 dB the vote of 8 is ``+1`` everywhere."""
+  params = _params()
+  grads = [{"w": np.zeros((N, 64, 48), np.float32)}]
+  mesh = parallel.make_mesh(N)
+  ups, _, _ = harness.device_run(jaxcomm.ota_onebit(40.0), mesh, grads,
+                                 params=params)
+  np.testing.assert_array_equal(ups[0]["w"], np.ones((64, 48)))
+  assert "sign(0) = +1" in jaxcomm.ota_onebit.__doc__
+  assert "sign(0) = +1" in jaxcomm.registry.get("ota_onebit").summary

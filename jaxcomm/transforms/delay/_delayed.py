@@ -379,7 +379,7 @@ def stale_sgd(exchange: optax.GradientTransformation | None = None, *,
     <https://arxiv.org/abs/1808.08859>`_, EMNLP 2018.
   """
   taus, tau_max = _taus(tau, tau_max)
-  seed = _checks.integer("seed", seed, 0)
+  seed = _checks.seed("seed", seed)
   exchange, spec = _exchange_of(exchange, "stale_sgd", axis_name)
   axis = spec.axis_name
   slots = tau_max + 1
@@ -520,7 +520,7 @@ def spy(step_size: float, l1: float, probability: float, *,
   _checks.number("l1", l1, 0.0, None, finite=True)
   _checks.number("probability", probability, 0.0, 1.0, lo_open=True)
   _checks.boolean("identify", identify)
-  seed = _checks.integer("seed", seed, 0)
+  seed = _checks.seed("seed", seed)
   _checks.axis_name(axis_name)
 
   def init_fn(params):

@@ -105,7 +105,7 @@ def _replica_method(method, extrapolate, inner, compressor, topology,
         f"compressor {spec.codec.name} is not random-k")
     spec = dataclasses.replace(spec, codec=UnbiasedRandomk(spec.codec))
   _checks.axis_name(axis_name)
-  seed = _checks.integer("seed", seed, 0)
+  seed = _checks.seed("seed", seed)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -455,7 +455,7 @@ def choco(inner: optax.GradientTransformation, compressor, *,
   gamma = _checks.number("gamma", gamma, 0.0, 1.0, lo_open=True)
   _checks.choice("topology", topology, CHOCO_TOPOLOGIES)
   _checks.axis_name(axis_name)
-  seed = _checks.integer("seed", seed, 0)
+  seed = _checks.seed("seed", seed)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

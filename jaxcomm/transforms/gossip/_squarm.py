@@ -222,7 +222,7 @@ def squarm(inner: optax.GradientTransformation, compressor=None, *,
     eta_t = _schedule("learning_rate", learning_rate, lo_open=True)
   _checks.choice("topology", topology, _gossip.CHOCO_TOPOLOGIES)
   _checks.axis_name(axis_name)
-  seed = _checks.integer("seed", seed, 0)
+  seed = _checks.seed("seed", seed)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -83,10 +83,11 @@ def _check_compressor(who, compressor, axis_name, gate):
 
 def _fedcom(who, inner, learning_rate, period, server_lr, compressor, gate,
             axis_name):
+  # In the signature's order: the error names the first wrong argument.
   _check_inner("inner", inner)
+  period = _checks.step("period", period, 1)
   eta = float(_checks.number("learning_rate", learning_rate, 0.0,
                              lo_open=True))
-  period = _checks.step("period", period, 1)
   gamma = float(_checks.number("server_lr", server_lr, 0.0, lo_open=True))
   _checks.axis_name(axis_name)
   _check_compressor(who, compressor, axis_name, gate)
@@ -185,10 +186,10 @@ def fedcom(inner: optax.GradientTransformation, period: int, *,
 
   Raises:
     ValueError: when ``inner`` is not an optax transformation,
-      ``learning_rate`` or ``server_lr`` is not a number > 0, ``period``
-      is not an int >= 1, ``compressor`` is not a jaxcomm compressor or
-      averages over another axis than ``axis_name``, or ``axis_name`` is
-      not a valid axis name; at ``update``, when called without
+      ``learning_rate`` or ``server_lr`` is not a finite number > 0,
+      ``period`` is not an int >= 1, ``compressor`` is not a jaxcomm
+      compressor or averages over another axis than ``axis_name``, or
+      ``axis_name`` is not a valid axis name; at ``update``, when called without
       ``params`` or where ``axis_name`` is not bound.
 
   Examples:
@@ -273,9 +274,10 @@ def fedcomgate(inner: optax.GradientTransformation, period: int, *,
 
   Raises:
     ValueError: when ``inner`` is not an optax transformation,
-      ``learning_rate`` or ``server_lr`` is not a number > 0, ``period``
-      is not an int >= 1, ``compressor`` is not a jaxcomm compressor or
-      averages over another axis than ``axis_name`` or is not built with
+      ``learning_rate`` or ``server_lr`` is not a finite number > 0,
+      ``period`` is not an int >= 1, ``compressor`` is not a jaxcomm
+      compressor or averages over another axis than ``axis_name`` or is
+      not built with
       ``error_feedback=True``, or ``axis_name`` is not a valid axis name;
       at ``init``, when the compressor keeps no residual; at ``update``,
       when called without ``params`` or where ``axis_name`` is not bound.

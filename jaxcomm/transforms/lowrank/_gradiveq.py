@@ -29,6 +29,7 @@ from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
 from jaxcomm.collectives import _core
+from jaxcomm.collectives import _lowrank
 
 
 def slices(size: int, dim: int) -> int:
@@ -50,9 +51,14 @@ def pieces(s: int, d: int) -> list[tuple[int, int]]:
 def basis(mean_slices: jax.Array, rank: int) -> jax.Array:
   """``U^T`` (``[k, d]``): the top ``rank`` principal directions of the
   rows of ``mean_slices`` (``[S, d]``, uncentred: the eigenvectors of the
-  ``d x d`` Gram matrix with the largest eigenvalues)."""
-  gram = jax.lax.dot_general(mean_slices, mean_slices,
-                             (((0,), (0,)), ((), ())))
+  ``d x d`` Gram matrix with the largest eigenvalues).
+
+  The slices are first divided by a power of two near their largest
+  magnitude (exact, and the eigenvectors do not change with the scale):
+  the Gram matrix's squares would overflow float32 from ``|x| ~ 1e19``,
+  and a finite step would then leave a NaN basis in the state."""
+  scaled = mean_slices / _lowrank.pow2_scale(mean_slices)
+  gram = jax.lax.dot_general(scaled, scaled, (((0,), (0,)), ((), ())))
   _, vecs = jnp.linalg.eigh(gram)                 # ascending eigenvalues
   return jnp.flip(vecs.T[-rank:], axis=0)
 

@@ -497,9 +497,9 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
 
   Raises:
     ValueError: naming the argument, when ``rank`` or
-      ``num_iters_per_step`` is not an int >= 1, ``seed`` not an int,
+      ``num_iters_per_step`` is not an int >= 1, ``seed`` not an int >= 0,
       ``min_compression_rate`` not a finite number >= 0,
-      ``orthogonalization_epsilon`` negative, ``warm_start`` or
+      ``orthogonalization_epsilon`` negative or not finite, ``warm_start`` or
       ``batch_same_shape`` not a bool, ``orthogonalization`` or
       ``sharded`` not one of its choices, ``sharded="whole"`` with
       ``num_iters_per_step > 1``, or one of ``**options`` is unknown or out
@@ -574,7 +574,7 @@ def powersgd(rank: int, *, axis_name="data", start_step: int | None = None,
     raise ValueError(
       f"num_iters_per_step={num_iters_per_step}: sharded='whole' runs one "
       "round per step; pass sharded='shard' for several rounds")
-  seed = _checks.integer("seed", seed)
+  seed = _checks.seed("seed", seed)
   codec = PowerSGDCodec(
     rank=rank, min_compression_rate=rate, warm_start=warm_start,
     orthogonalization_epsilon=orthogonalization_epsilon,

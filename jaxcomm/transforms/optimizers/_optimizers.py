@@ -51,6 +51,7 @@ from jaxcomm.transforms.optimizers._onebit_common import _learning_rate
 from jaxcomm.transforms.optimizers._onebit_common import _momentum_exchange
 from jaxcomm.transforms.optimizers._onebit_common import _output
 from jaxcomm.transforms.optimizers._onebit_common import _Phase
+from jaxcomm.transforms.optimizers._onebit_common import _skip_overflow
 from jaxcomm.transforms.optimizers._onebit_common import _variance
 from jaxcomm.transforms.quantize import _signs
 
@@ -309,6 +310,8 @@ def onebit_adam(
     if params is not None:
       u = u + weight_decay * flat.flatten(params)
     step = -_learning_rate(learning_rate, count) * u
+    bad, exchange = _skip_overflow(flat, step, updates, axis_name, bad,
+                                   exchange, state.exchange)
     new = OneBitAdamState(
       mu=_keep(bad, mu, state.mu), nu=_keep(bad, nu, state.nu),
       nu_count=jnp.where(bad, state.nu_count, nu_count),
@@ -440,8 +443,9 @@ def onebit_lamb(
   Raises:
     ValueError: naming the argument, for the arguments it shares with
       :func:`jaxcomm.onebit_adam` as there; when ``min_coeff``,
-      ``max_coeff``, ``factor_min`` or ``factor_max`` is not > 0,
-      ``coeff_beta`` not in ``[0, 1]``, ``factor_threshold`` negative, or
+      ``max_coeff``, ``factor_min`` or ``factor_max`` is not a finite
+      number > 0, ``coeff_beta`` not in ``[0, 1]``, ``factor_threshold``
+      negative or not finite, or
       ``min_coeff > max_coeff`` or ``factor_min > factor_max``. The update
       raises a ValueError without ``params`` (the trust ratio needs them)
       and where :func:`jaxcomm.onebit_adam`'s does.
@@ -561,10 +565,12 @@ def onebit_lamb(
       scale = jnp.where(warm, ratio, state.coeff * fac)
       step = (-_learning_rate(learning_rate, ph.count) * flat.expand(scale, ids)
               * u)
+      bad, exchange = _skip_overflow(flat, step, updates, axis_name, bad,
+                                     ph.exchange, state.exchange)
       new = OneBitLambState(
         mu=_keep(bad, ph.mu, state.mu), nu=_keep(bad, nu, state.nu),
         nu_count=jnp.where(bad, state.nu_count, nu_count),
-        exchange=ph.exchange,
+        exchange=exchange,
         # While warm the fresh variance follows v, so it starts from v_T.
         nu_fresh=_keep(bad, jnp.where(warm, nu, fresh), state.nu_fresh),
         coeff=_keep(bad, jnp.where(warm, coeff_warm, state.coeff),

@@ -191,11 +191,12 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
     ValueError: naming the argument, when ``var_freeze_step`` is not an
       int >= 0, ``var_update_scaler``, ``local_step_scaler`` or
       ``local_step_clipper`` not an int >= 1, ``b1`` or ``b2`` not in
-      ``[0, 1]``, ``eps`` or ``weight_decay`` negative, ``learning_rate``
-      (a number) negative or not finite, or ``axis_name`` / ``policy``
-      invalid. The update raises a ValueError without ``params``, for a
-      state that is not the :class:`jaxcomm.LocalState` its ``init``
-      returned, and outside a context that binds ``axis_name``.
+      ``[0, 1]``, ``eps`` or ``weight_decay`` negative or not finite,
+      ``learning_rate`` (a number) negative or not finite, or
+      ``axis_name`` / ``policy`` invalid. The update raises a ValueError
+      without ``params``, for a state that is not the
+      :class:`jaxcomm.LocalState` its ``init`` returned, and outside a
+      context that binds ``axis_name``.
 
   Examples:
     The whole optimizer, with params per device:

@@ -173,9 +173,9 @@ def ota_analog(snr_db: float, *, threshold: float = 0.0, axis_name="data",
 
   Raises:
     ValueError: naming the argument, for an ``snr_db`` that is not a
-      number, a ``threshold`` that is not a number ``>= 0``, or an
-      ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"`` are
-      refused: the estimate is not the mean of what was sent),
+      finite number, a ``threshold`` that is not a finite number ``>= 0``,
+      or an ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"``
+      are refused: the estimate is not the mean of what was sent),
       ``policy`` or option that :func:`jaxcomm.compressed` refuses; the
       update raises one when it is called outside a context that binds
       ``axis_name``.
@@ -226,7 +226,8 @@ def ota_analog(snr_db: float, *, threshold: float = 0.0, axis_name="data",
     summary=(
       "simulated one-bit over-the-air majority vote: signs summed by a "
       "Rayleigh channel with truncated inversion and noise at `snr_db`; "
-      "the receiver takes the sign"))
+      "the receiver takes the sign (sign(0) = +1: a zero gradient still "
+      "moves)"))
 @_compressor.shared_options
 def ota_onebit(snr_db: float, *, threshold: float = 0.0, axis_name="data",
                error_feedback: bool = False, policy=None, seed: int = 0,
@@ -241,9 +242,17 @@ def ota_onebit(snr_db: float, *, threshold: float = 0.0, axis_name="data",
   (Zhu et al. 2020, one-bit broadband digital aggregation, with truncated
   channel inversion; each sign is sent with unit power.) A simulation: the
   signs travel in a float32 all-reduce and the channel is applied in
-  software with a key seeded by ``seed``. The update is the voted sign
-  (``sign(0) = +1``); the learning rate comes downstream, as for
-  :func:`jaxcomm.signsgd`.
+  software with a key seeded by ``seed``. The update is the voted sign;
+  the learning rate comes downstream, as for :func:`jaxcomm.signsgd`.
+
+  Ties go to ``+1``, on the devices and at the receiver:
+  ``sign(0) = +1``. The paper's devices send one-bit digitally modulated
+  symbols, ``+1`` or ``-1``, with no symbol for zero; this implementation
+  sends ``+1`` for a zero coordinate. An all-zero gradient (a frozen
+  parameter, a masked or padded coordinate) therefore still sends ``+1``
+  from every device and is updated by ``+1`` (the noise can flip it);
+  exclude such leaves with ``policy``, or mask the update downstream,
+  where that matters.
 
   Args:
     snr_db: receive SNR per element, in dB.
@@ -263,9 +272,9 @@ def ota_onebit(snr_db: float, *, threshold: float = 0.0, axis_name="data",
 
   Raises:
     ValueError: naming the argument, for an ``snr_db`` that is not a
-      number, a ``threshold`` that is not a number ``>= 0``, or an
-      ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"`` are
-      refused: a vote is not the mean of what was sent), ``policy`` or
+      finite number, a ``threshold`` that is not a finite number ``>= 0``,
+      or an ``axis_name``, ``error_feedback`` (``"ef21"`` and ``"diana"``
+      are refused: a vote is not the mean of what was sent), ``policy`` or
       option that :func:`jaxcomm.compressed` refuses; the update raises
       one when it is called outside a context that binds ``axis_name``.
 

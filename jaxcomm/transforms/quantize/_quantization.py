@@ -541,7 +541,7 @@ def terngrad(clip_sigma: float | None = None, *, axis_name="data",
 
   Raises:
     ValueError: naming the argument, for a ``clip_sigma`` that is not a
-      positive number or None, an ``error_feedback`` other than True,
+      finite positive number or None, an ``error_feedback`` other than True,
       False, ``"ef21"`` and ``"diana"`` (``"diana"`` is refused with
       ``clip_sigma``, which biases the codes), or an ``axis_name``,
       ``policy`` or option that :func:`jaxcomm.compressed` refuses; the

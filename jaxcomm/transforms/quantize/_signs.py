@@ -257,7 +257,7 @@ def signsgd(scale: float = 1.0, *, axis_name="data",
 
   Raises:
     ValueError: naming the argument, for a ``scale`` that is not a
-      positive number, an ``error_feedback`` other than True, False,
+      finite positive number, an ``error_feedback`` other than True, False,
       ``"ef21"`` and ``"diana"`` (both of these are refused: a vote is
       not the mean of what was sent), or an ``axis_name``, ``policy`` or
       option that :func:`jaxcomm.compressed` refuses; the update raises
@@ -344,7 +344,7 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
 
   Raises:
     ValueError: naming the argument, for a ``beta`` outside ``[0, 1)``, a
-      ``scale`` that is not a positive number, an ``error_feedback``
+      ``scale`` that is not a finite positive number, an ``error_feedback``
       other than True, False, ``"ef21"`` and ``"diana"`` (both of these
       are refused: a vote is not the mean of what was sent), or an
       ``axis_name``, ``policy`` or option that :func:`jaxcomm.compressed`

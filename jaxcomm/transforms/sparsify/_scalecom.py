@@ -68,6 +68,12 @@ class ScaleComCodec(_codec.CodecBase):
   def mean_of_sent(self):
     return not self.filtered
 
+  def check_layouts(self, layouts):
+    # Like top-k's: the floor k = 1 would hide a ratio that keeps nothing.
+    _checks.selects_one("ratio", self.ratio,
+                        [s for lay in layouts for s in lay.sizes],
+                        "scalecom")
+
   def init(self, layout):
     if self.filtered:
       return jnp.zeros((layout.size,), jnp.float32)
@@ -154,6 +160,8 @@ def scalecom(ratio: float, *, beta: float | None = None, axis_name="data",
       ``error_feedback`` other than True or with ``momentum`` or
       ``lr_schedule``, or an ``axis_name``, ``error_feedback``,
       ``policy`` or option that :func:`jaxcomm.compressed` refuses.
+      ``tx.init`` raises one when ``ratio`` keeps fewer than one element
+      of every compressed leaf.
 
   Examples:
     ``k = 2`` of 8 values; device ``d`` (0 to 7) has the gradient ``[d,

@@ -429,7 +429,7 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
       ``momentum`` outside ``[0, 1)``, a ``momentum_masking`` that is not
       a bool, an ``lr_schedule`` that is not callable, an
       ``error_feedback`` other than False, a ``seed`` that is not an
-      integer, or an ``axis_name``, ``policy`` or option that
+      int ``>= 0``, or an ``axis_name``, ``policy`` or option that
       :func:`jaxcomm.compressed` refuses. ``tx.init`` raises one when a
       bucket's ``k`` exceeds ``cols``, or ``k_ratio`` keeps fewer than one
       element of every bucket.
@@ -486,10 +486,7 @@ def fetchsgd(k_ratio: float, *, cols: int, rows: int | None = None,
       "fetchsgd: error_feedback must be False: FetchSGD accumulates its "
       "error in sketch space (the error sketch S_e), not in a per-device "
       f"residual; got error_feedback={error_feedback!r}")
-  if not isinstance(seed, jax.core.Tracer) and not (
-      isinstance(seed, int) and not isinstance(seed, bool)) and not (
-        hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)):
-    raise ValueError(f"seed must be an int, got {seed!r}")
+  seed = _checks.seed("seed", seed)
   codec = FetchSGDCodec(k_ratio=k_ratio, rows=rows, cols=cols,
                         momentum=momentum, momentum_masking=masking,
                         lr_schedule=lr_schedule, seed=seed)
