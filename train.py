@@ -17,6 +17,10 @@ local-update optimizer around ``--optimizer`` (each device alone between
 syncs; ``--compressor`` compresses DiLoCo's pseudo-gradients): params are
 kept per device, checkpointed per device, evaluated as their device
 average, and the bytes of a step are those of its sync (none between).
+``--local hierarchical_sgd --slices S`` averages inside each slice every
+``period`` steps and across slices every ``global_period`` steps. Flags a
+method takes that ``--local-args`` / ``--delay-args`` leave out take the
+defaults the method list of ``--help`` shows.
 
 With no arguments it trains the character-level LSTM on Python's own help
 text (``pydoc_data``) on 8 simulated CPU devices with PowerSGD rank 4 (or,
@@ -88,6 +92,7 @@ from trainer.config import DEFAULT_COMPRESSOR  # noqa: E402,F401
 from trainer.config import DEFAULT_COMPRESSOR_ARGS  # noqa: E402,F401
 from trainer.config import FALLBACK  # noqa: E402,F401
 from trainer.config import GOSSIP_METHODS  # noqa: E402,F401
+from trainer.config import HIERARCHICAL_LOCAL  # noqa: E402,F401
 from trainer.config import LOCAL_METHODS  # noqa: E402,F401
 from trainer.config import MEASURED_LR_PATH  # noqa: E402,F401
 from trainer.config import OPTIMIZERS  # noqa: E402,F401

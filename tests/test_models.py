@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import models
+from models import partition
 
 # (registry name, constructor kwargs, input shape, input dtype)
 _FORWARD_CASES = [
@@ -224,3 +225,58 @@ def test_data_parallel_grads_match_full_batch(mesh):
   chex.assert_trees_all_close(mean_of_local, expected, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(jax.tree.map(lambda g: g / n, summed), expected,
                               rtol=1e-5, atol=1e-6)
+
+
+def test_partition_accepts_numpy_integers():
+  """np.int64 counts are integers: the split is the one Python ints give."""
+  labels = np.arange(40) % 4
+  a = partition.dirichlet_split(labels, np.int64(4), 1.0, np.int64(2),
+                                min_size=np.int32(1), max_tries=np.int64(5))
+  b = partition.dirichlet_split(labels, 4, 1.0, 2, min_size=1, max_tries=5)
+  assert len(a) == 4
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(x, y)
+  np.testing.assert_array_equal(np.sort(np.concatenate(a)), np.arange(40))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  ({"max_tries": 0}, "max_tries must be an int >= 1, got 0"),
+  ({"max_tries": 2.5}, "max_tries must be an int >= 1"),
+  ({"num_devices": np.float64(4)}, "num_devices must be an int >= 1"),
+  ({"num_devices": True}, "num_devices must be an int >= 1"),
+])
+def test_partition_split_bad_counts_are_named(kwargs, match):
+  args = {"labels": np.arange(20) % 4, "num_devices": 4, "alpha": 1.0,
+          "seed": 0}
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    partition.dirichlet_split(**args)
+
+
+def test_partition_label_counts_checks_its_labels():
+  labels = np.array([0, 1, 2, 2, 1])
+  counts = partition.label_counts(labels, [np.array([0, 1]),
+                                           np.array([2, 3, 4])], 3)
+  np.testing.assert_array_equal(counts, [[1, 1, 0], [0, 1, 2]])
+  with pytest.raises(ValueError, match=r"\[0, num_classes=2\).* 0 to 2"):
+    partition.label_counts(labels, [np.arange(5)], 2)
+  with pytest.raises(ValueError, match="labels must lie"):
+    partition.label_counts(np.array([-1, 0]), [np.arange(2)], 2)
+  with pytest.raises(ValueError, match="num_classes must be an int >= 1"):
+    partition.label_counts(labels, [np.arange(5)], 0)
+  with pytest.raises(ValueError, match="shards must hold at least one"):
+    partition.label_counts(labels, [], 3)
+
+
+def test_partition_device_batches_refuses_an_empty_shard():
+  arrays = {"x": np.arange(6) * 10}
+  with pytest.raises(ValueError, match=r"shards\[1\] is empty"):
+    partition.device_batches(arrays, [np.array([0, 1]), np.array([], int)],
+                             2, seed=0)
+  with pytest.raises(ValueError, match="shards must hold at least one"):
+    partition.device_batches(arrays, [], 2, seed=0)
+  with pytest.raises(ValueError, match="per_device must be an int >= 1"):
+    partition.device_batches(arrays, [np.array([0])], 0, seed=0)
+  batch = next(partition.device_batches(
+    arrays, [np.array([0, 1]), np.array([5])], 3, seed=0))
+  assert set(batch["x"][:3]) <= {0, 10} and list(batch["x"][3:]) == [50] * 3

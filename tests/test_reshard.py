@@ -330,3 +330,92 @@ def test_what_cannot_be_recut_is_named():
                      match=r"leaves \['w'\] are compressed .* travel dense"):
     _reshard(tx, [comp], jax.device_get(s), dp2.layout, 2, 4,
              jax.device_get(p))
+
+
+# (dcn, fsdp) layouts of the 8 devices an int8 state moves between.
+_INT8_MOVES = [((2, 4), (4, 2)), ((4, 2), (2, 4)), ((2, 4), (8, 1)),
+               ((8, 1), (4, 2)), ((1, 4), (1, 8))]
+
+
+def _int8_setup(dcn, fsdp):
+  mesh = jax.make_mesh((dcn, fsdp), ("dcn", "fsdp"), axis_types=(AUTO,) * 2,
+                       devices=jax.devices()[:dcn * fsdp])
+  w0, batches = _data(2)
+  params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
+            for k, v in w0.items()}
+  comp = jaxcomm.int8(axis_name="dcn")
+  dp = parallel.DataParallel(_loss, optax.chain(comp, optax.sgd(0.1)), mesh,
+                             axis_name="dcn", auto_axes=("fsdp",))
+  p, s = dp.init(params)
+  return comp, dp, p, s, batches
+
+
+def _int8_move(src, dst, host, layout, p_host, comp):
+  """train.py's recipe: re-cut for the new fsdp size at the old number of
+  slices (into the target's layout), then resize the slices; both checked
+  against the target's fresh state."""
+  (d0, f0), (d1, f1) = src, dst
+  _, dp, _, fresh, _ = _int8_setup(d1, f1)
+  fresh = jax.device_get(fresh)
+  if f0 != f1:
+    template = fresh
+    if d0 != d1:
+      template = parallel.resize_state(fresh, dp.layout, d0,
+                                       axis_name="dcn",
+                                       model_axes={"fsdp": f1},
+                                       data_size=d1)
+    host, _ = parallel.reshard_state(
+      host, layout, template, dp.layout, params=p_host, specs=SPECS,
+      axis_name="dcn", data_size=d0, old_axes={"fsdp": f0},
+      new_axes={"fsdp": f1}, compressors=[comp])
+    layout = dp.layout
+  if d0 != d1:
+    host = parallel.resize_state(host, layout, d1, axis_name="dcn",
+                                 model_axes={"fsdp": f1}, data_size=d0,
+                                 template=fresh)
+  return host, fresh, dp
+
+
+@pytest.mark.parametrize("src,dst", _INT8_MOVES,
+                         ids=[f"{a}to{b}" for a, b in _INT8_MOVES])
+def test_int8_state_moves_to_the_shapes_the_target_step_builds(src, dst):
+  """int8's residual and (requantized exchange) server error moved between
+  (dcn, fsdp) layouts: every leaf has the shape the target step's init
+  gives it; the residual's slice-average total and the server error's
+  total (owned by chunks: held in full) are kept (numpy sums); the target
+  step then runs on it."""
+  comp, dp0, p, s, batches = _int8_setup(*src)
+  p, s = _train(dp0, p, s, batches)
+  host, p_host = jax.device_get(s), jax.device_get(p)
+  moved, fresh, dp = _int8_move(src, dst, host, dp0.layout, p_host, comp)
+  for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(fresh),
+                  strict=True):
+    assert np.shape(a) == np.shape(b)
+  res0 = np.asarray(host[0].residual[0], np.float64)
+  res1 = np.asarray(moved[0].residual[0], np.float64)
+  assert np.abs(res0).sum() > 0
+  np.testing.assert_allclose(res1.sum() / dst[0], res0.sum() / src[0],
+                             rtol=1e-5)
+  if src[0] > 1 and dst[0] > 1:
+    err0 = np.asarray(host[0].codec[0].server_error, np.float64)
+    err1 = np.asarray(moved[0].codec[0].server_error, np.float64)
+    np.testing.assert_allclose(err1.sum(), err0.sum(), rtol=1e-5,
+                               atol=1e-6)
+  mesh = dp.mesh
+  p2 = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
+        for k, v in p_host.items()}
+  p2, _ = _train(dp, p2, _place(moved, dp.layout, mesh), batches)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p2))
+
+
+@pytest.mark.parametrize("src,dst", [((2, 4), (1, 4)), ((8, 1), (1, 8))])
+def test_int8_state_that_cannot_move_is_refused_by_name(src, dst):
+  """On one slice int8 takes the exact exchange and keeps no server error
+  per device: a state of 2 or more slices does not fit its step, and the
+  move says which leaf before anything is placed."""
+  comp, dp0, p, s, batches = _int8_setup(*src)
+  p, s = _train(dp0, p, s, batches[:1])
+  with pytest.raises(ValueError, match=r"server_error( comes out with "
+                     r"shape|: laid out over \['dcn', 'fsdp'\] on the old)"):
+    _int8_move(src, dst, jax.device_get(s), dp0.layout, jax.device_get(p),
+               comp)

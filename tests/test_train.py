@@ -807,6 +807,14 @@ def test_mesh_checkpoint_resumes_on_another_number_of_slices(tmp_path):
   (["--optimizer", "adam", "--optimizer-args", "freeze_step=5"],
    "--optimizer adam takes none"),
   (["--local-args", "period=4"], "without --local"),
+  (["--delay-args", "width=3"], "--delay-args 'width=3' without --delay"),
+  (["--local", "hierarchical_sgd", "--local-args", "period=1"],
+   "--local hierarchical_sgd averages within groups .* give --slices"),
+  (["--local", "hierarchical_sgd", "--slices", 2, "--local-args",
+    "period=2,global_period=3"],
+   "^--local hierarchical_sgd: global_period must be a multiple"),
+  (["--delay", "pipe_sgd", "--delay-args", "width=abc"],
+   "^--delay pipe_sgd: width must be an int >= 2"),
 ])
 def test_run_flags_out_of_range_are_named(flags, match, tmp_path):
   with pytest.raises(ValueError, match=match):
@@ -899,3 +907,126 @@ def test_delay_flags_apply_the_average_late_and_resume_bit_identical(
   with pytest.raises(ValueError, match="--delay pipe_sgd delays"):
     _run(tmp_path, "--local", "local_sgd", "--local-args", "period=2",
          "--delay", "pipe_sgd", "--steps", 2, name="bad")
+
+
+def _minimal_flags(family, name):
+  """The fewest flags ``--<family> name`` needs: what the method cannot
+  run without (a sync period, a compressor, slices), nothing it has a
+  default for."""
+  flags = ["--" + family, name]
+  if family == "delay":
+    return flags + ["--compressor", "topk", "--compressor-args", "ratio=0.1"]
+  if name not in train.GOSSIP_METHODS:
+    flags += ["--local-args", "period=1"]
+  if name == "choco":
+    flags += ["--compressor", "topk", "--compressor-args", "ratio=0.1"]
+  if name in train.HIERARCHICAL_LOCAL:
+    flags += ["--slices", 2]
+  return flags
+
+
+_METHODS = [(f, n) for f in ("local", "delay")
+            for n in jaxcomm.registry.names(f)]
+
+
+@pytest.mark.parametrize("family,name", _METHODS,
+                         ids=[n for _, n in _METHODS])
+def test_every_local_and_delay_method_runs_with_its_defaults(family, name,
+                                                             tmp_path):
+  """Every --local and --delay choice runs two steps with no --*-args
+  beyond what it needs: the defaults --help lists are the ones applied."""
+  r = _run(tmp_path, *_minimal_flags(family, name), "--steps", 2,
+           "--checkpoint-every", 0, "--eval-examples", 16)
+  assert len(r["history"]) == 2
+  assert all(np.isfinite(h["loss"]) for h in r["history"])
+
+
+def test_help_lists_the_defaults_the_run_applies(tmp_path):
+  """--help's method list shows each method's defaults (the registry's,
+  and the trainer's own for DiLoCo and the gossip step); a fedcom run
+  without learning_rate equals one that passes the listed 0.1."""
+  epilog = " ".join(train.methods_epilog().split())
+  for family in ("local", "delay"):
+    for m in jaxcomm.registry.methods(family):
+      for k, v in m.defaults.items():
+        assert f"{k}={v}" in epilog, (m.name, k)
+  assert "fedcom Haddadpour et al. 2021 (FedCOM) (default " \
+         "learning_rate=0.1)" in epilog
+  assert "(default global_period=4)" in epilog
+  assert "(default gamma=0.5)" in epilog
+  flags = ["--local", "fedcom", "--optimizer", "sgd", "--lr", 0.5,
+           "--steps", 2, "--checkpoint-every", 0]
+  a = _run(tmp_path, *flags, "--local-args", "period=2", name="a")
+  b = _run(tmp_path, *flags, "--local-args", "period=2,learning_rate=0.1",
+           name="b")
+  c = _run(tmp_path, *flags, "--local-args", "period=2,learning_rate=0.5",
+           name="c")
+  for x, y in zip(jax.tree.leaves(jax.device_get(a["params"])),
+                  jax.tree.leaves(jax.device_get(b["params"])), strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert any(not np.array_equal(x, y) for x, y in zip(
+    jax.tree.leaves(jax.device_get(a["params"])),
+    jax.tree.leaves(jax.device_get(c["params"]))))
+
+
+def test_hierarchical_sgd_runs_on_slices(tmp_path):
+  """--local hierarchical_sgd --slices 2: the groups are the slices. With
+  period=1 and global_period=4, after 2 steps the 4 devices of each slice
+  hold one model and the two slices differ; after 4 (a global average)
+  every device holds the same model. Bytes move on every step (a group
+  sync), more on the global one."""
+  flags = ["--local", "hierarchical_sgd", "--slices", 2, "--local-args",
+           "period=1,global_period=4", "--optimizer", "sgd", "--lr", 0.5,
+           "--checkpoint-every", 0]
+  r2 = _run(tmp_path, *flags, "--steps", 2, name="two")
+  for x in jax.tree.leaves(jax.device_get(r2["params"])):
+    x = np.asarray(x)
+    assert x.shape[0] == 8
+    for g in (x[:4], x[4:]):
+      for row in g[1:]:
+        np.testing.assert_array_equal(row, g[0])
+  assert any(not np.array_equal(np.asarray(x)[0], np.asarray(x)[4])
+             for x in jax.tree.leaves(jax.device_get(r2["params"])))
+  assert r2["identical_params"] is False
+  r4 = _run(tmp_path, *flags, "--steps", 4, name="four")
+  assert r4["identical_params"]
+  moved = [h["bytes_per_step"] for h in r4["history"]]
+  assert all(m > 0 for m in moved) and moved[3] > moved[0], moved
+
+
+def test_a_method_error_is_one_line_naming_the_flag(tmp_path):
+  """The script: a method that refuses its arguments exits with one
+  "error: --local NAME: ..." line, no traceback."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+    f for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count"))
+  proc = subprocess.run(
+    [sys.executable, os.path.join(repo, "train.py"), *TINY, "--steps", "2",
+     "--num-devices", "2", "--local", "fedcom", "--local-args",
+     "period=2,learning_rate=x", "--out-dir", str(tmp_path / "x")],
+    cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
+  lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+  assert lines == ["error: --local fedcom: learning_rate must be a number, "
+                   "got 'x'"], proc.stderr
+
+
+def test_int8_mesh_resume_on_one_slice_says_what_may_change(tmp_path):
+  """int8 keeps a per-device server error only from 2 slices on: a
+  (dcn=2, fsdp=4) checkpoint resumed on (dcn=1, fsdp=4) is refused, naming
+  the layout, what must match and what may change, without also telling
+  the user to resume with the checkpoint's settings."""
+  flags = _LM + ["--compressor", "int8", "--lr", 0.01, "--steps", 4]
+  _run(tmp_path, *flags, "--mesh", "dcn=2,fsdp=4", "--stop-after", 2)
+  with pytest.raises(train.CheckpointError) as info:
+    _run(tmp_path, *flags, "--mesh", "dcn=1,fsdp=4", "--num-devices", 4,
+         "--resume")
+  text = str(info.value)
+  assert "server_error" in text
+  assert "laid out per device otherwise" in text
+  assert "must match the checkpoint: --model" in text
+  assert "may change: --num-devices (and --mesh's sizes)" in text
+  assert "resume with the checkpoint's settings" not in text

@@ -435,6 +435,18 @@ def _layout_json(b):
   return b if isinstance(b, bool) else sorted(b)
 
 
+# What a resumed run may change and what it may not (one text for every
+# refusal of a resume).
+MOVABLE = (
+  "must match the checkpoint: " + ", ".join(
+    "--" + k.replace("_", "-") for k in Config.RESUME_KEYS)
+  + ", the model's params and the optimizer state's per-device layout, "
+  "and --mesh's axis names and order; may change: --num-devices (and "
+  "--mesh's sizes) where the sizes divide one another and the state keeps "
+  "its layout, --stop-after, --checkpoint-every, --keep-checkpoints, "
+  "--eval-every, --eval-examples, --log-every, --progress, --plot")
+
+
 def check_compatible(meta: dict, cfg: Config, params, state, layout,
                      path: str, *, per_device_params: bool = False,
                      model_axes: tuple = ()) -> None:
@@ -480,9 +492,14 @@ def check_compatible(meta: dict, cfg: Config, params, state, layout,
         problems.append(f"opt_state{k}: checkpoint {m[1]} (per-device="
                         f"{m[4]}), this run {shape} (per-device={dev})")
   if problems:
+    layout = any("per-device=" in p for p in problems)
     raise CheckpointError(
       f"checkpoint {path} does not fit this run:\n  "
       + "\n  ".join(problems[:20])
-      + "\n(resume with the checkpoint's settings; --num-devices, "
-      "--stop-after, --checkpoint-every, --eval-* and logging may change)")
+      + ("\n  (the optimizer state is laid out per device otherwise on "
+         "this run's devices or mesh: the compressor keeps other state "
+         "there, e.g. int8's server error exists only from 2 slices on; "
+         "resume on a device count or --mesh data-axis size whose state "
+         "is laid out as the checkpoint's)" if layout else "")
+      + f"\n({MOVABLE})")
 

@@ -23,6 +23,7 @@ from trainer.optimizers import COMPRESSED_LOCAL  # noqa: F401
 from trainer.optimizers import COMPRESSORS  # noqa: F401
 from trainer.optimizers import DELAY_METHODS
 from trainer.optimizers import GOSSIP_METHODS  # noqa: F401
+from trainer.optimizers import HIERARCHICAL_LOCAL  # noqa: F401
 from trainer.optimizers import LOCAL_METHODS
 from trainer.optimizers import OPTIMIZERS
 from trainer.optimizers import aliases
@@ -34,6 +35,7 @@ from trainer.optimizers import make_delay  # noqa: F401
 from trainer.optimizers import make_local_optimizer  # noqa: F401
 from trainer.optimizers import make_optimizer  # noqa: F401
 from trainer.optimizers import make_schedule  # noqa: F401
+from trainer.optimizers import method_defaults
 from trainer.optimizers import parse_kwargs  # noqa: F401
 from trainer.optimizers import resolve_compressor  # noqa: F401
 from trainer.settings import DEFAULT_COMPRESSOR  # noqa: F401
@@ -125,8 +127,10 @@ def methods_epilog() -> str:
       lr = lrs.get(m.name, {})
       if lr.get("lr") is not None:
         tail = f"  [{lr['optimizer']}, lr {lr['lr']:g}]"
+      defaults = (method_defaults(family, m.name)
+                  if family in ("local", "delay") else m.defaults)
       args = ",".join(f"{k}={getattr(v, '__name__', v)}"
-                      for k, v in m.defaults.items())
+                      for k, v in defaults.items())
       lines.append(f"  {m.name:<18} {m.paper}"
                    + (f" (default {args})" if args else "") + tail)
   return "\n".join(lines)
@@ -181,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--local-args", default=d.local_args,
                  help="arguments of --local, e.g. period=8 (local_sgd: "
                  "start_step; adacomm: interval, max_period; "
-                 "overlap_local_sgd: alpha; diloco: outer_lr=0.7, "
-                 "outer_momentum=0.9, fragments, overlap_steps, alpha; "
+                 "overlap_local_sgd: alpha; diloco: outer_lr, "
+                 "outer_momentum, fragments, overlap_steps, alpha; "
                  "dpsgd: topology=ring|torus|hypercube|exponential, no "
-                 "period; choco: topology=ring|torus, gamma=0.5, "
+                 "period; choco: topology=ring|torus, gamma, "
                  "compressing with --compressor; sgp: "
-                 "topology=exponential)")
+                 "topology=exponential; hierarchical_sgd: global_period, "
+                 "with --slices S: groups are slices); what is left out "
+                 "takes the default the method list below gives")
   g.add_argument("--delay", default=d.delay, choices=("none",)
                  + DELAY_METHODS,
                  help="apply the compressor's average late: pipe_sgd "
@@ -218,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="> 1: cut the devices, in order, into this many "
                  "slices (hosts) on a ('dcn', 'ici') mesh; gradients are "
                  "averaged densely inside a slice and --compressor runs "
-                 "between slices (the pod recipe)")
+                 "between slices (the pod recipe); with --local "
+                 "hierarchical_sgd, the groups it averages within")
   _add_bool(g, "sharded-exchange", d.sharded_exchange,
             "with --slices: run --compressor between slices once per "
             "slice, each device on its share of the values "

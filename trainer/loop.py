@@ -49,6 +49,7 @@ from trainer.config import AXIS
 from trainer.config import COMM_OPTIMIZERS
 from trainer.config import FAST
 from trainer.config import GOSSIP_METHODS
+from trainer.config import HIERARCHICAL_LOCAL
 from trainer.config import SLOW
 from trainer.config import Config
 from trainer.config import build_compressor
@@ -159,11 +160,21 @@ def _validate(cfg: Config) -> dict[str, int] | None:
     raise ValueError(f"--slices {cfg.slices} must be >= 1 and divide "
                      f"--num-devices {cfg.num_devices}")
   pod = cfg.slices > 1
-  if pod and (cfg.local != "none" or cfg.optimizer in COMM_OPTIMIZERS):
+  hier = cfg.local in HIERARCHICAL_LOCAL
+  if pod and ((cfg.local != "none" and not hier)
+              or cfg.optimizer in COMM_OPTIMIZERS):
     raise ValueError(
       f"--slices {cfg.slices} runs the pod recipe (a dense mean inside each "
       "slice, --compressor between slices); it does not combine with "
       f"--local {cfg.local} or --optimizer {cfg.optimizer}")
+  if hier and not pod:
+    raise ValueError(
+      f"--local {cfg.local} averages within groups of devices and across "
+      "them: give --slices S (S > 1 dividing --num-devices; the groups are "
+      "the slices, e.g. --slices 2)")
+  if hier and cfg.sharded_exchange:
+    raise ValueError(f"--local {cfg.local} runs its own exchange between "
+                     "slices: it does not combine with --sharded-exchange")
   if cfg.optimizer_args and cfg.optimizer not in COMM_OPTIMIZERS:
     raise ValueError(
       f"--optimizer-args {cfg.optimizer_args!r}: --optimizer "
@@ -173,6 +184,9 @@ def _validate(cfg: Config) -> dict[str, int] | None:
   if cfg.local_args and cfg.local == "none":
     raise ValueError(f"--local-args {cfg.local_args!r} without --local: "
                      "name the local-update method they are for")
+  if cfg.delay_args and cfg.delay == "none":
+    raise ValueError(f"--delay-args {cfg.delay_args!r} without --delay: "
+                     "name the delay method they are for")
   mesh_shape = parse_mesh(cfg.mesh) if cfg.mesh is not None else None
   if mesh_shape is not None:
     total = int(np.prod(list(mesh_shape.values())))
@@ -218,7 +232,8 @@ def _build_optimizer(cfg: Config, canon: str, params, data_axis: str,
                        "adam, adamw or lamb")
     local_tx = make_local_optimizer(
       cfg, make_optimizer(cfg, schedule),
-      None if canon == "dense" else comp, schedule, axis_name=data_axis)
+      None if canon == "dense" else comp, schedule,
+      axis_name=(SLOW, FAST) if pod else data_axis)
     comp = tx = local_tx
   elif cfg.optimizer in COMM_OPTIMIZERS:
     if canon != "dense":

@@ -163,7 +163,7 @@ def build_compressor(name: str, args: dict[str, Any] | str | None = None, *,
     call["dtype"] = _DTYPES[call["dtype"]]
   if "axis_name" in params or takes_any:
     call["axis_name"] = axis_name
-  tx = factory(**call)
+  tx = _build("--compressor", key, factory, **call)
   return tx, key, kwargs
 
 
@@ -213,7 +213,8 @@ def make_comm_optimizer(cfg: Config, schedule, axis_name=AXIS):
       f"step estimated (a new run's is 0): give {freeze} >= 1, or 0 only "
       "with --resume, to continue a run whose warm-up is done")
   kwargs.setdefault("weight_decay", cfg.weight_decay)
-  return factory(schedule, axis_name=axis_name, **kwargs)
+  return _build("--optimizer", cfg.optimizer, factory, schedule,
+                axis_name=axis_name, **kwargs)
 
 
 def _check_flag_args(flag: str, name: str, factory, kwargs: dict,
@@ -233,6 +234,44 @@ def _check_flag_args(flag: str, name: str, factory, kwargs: dict,
 LOCAL_METHODS = tuple(jaxcomm.registry.names("local"))
 DELAY_METHODS = tuple(jaxcomm.registry.names("delay"))
 
+# What the trainer fills in for a ``--local`` method beyond the registry's
+# defaults: arguments of its own (DiLoCo's outer SGD) or ones the registry
+# leaves to the caller.
+_TRAINER_DEFAULTS = {
+  "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9,
+             "outer_nesterov": True},
+  "muloco": {"outer_lr": 0.7, "outer_momentum": 0.9,
+             "outer_nesterov": True},
+  "choco": {"gamma": 0.5},
+  "squarm": {"gamma": 0.5},
+}
+
+
+def method_defaults(family: str, name: str) -> dict[str, Any]:
+  """The arguments ``train.py`` gives method ``name`` of ``family``
+  (``"local"``, ``"delay"``, ...) when its ``--*-args`` leave them out:
+  the registry's ``defaults`` (:func:`jaxcomm.registry.get`), then the
+  trainer's own (DiLoCo's outer SGD, the gossip step ``gamma``). The help
+  text lists these and the run applies them: one source for both."""
+  out = {k: _cli_value(v)
+         for k, v in jaxcomm.registry.get(name, family).defaults.items()}
+  if family == "local":
+    for k, v in _TRAINER_DEFAULTS.get(name, {}).items():
+      out.setdefault(k, v)
+  return out
+
+
+def _build(flag: str, name: str, factory, *args, **kwargs):
+  """``factory(*args, **kwargs)``; any error building it becomes a
+  one-line ``ValueError`` naming ``flag name``."""
+  try:
+    return factory(*args, **kwargs)
+  except (TypeError, ValueError) as e:
+    text = " ".join(str(e).split())
+    if text.startswith(flag):
+      raise ValueError(text) from e
+    raise ValueError(f"{flag} {name}: {text}") from e
+
 
 def make_delay(cfg: Config, comp):
   """``--delay METHOD --delay-args ...`` around the compressor ``comp``
@@ -246,10 +285,12 @@ def make_delay(cfg: Config, comp):
   factory = getattr(jaxcomm, cfg.delay)
   _check_flag_args("--delay", cfg.delay, factory, kwargs,
                    ("exchange", "axis_name"))
+  for k, v in method_defaults("delay", cfg.delay).items():
+    kwargs.setdefault(k, v)
   if "tau" in kwargs and isinstance(kwargs["tau"], str) and (
       kwargs["tau"] == "none"):
     kwargs["tau"] = None
-  return factory(comp, **kwargs)
+  return _build("--delay", cfg.delay, factory, comp, **kwargs)
 
 
 # Decentralized methods: no sync period, params never agree exactly.
@@ -261,7 +302,11 @@ GOSSIP_METHODS = tuple(m.name for m in jaxcomm.registry.methods("local")
 # pseudo-gradients, the compressed gossip methods on model differences,
 # FedCOM on model deltas, hierarchical averaging across groups.
 COMPRESSED_LOCAL = ("diloco", "choco", "dcd_psgd", "ecd_psgd", "squarm",
-                    "fedcom", "fedcomgate")
+                    "fedcom", "fedcomgate", "hierarchical_sgd")
+
+# Local methods that average within groups and across them: they run on the
+# pod mesh of ``--slices`` (groups are slices), ``axis_name=(slow, fast)``.
+HIERARCHICAL_LOCAL = ("hierarchical_sgd",)
 
 
 def make_local_optimizer(cfg: Config, inner, compressor, schedule,
@@ -272,6 +317,10 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
   ``compressor`` (None for dense) compresses its pseudo-gradients."""
   kwargs = parse_kwargs(cfg.local_args)
   factory = getattr(jaxcomm, cfg.local)
+  params = inspect.signature(factory).parameters
+  for k, v in method_defaults("local", cfg.local).items():
+    if k in params or k.startswith("outer_"):
+      kwargs.setdefault(k, v)
   if "period" not in kwargs and cfg.local not in GOSSIP_METHODS:
     raise ValueError(f"--local {cfg.local} needs --local-args period=H "
                      "(steps between syncs)")
@@ -291,14 +340,14 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
       "--compressor dense)")
   extra = {}
   if cfg.local in ("diloco", "muloco"):
-    lr = kwargs.pop("outer_lr", 0.7)
-    mom = kwargs.pop("outer_momentum", 0.9)
+    lr = kwargs.pop("outer_lr")
+    mom = kwargs.pop("outer_momentum")
     for name, v in (("outer_lr", lr), ("outer_momentum", mom)):
       if (isinstance(v, bool) or not isinstance(v, (int, float))
           or not math.isfinite(v) or v < 0):
         raise ValueError(f"--local-args {name}={v!r}: expected a finite "
                          "number >= 0")
-    nesterov = kwargs.pop("outer_nesterov", True)
+    nesterov = kwargs.pop("outer_nesterov")
     extra["outer"] = optax.sgd(lr, momentum=mom or None,
                                nesterov=bool(nesterov and mom))
     if cfg.local == "diloco":
@@ -306,8 +355,6 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
   if cfg.local in COMPRESSED_LOCAL and cfg.local not in ("diloco",
                                                           "muloco"):
     extra["compressor"] = compressor
-  if cfg.local in ("choco", "squarm"):
-    kwargs.setdefault("gamma", 0.5)
   if cfg.local == "adacomm":
     kwargs.setdefault("learning_rate", schedule)
   _check_flag_args(
@@ -315,7 +362,8 @@ def make_local_optimizer(cfg: Config, inner, compressor, schedule,
     ("inner", "outer", "compressor", "axis_name"),
     ("outer_lr", "outer_momentum", "outer_nesterov")
     if cfg.local in ("diloco", "muloco") else ())
-  return factory(inner, axis_name=axis_name, **extra, **kwargs)
+  return _build("--local", cfg.local, factory, inner, axis_name=axis_name,
+                **extra, **kwargs)
 
 
 def make_optimizer(cfg: Config, schedule):

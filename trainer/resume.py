@@ -18,6 +18,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import parallel
+from jaxcomm.parallel._resize import check_like
+from trainer.checkpoints import MOVABLE as _MOVABLE
 from trainer.checkpoints import CheckpointError
 from trainer.checkpoints import Checkpoints
 from trainer.checkpoints import atomic_write
@@ -91,10 +93,10 @@ def _recut_state(host_state, dp, fresh, comp, local_tx, params, data_axis,
       host_state, dp.layout, template, dp.layout, params=params,
       specs=dp.param_specs, axis_name=data_axis, data_size=old_n,
       old_axes=old_model, new_axes=new_model, compressors=comps)
-  except ValueError as e:
+  except (ValueError, IndexError) as e:
     raise CheckpointError(
       f"cannot move the checkpoint's state from the model axes "
-      f"{old_model} to {new_model}: {e}") from None
+      f"{old_model} to {new_model}: {e}; {_MOVABLE}") from None
   if main_proc:
     print(f"resumed a checkpoint of model axes {old_model} on {new_model} "
           "(each device's state re-cut for its new blocks: residuals, "
@@ -195,13 +197,23 @@ def restore(ckpts: Checkpoints, path: str, cfg: Config, dp, params,
                               host_params, data_axis, old_n, old_model,
                               new_model, main_proc)
   if old_n != new_n:
-    host_state = parallel.resize_state(host_state, dp.layout, new_n,
-                                       **resize)
+    what = "slices" if mesh_shape is not None else "devices"
+    try:
+      host_state = parallel.resize_state(host_state, dp.layout, new_n,
+                                         **resize)
+    except ValueError as e:
+      raise CheckpointError(
+        f"{path}: cannot move the checkpoint's state from {old_n} to "
+        f"{new_n} {what}: {e}; {_MOVABLE}") from None
     if main_proc:
-      what = "slices" if mesh_shape is not None else "devices"
       print(f"resumed a checkpoint of {old_n} {what} on {new_n} "
             "(per-device state averaged or copied: what it owes the "
             "averaged update is kept)")
+  try:
+    # Before anything is placed: every leaf as this run's step built it.
+    check_like(host_state, opt_state, "the moved state")
+  except ValueError as e:
+    raise CheckpointError(f"{path}: {e}; {_MOVABLE}") from None
   saved_params = jax.tree.unflatten(treedef_p, p_leaves)
   if dp.per_device_params and old_n != new_n:
     saved_params = parallel.resize_params(saved_params, new_n)

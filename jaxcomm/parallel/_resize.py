@@ -146,8 +146,27 @@ def _check_restored_structure(state, layout, got, want) -> None:
     f"{want}")
 
 
+def check_like(state, template, who: str) -> None:
+  """Names the first leaf of ``state`` whose shape is not ``template``'s
+  (arrays or ``jax.ShapeDtypeStruct``: the state the target step's init
+  builds), so that a moved state that does not fit is refused before it
+  is placed."""
+  got = jax.tree_util.tree_flatten_with_path(state)[0]
+  want = jax.tree.leaves(template)
+  if len(got) != len(want):
+    raise ValueError(f"{who}: the state has {len(got)} leaves, the target "
+                     f"step's state {len(want)}")
+  for (path, x), t in zip(got, want):
+    if tuple(np.shape(x)) != tuple(np.shape(t)):
+      raise ValueError(
+        f"{who}: state{jax.tree_util.keystr(path)} comes out with shape "
+        f"{tuple(np.shape(x))}, but the target step's state has "
+        f"{tuple(np.shape(t))}: this leaf is laid out or sized otherwise "
+        "on the new sizes and cannot be moved there")
+
+
 def resize_state(state, layout, num_devices: int, *, axis_name="data",
-                 model_axes=None, data_size=None):
+                 model_axes=None, data_size=None, template=None):
   """Moves a laid-out state (host arrays) to ``num_devices`` devices.
 
   What the state still owes the *averaged* update is kept: compressors
@@ -177,6 +196,12 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
       read from a leaf laid out over the data axis alone). With
       ``model_axes`` every such leaf must have ``data_size`` times the
       model sizes rows; a state with no data-only leaf needs it given.
+    template: optional, the state the target step's init builds (host
+      arrays or ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``):
+      the result is checked against its shapes, so a leaf laid out or
+      sized otherwise on ``num_devices`` (int8's server error lies over
+      the data axis only from 2 devices on) is refused by name instead of
+      failing where the state is placed.
 
   Returns:
     The state for ``num_devices`` devices, host arrays, laid out as
@@ -185,7 +210,8 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
 
   Raises:
     ValueError: naming what does not fit (a leaf's rows that are not the
-      data size times the model sizes, sizes that do not divide).
+      data size times the model sizes, sizes that do not divide, a leaf
+      whose shape is not ``template``'s).
 
   Examples:
     Top-k's residuals on 8 devices (device ``i``'s all ``i``), moved to 4:
@@ -248,7 +274,10 @@ def resize_state(state, layout, num_devices: int, *, axis_name="data",
       out.append(moved.reshape((-1,) + x.shape[1:]))
     else:
       out.append(_resize_rows(x, num_devices, add))
-  return jax.tree.unflatten(treedef, out)
+  out = jax.tree.unflatten(treedef, out)
+  if template is not None:
+    check_like(out, template, "resize_state")
+  return out
 
 
 def _check_rows(leaves, per_device, axis_name, model_axes, data_size,
