@@ -30,8 +30,8 @@ BYTES_DEVICES = 8
 
 _HEADERS = {
   "compressor": ("| factory | what travels | bytes vs dense "
-                 f"({BYTES_MODEL}, n={BYTES_DEVICES}) | paper | then, lr "
-                 "(digits) |\n|---|---|---:|---|---|"),
+                 f"({BYTES_MODEL}, n={BYTES_DEVICES}) | paper | then (lr from "
+                 "the digits sweep) |\n|---|---|---:|---|---|"),
   "optimizer": "| factory | what it does | paper |\n|---|---|---|",
   "local": "| factory | sync | paper |\n|---|---|---|",
   "delay": "| factory | when the average is applied | paper |\n|---|---|---|",
@@ -92,12 +92,28 @@ def _codec_of(tx):
 
 
 def _lr_cell(entry: dict | None) -> str:
+  """The optimizer to chain after the compressor and the rate the sweep
+  chose, as ``docs/benchmarks/lr.json`` records them: ``"sgd momentum
+  0.9"`` -> ```optax.sgd(lr, momentum=0.9)```; ``"sgd"`` and ``"sgd
+  (momentum inside NAME)"`` (a method that keeps its own momentum) ->
+  ```optax.sgd(lr)```, the latter saying why. A null rate: "not swept".
+
+  Raises:
+    ValueError: naming an optimizer string this table cannot render.
+  """
   if not entry or entry.get("lr") is None:
     return "not swept"
-  opt = entry["optimizer"]
-  name = ("momentum SGD" if "momentum" in opt else
-          "SGD (momentum inside)" if "inside" in opt else "SGD")
-  return f"{name}, {entry['lr']:g}"
+  opt, lr = str(entry["optimizer"]).strip(), entry["lr"]
+  plain = re.fullmatch(r"sgd( \((momentum inside \w+)\))?", opt)
+  if plain:
+    note = f" ({plain.group(2)})" if plain.group(2) else ""
+    return f"`optax.sgd({lr:g})`{note}"
+  heavy = re.fullmatch(r"sgd momentum ([0-9.]+)", opt)
+  if heavy:
+    return f"`optax.sgd({lr:g}, momentum={float(heavy.group(1)):g})`"
+  raise ValueError(
+    f"docs/benchmarks/lr.json: optimizer {opt!r} is none of 'sgd', 'sgd "
+    "momentum M' or 'sgd (momentum inside NAME)'")
 
 
 def table(family: str, params=None) -> str:

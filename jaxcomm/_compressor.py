@@ -53,7 +53,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomm import _buckets
@@ -73,7 +72,9 @@ from jaxcomm._codec import spec_of  # noqa: F401
 from jaxcomm._stages import _Options
 from jaxcomm._stages import accumulate
 from jaxcomm._stages import agree_finite
+from jaxcomm._stages import agree_model
 from jaxcomm._stages import exchange
+from jaxcomm._stages import narrow_casts
 from jaxcomm._stages import safe_norm
 from jaxcomm._stages import shifted
 from jaxcomm._stages import update_estimates
@@ -208,8 +209,9 @@ def compressed(
   Raises:
     TypeError: when ``codec`` is not a :class:`Codec`.
     ValueError: naming the argument, for an unknown option, an option out
-      of range (``momentum``, ``clip_norm``, ``residual_decay``,
-      ``shift_rate``, ``start_step``), a ``policy`` that is not a
+      of range or not finite (``momentum``, ``clip_norm``,
+      ``residual_decay``, ``shift_rate``, ``start_step``), a ``seed`` that
+      is not an int ``>= 0``, a ``policy`` that is not a
       :class:`LeafPolicy`, or options that do not go together (EF21 or
       DIANA with a codec that does not fit them, with ``lr_schedule``,
       DIANA with ``momentum``, ``shift_rate`` without DIANA,
@@ -302,6 +304,7 @@ def compressed(
   if clip_norm is not None:
     _checks.number("clip_norm", clip_norm, 0.0, None, lo_open=True)
   start_step = _checks.step("start_step", start_step)
+  seed = _checks.seed("seed", seed)
   if lr_schedule is not None and not callable(lr_schedule):
     raise ValueError(f"lr_schedule must be callable, got {lr_schedule!r}")
   keep_residual = error_feedback is True or (use_momentum and not estimates)
@@ -453,25 +456,78 @@ def compressed(
 
 def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
   """What the float32 means become in the leaves' own narrower dtypes
-  (float16, bfloat16, float8): per bucket and dtype, each leaf's largest
-  ``|mean|`` cast to it (a cast is monotone, so the leaf's update is finite
-  iff this is). A mean finite in float32 can round to inf in the leaf's
-  dtype (FetchSGD's and ATOMO's decoded values exceed the gradients'); the
-  finite check must see that, or the update leaves inf with the step
-  counted as taken. One reduction per group and one cast per narrow dtype
-  per bucket; nothing for float32 leaves."""
+  (float16, bfloat16, float8): per bucket, each leaf's largest ``|mean|``
+  cast to its dtype (:func:`jaxcomm._stages.narrow_casts`). A mean finite
+  in float32 can round to inf in the leaf's dtype (FetchSGD's and ATOMO's
+  decoded values exceed the gradients'); the finite check must see that,
+  or the update leaves inf with the step counted as taken. One reduction
+  per group and one cast per narrow dtype per bucket; nothing for float32
+  leaves."""
   out = []
   for lay, m in zip(layouts, mean):
-    dtypes = [jnp.dtype(comp_leaves[j].dtype) for j in lay.leaves]
-    narrow = sorted({d for d in dtypes if jnp.finfo(d).bits < 32}, key=str)
-    if not narrow:
+    dtypes = [comp_leaves[j].dtype for j in lay.leaves]
+    if not any(jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < 32
+               for d in dtypes):
       continue
-    peak = lay.reduce(lambda v: jnp.max(jnp.abs(v), axis=-1), m)
-    for d in narrow:
-      mask = np.array([x == d for x in dtypes])
-      out.append((peak if mask.all() else
-                  jnp.where(mask, peak, 0.0)).astype(d))
+    out += narrow_casts(lay.reduce(lambda v: jnp.max(jnp.abs(v), axis=-1),
+                                   m), dtypes)
   return out
+
+
+def narrow_overflow(axis_name, peaks: jax.Array, dtypes) -> jax.Array | None:
+  """Whether an update computed in float32 overflows a leaf's narrower
+  dtype when cast to it, for a transform that casts its update after
+  :func:`compressed` ran (the whole optimizers scale the exchanged
+  momentum by their learning rate, Adam's denominator, a trust ratio).
+
+  Args:
+    axis_name: the data axis (the decision is also taken over the model
+      axes of a sharded step: :func:`jaxcomm._stages.agree_model`).
+    peaks: ``[len(dtypes)]`` float32, each leaf's ``max |update|``, the
+      same on every device of the data axes (computed from exchanged,
+      replicated values); a NaN read as an Inf.
+    dtypes: the leaves' dtypes.
+
+  Returns:
+    A bool scalar, or None (static) when no leaf is narrower than float32.
+  """
+  casts = narrow_casts(peaks, dtypes)
+  if not casts:
+    return None
+  bad = jnp.zeros([], bool)
+  for c in casts:
+    bad = bad | ~jnp.all(jnp.isfinite(c))
+  return agree_model(axis_name, bad)
+
+
+def skip_step(new: CompressState, old: CompressState,
+              skip: jax.Array) -> CompressState:
+  """``new`` (the state :func:`compressed`'s update returned) as a skipped
+  step leaves it where ``skip``: residuals, momenta, estimates and codec
+  state as in ``old`` (the state the update was given), the step counted
+  in ``nonfinite_steps`` unless the update counted it already. The step
+  counter and key move on, as on any skipped step.
+
+  For a transform that finds, after :func:`compressed` took its step, that
+  its own update is not finite in the leaves' dtypes
+  (:func:`narrow_overflow`).
+
+  Args:
+    new: the state after the step.
+    old: the state before it.
+    skip: a bool scalar, the same on every device.
+
+  Returns:
+    A :class:`CompressState`.
+  """
+  keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(skip, y, x), a, b)
+  counted = new.stats.nonfinite_steps > old.stats.nonfinite_steps
+  fields = {f: keep(getattr(new, f), getattr(old, f))
+            for f in _codec.BUFFER_FIELDS + ("codec",)}
+  return new._replace(
+    **fields,
+    stats=new.stats._replace(nonfinite_steps=new.stats.nonfinite_steps
+                             + (skip & ~counted).astype(jnp.int32)))
 
 
 def _stored(bufs, layouts) -> tuple:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm import _vma
 from jaxcomm._codec import Codec
@@ -292,12 +293,53 @@ def agree_finite(opts: _Options, inputs: list, mean: list, kept: list,
   summed = _core.psum(flat, opts.axis_name)
   dense_mean = summed[:-1]
   any_bad = (summed[-1] > 0) | ~jnp.all(jnp.isfinite(dense_mean))
-  model = model_axes(opts.axis_name)
-  if model:
-    # One model's blocks lie on the model axes: a block that is bad makes
-    # every block skip (one scalar all-reduce over the fast axes).
-    flag = any_bad.astype(jnp.float32)
-    if _core.vma_typed(model[0]):
-      flag = _vma.mark_varying(flag, model)
-    any_bad = _core.pmax(flag, model) > 0
-  return any_bad, dense_mean
+  return agree_model(opts.axis_name, any_bad), dense_mean
+
+
+def agree_model(axis_name, flag: jax.Array) -> jax.Array:
+  """``flag`` (a bool the same on every device of the data axes) made the
+  same on every block of one model too: inside a step over a sharded model
+  (:func:`one_model`) it is maxed over the model axes, so a block that is
+  bad makes every block skip (one scalar all-reduce over the fast axes);
+  elsewhere it is returned as is."""
+  model = model_axes(axis_name)
+  if not model:
+    return flag
+  flag = flag.astype(jnp.float32)
+  if _core.vma_typed(model[0]):
+    flag = _vma.mark_varying(flag, model)
+  return _core.pmax(flag, model) > 0
+
+
+def peak(x: jax.Array) -> jax.Array:
+  """``max |x|`` over the last axis, a NaN read as an Inf (XLA's CPU max
+  reduction can skip a NaN)."""
+  return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=-1)
+
+
+def narrow_casts(peaks: jax.Array, dtypes) -> list:
+  """``peaks`` (float32, one ``max |update|`` per leaf) cast to each
+  leaf's dtype where it is narrower than float32 (float16, bfloat16,
+  float8): one array per narrow dtype, zeros at the other leaves. A cast is
+  monotone, so a leaf's update is finite in its dtype iff its peak is: the
+  finite check reads these, and an update that a float32 computation keeps
+  finite but the leaf's dtype rounds to inf is a non-finite step. Empty
+  (nothing to compute) when no leaf is narrower than float32.
+
+  Args:
+    peaks: ``[len(dtypes)]`` float32.
+    dtypes: the leaves' dtypes, in the order of ``peaks``.
+
+  Returns:
+    A list of arrays, one per narrow dtype.
+  """
+  dtypes = [jnp.dtype(d) for d in dtypes]
+  narrow = sorted({d for d in dtypes
+                   if jnp.issubdtype(d, jnp.floating)
+                   and jnp.finfo(d).bits < 32}, key=str)
+  out = []
+  for d in narrow:
+    mask = np.array([x == d for x in dtypes])
+    out.append((peaks if mask.all() else
+                jnp.where(mask, peaks, 0.0)).astype(d))
+  return out

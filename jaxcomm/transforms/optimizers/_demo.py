@@ -45,6 +45,7 @@ from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _policy
 from jaxcomm import _registry
+from jaxcomm import _stages
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _sparse
 
@@ -381,6 +382,21 @@ def demo(
       return (-lr * d).astype(u.dtype)
 
     out = jax.tree.map(step, q, q if params is None else params)
+    # The step is cast to the gradients' dtypes above: one that overflows a
+    # float16 or bfloat16 leaf (a large learning rate, or weight decay on a
+    # large param) is skipped and counted like a non-finite gradient.
+    narrow = [(d, s) for d, s in zip(jax.tree.leaves(q),
+                                     jax.tree.leaves(out))
+              if _policy.is_float(d) and jnp.finfo(d.dtype).bits < 32]
+    if narrow:
+      peaks = jnp.stack([_stages.peak(jnp.ravel(s).astype(jnp.float32))
+                         for _, s in narrow])
+      over = _compressor.narrow_overflow(axis_name, peaks,
+                                         [d.dtype for d, _ in narrow])
+      ex_state = _compressor.skip_step(ex_state, state.exchange, over)
+      out = jax.tree.map(
+        lambda x: jnp.where(over, jnp.nan, x).astype(x.dtype)
+        if _policy.is_float(x) else x, out)
     return out, DeMoState(exchange=ex_state)
 
   return optax.GradientTransformationExtraArgs(

@@ -238,5 +238,31 @@ def _output(flat, step, updates, bad):
   return flat.unflatten(step, updates)
 
 
+def _overflow(flat, step, updates, axis_name):
+  """Whether ``step`` (float32, the same on every device) overflows a
+  float16 or bfloat16 gradient leaf's dtype once cast to it
+  (:func:`jaxcomm._compressor.narrow_overflow`): such a step is skipped and
+  counted like a non-finite gradient, not returned as inf. None (nothing
+  traced) when every leaf is float32 or wider."""
+  leaves = jax.tree.leaves(updates)
+  dtypes = [leaves[i].dtype for i in flat.index]
+  if not any(jnp.finfo(d).bits < 32 for d in dtypes):
+    return None
+  mag = jnp.where(jnp.isnan(step), jnp.inf, jnp.abs(step))
+  peaks = flat.leaf_max(mag, flat.segments())
+  return _compressor.narrow_overflow(axis_name, peaks, dtypes)
+
+
+def _skip_overflow(flat, step, updates, axis_name, bad, exchange, before):
+  """``(bad, exchange)`` with a step that overflows the leaves' dtypes
+  (:func:`_overflow`) made a skipped one: flagged, and the exchange's
+  residuals and codec state as they were (``before``), the step counted
+  in its ``nonfinite_steps``."""
+  over = _overflow(flat, step, updates, axis_name)
+  if over is None:
+    return bad, exchange
+  return bad | over, _compressor.skip_step(exchange, before, over)
+
+
 def _keep(bad, new, old):
   return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)

@@ -1,0 +1,212 @@
+"""float16 and bfloat16 gradients through every registered method.
+
+Each compressor, whole optimizer and delay method runs on the 8-device
+mesh with float16 and bfloat16 params and gradients:
+
+* Gradients near float16's largest value (65,504), after a tiny first
+  step: the averaged update overflows the leaf dtype after the method's
+  math (error feedback adding a residual, FetchSGD's decoding, 1-bit
+  Adam's frozen variance). Each step is either taken with an update finite
+  in the leaf's dtype, or skipped: counted in ``nonfinite_steps`` on every
+  device, its update NaN everywhere (``optax.apply_if_finite`` after it
+  leaves the params as they were) and the state's residuals, moments and
+  codec state as they were. Never an uncounted inf or NaN.
+* Gradients of normal size: the update equals the same method's update on
+  float32 params and the same gradients, cast to the dtype.
+
+The local methods (``registry.methods("local")``) and ``zero_one_adam``
+keep params per device between syncs and skip a non-finite step on the
+device that saw it (tests/test_local.py); they run under
+``DataParallel``'s local mode, not in this harness's replicated step.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomm
+from jaxcomm import parallel
+from tests import harness
+
+N = harness.N
+DTYPES = (jnp.float16, jnp.bfloat16)
+# Per-device params kept between syncs: not this harness's step.
+_LOCAL_UPDATE = ("zero_one_adam",)
+_NAMES = [m.name for m in jaxcomm.registry.methods()
+          if m.family in ("compressor", "optimizer", "delay")
+          and m.name not in _LOCAL_UPDATE]
+# Methods whose update overflows float16 on these gradients: the test
+# fails if they were not pushed past it (a test that cannot fail).
+_OVERFLOWS_FLOAT16 = ("topk", "fetchsgd", "atomo", "onebit_adam",
+                      "onebit_lamb", "pipe_sgd")
+# The fields a skipped step moves on: step counters, the PRNG key, the
+# statistics.
+_MOVING = ("count", "key", "stats")
+
+
+def _params(dtype):
+  # w (3,072 values) is compressed by the default policy, b travels in
+  # the fused dense psum.
+  return {"b": jnp.zeros((48,), dtype), "w": jnp.zeros((64, 48), dtype)}
+
+
+def _make(name):
+  m = jaxcomm.registry.get(name)
+  args = harness.required_args(m)
+  if m.family == "delay":
+    # Delay a compressor with error feedback, which overflows here.
+    args["exchange"] = jaxcomm.topk(0.25)
+  return m.make(**args)
+
+
+def _run(tx, mesh, params, grads_seq):
+  """Per step: (update, state before, state after), host arrays."""
+  layout = parallel.state_layout(tx, params, mesh, harness.AXIS)
+  key = (id(tx), str(jax.tree.structure(layout)),
+         tuple(jax.tree.leaves(layout)))
+  harness._LAYOUTS[key] = layout   # pylint: disable=protected-access
+  state = parallel.init_state(tx, params, mesh, harness.AXIS, layout)
+  fn = harness._stepper(tx, mesh, key)   # pylint: disable=protected-access
+  params_g = parallel.replicate(params, mesh)
+  out = []
+  for grads in grads_seq:
+    before = jax.device_get(state)
+    upd, state = fn(params_g, state,
+                    parallel.shard_batch(grads, mesh, harness.AXIS))
+    out.append((jax.device_get(upd), before, jax.device_get(state)))
+  return out
+
+
+def _nonfinite_steps(state) -> np.ndarray:
+  found = jaxcomm.stats(state)
+  assert found, "no CompressStats in the state"
+  return np.concatenate([np.ravel(np.asarray(s.nonfinite_steps))
+                         for s in found])
+
+
+def _kept(state, family) -> list:
+  """What a skipped step must leave as it was: every state leaf but the
+  counters, keys and statistics; for a delay method the inner
+  compressor's residuals and codec state (its queue holds the skipped
+  step's NaN update, applied later as a NaN and skipped then)."""
+  if family == "delay":
+    state = [(s.residual, s.momentum, s.codec, s.estimate, s.estimate_mean)
+             for s in jaxcomm.compress_states(state)]
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in leaves
+          if not any(getattr(k, "name", None) in _MOVING for k in p)]
+
+
+def _as_f32(tree):
+  return [np.asarray(x).astype(np.float32) for x in jax.tree.leaves(tree)]
+
+
+def _overflow_grads(dtype):
+  """A tiny step, then two near float16's (or bfloat16's) largest value,
+  the same on every device (the mean is as large as each)."""
+  rng = np.random.RandomState(0)
+  big = float(jnp.finfo(dtype).max) * 0.98
+  out = []
+  for scale in (2.0 ** -10, big, big):
+    g = {}
+    for k, v in _params(jnp.float32).items():
+      base = np.sign(rng.randn(*v.shape)) * rng.uniform(0.5, 1.0, v.shape)
+      g[k] = np.broadcast_to(base * scale, (N,) + v.shape).astype(dtype)
+    out.append(g)
+  return out
+
+
+def _normal_grads(steps=2):
+  """Gradients exactly representable in float16 and bfloat16 (multiples
+  of 1/64 with at most 8 significant bits), different per device, of one
+  sign per coordinate: no mean near 0 (1-bit Adam's frozen variance would
+  make the next step ``lr / eps``, past float16's range)."""
+  rng = np.random.RandomState(1)
+  out = []
+  for _ in range(steps):
+    g = {}
+    for k, v in _params(jnp.float32).items():
+      codes = (rng.randint(32, 256, (N,) + v.shape)
+               * np.sign(rng.randn(*v.shape)))
+      per = 2.0 ** (np.arange(N) % 3 - 1).reshape((N,) + (1,) * v.ndim)
+      g[k] = (codes / 64.0 * per).astype(np.float32)
+    out.append(g)
+  return out
+
+
+def _refused(tx, params, dtype) -> bool:
+  """True if init refuses the dtype, naming it; other errors propagate."""
+  try:
+    tx.init(params)
+  except ValueError as e:
+    assert jnp.dtype(dtype).name in str(e), str(e)
+    return True
+  return False
+
+
+def _check_overflow(name, family, tx, mesh, dtype) -> int:
+  """Runs :func:`_overflow_grads`; each step is taken with an update
+  finite in ``dtype``, or skipped alike on every device with the state
+  kept. Returns the number of skipped steps."""
+  counted = 0
+  queued = 0   # a delay method applies a skipped step's NaN later
+  for t, (upd, before, after) in enumerate(
+      _run(tx, mesh, _params(dtype), _overflow_grads(dtype))):
+    where = f"{name} {jnp.dtype(dtype).name} step {t}"
+    for x in jax.tree.leaves(upd):
+      assert x.dtype == dtype, (where, x.dtype)
+    values = _as_f32(upd)
+    finite = all(np.isfinite(v).all() for v in values)
+    n0, n1 = _nonfinite_steps(before), _nonfinite_steps(after)
+    step_counted = np.all(n1 == n0 + 1)
+    assert step_counted or np.all(n1 == n0), (where, n0, n1)
+    counted += int(step_counted)
+    if not finite:
+      # NaN everywhere: apply_if_finite skips it on every device.
+      assert all(np.isnan(v).all() for v in values), where
+      queued += 1
+      assert queued <= counted, f"{where}: an uncounted non-finite update"
+      if family != "delay":
+        assert step_counted, f"{where}: an uncounted non-finite update"
+    if step_counted:
+      for (path, a), (_, b) in zip(_kept(after, family),
+                                   _kept(before, family), strict=True):
+        np.testing.assert_array_equal(
+          a, b, err_msg=f"{where}: {path} moved on a skipped step")
+  return counted
+
+
+@pytest.mark.parametrize("name", _NAMES)
+def test_an_overflow_is_a_counted_skip_and_a_normal_step_is_exact(
+    name, mesh):
+  m = jaxcomm.registry.get(name)
+  tx = _make(name)
+  normal = _normal_grads()
+  want = [u for u, _, _ in _run(tx, mesh, _params(jnp.float32), normal)]
+  for dtype in DTYPES:
+    params = _params(dtype)
+    if _refused(tx, params, dtype):
+      continue
+    counted = _check_overflow(name, m.family, tx, mesh, dtype)
+    if name in _OVERFLOWS_FLOAT16 and dtype == jnp.float16:
+      assert counted, f"{name}: the gradients did not overflow float16"
+    # Normal magnitudes: the float32 computation, cast to the dtype.
+    got = [u for u, _, _ in _run(tx, mesh, params, [
+      jax.tree.map(lambda x, d=dtype: x.astype(d), g) for g in normal])]
+    for t, (a, b) in enumerate(zip(got, want)):
+      for k in a:
+        assert a[k].dtype == dtype
+        np.testing.assert_array_equal(
+          np.asarray(a[k]).astype(np.float32),
+          np.asarray(b[k]).astype(dtype).astype(np.float32),
+          err_msg=f"{name} {jnp.dtype(dtype).name} step {t} {k}")
+
+
+def test_demo_casting_a_large_step_is_a_counted_skip(mesh):
+  """DeMo scales the exchanged update by its learning rate after the
+  exchange's own check, then casts it: with ``sign=False`` and a rate of
+  100, a float16 update near 6e4 becomes 6e6 in float32. The step is
+  skipped and counted (before: inf, uncounted, the residual moved on)."""
+  tx = jaxcomm.demo(100.0, sign=False)
+  assert _check_overflow("demo", "optimizer", tx, mesh, jnp.float16) >= 1
