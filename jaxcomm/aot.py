@@ -76,10 +76,10 @@ __all__ = [
   "transformer",
 ]
 
-# HBM per chip, bytes (public TPU documentation).
+#: HBM per chip in bytes, by TPU generation (public TPU documentation).
 HBM = {"v4": 32 << 30, "v5e": 16 << 30, "v5litepod": 16 << 30,
        "v5p": 95 << 30, "v6e": 32 << 30}
-# Megascale transfer type -> wire.py's collective kind.
+#: Megascale transfer type -> :mod:`jaxcomm.wire`'s collective kind.
 TRANSFER_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
                   "ALL_TO_ALL": "all-to-all",
                   "REDUCE_SCATTER": "reduce-scatter",
@@ -221,7 +221,7 @@ def transfers(compiled_or_text: Any) -> list[Transfer]:
           else compiled_or_text.as_text())
   out = []
   for line in text.splitlines():
-    if " send(" not in line or "is_host_transfer=true" not in line:
+    if "send(" not in line or "is_host_transfer=true" not in line:
       continue
     ins = _hlo.instruction(line, where="aot.transfers")
     if ins is None or ins.opcode != "send":
@@ -523,9 +523,10 @@ def plain_step(loss_fn, learning_rate: float = 0.1, optimizer=None):
       optimizer such as 1-bit Adam replaces: Adam), or None.
 
   Returns:
-    The jitted step, params (and state) donated: ``step(params, batch) ->
-    params``, or with ``optimizer`` ``step(params, opt_state, batch) ->
-    (params, opt_state)``, its state laid out by :func:`optimizer_state`.
+    The jitted step ``step(params, batch) -> params``, or with
+    ``optimizer`` ``step(params, opt_state, batch) -> (params,
+    opt_state)``, its state laid out by :func:`optimizer_state`; params
+    (and state) are donated.
   """
   if optimizer is None:
     def step(params, batch):
@@ -549,8 +550,8 @@ def optimizer_state(optimizer, params):
       :func:`mlp` and :func:`transformer` give).
 
   Returns:
-    The state as ``jax.ShapeDtypeStruct`` leaves: each leaf that mirrors
-    a param (Adam's moments) sharded as that param, the rest (step
+    The state as ``jax.ShapeDtypeStruct`` leaves. Each leaf that mirrors
+    a param (Adam's moments) is sharded as that param, the rest (step
     counts) replicated on the params' mesh.
 
   Raises:
@@ -672,8 +673,11 @@ def _report(name, fig: Figures, base: Figures | None, gbps):
 
 
 def cli_value(text: str):
-  """Internal (the command line's parser). A ``--compressor`` argument's value: ``true`` / ``false`` (any case) a
-  bool, ``none`` None, then an int, a float, else the string itself."""
+  """Internal: a ``--compressor`` argument's value, parsed.
+
+  ``true`` / ``false`` (any case) give a bool, ``none`` None, then an int,
+  a float, else the string itself.
+  """
   low = text.strip().lower()
   if low in ("true", "false"):
     return low == "true"

@@ -55,6 +55,7 @@ __all__ = [
   "summarize",
 ]
 
+#: The collective kinds jaxcomm accounts for, as the HLO names them.
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")
 
@@ -243,6 +244,12 @@ def collectives(step: Any, *, outside_branches: bool = False) -> list[Op]:
   Returns:
     One :class:`Op` per collective instruction in the optimized module.
 
+  Raises:
+    ValueError: ``step`` is none of those, or a collective's line cannot
+      be read (an element type or shape syntax this reader does not know):
+      the message names the instruction and the jax, jaxlib and libtpu
+      versions; it is never counted as 0 bytes.
+
   Examples:
     One psum of 1,024 float32 per device, on 8 devices:
 
@@ -346,8 +353,9 @@ class Report:
     """The report as a markdown table.
 
     Returns:
-      The table as one str (also what ``str`` and ``print`` give): a row
-      per collective kind, the total, the dense baseline and the ratio.
+      The table as one str (also what ``str`` and ``print`` give), with a
+      row per collective kind, the total, the dense baseline and the
+      ratio.
     """
     rows = ["| op | payload bytes | sent bytes/device |", "|---|---:|---:|"]
     for k in KINDS:
@@ -367,7 +375,7 @@ def dense_payload(params) -> int:
       ``dtype``).
 
   Returns:
-    The payload in bytes, an int: 4 per floating element.
+    The payload in bytes, an int (4 per floating element).
   """
   total = 0
   for leaf in jax.tree.leaves(params):

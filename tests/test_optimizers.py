@@ -109,15 +109,16 @@ def test_long_moments_are_stored_in_whole_tiles(mesh, which):
       continue
     # mu = b1 (1 - b1) g0 + (1 - b1) g1 (g: the mean gradients). Where the
     # two terms nearly cancel (|mu| ~1e-5 against terms ~0.3) a bound
-    # relative to mu measures float32 rounding, not the code. jaxlib 0.12's
-    # CPU compiler contracts the update into a fused multiply-add: each mu
-    # equals numpy's float32 round(fma(b1, mu, round((1 - b1) g))), one
-    # rounding fewer than optax's multiply then add. That moved 10 of
-    # 50,750 moments by up to 1.4e-8 (3e-4 to 1e-3 of mu), 1.0 float32 eps
-    # of the terms' size b1 |mu| + (1 - b1) |g|, and left both within 1.1
-    # eps of that size from a float64 recurrence on the same gradients
-    # (0.10's -O0 flags in conftest give optax's bits). The bound: 2 eps
-    # of the terms' size, element by element.
+    # relative to mu measures float32 rounding, not the code. jaxlib
+    # 0.12.0.1's CPU compiler at its default flags contracts the update
+    # into a fused multiply-add: each mu was numpy's float32
+    # round(fma(b1, mu, round((1 - b1) g))), one rounding fewer than
+    # optax's multiply then add. That moved 10 of 50,750 moments by up to
+    # 1.4e-8 (3e-4 to 1e-3 of mu), 1.0 float32 eps of the terms' size
+    # b1 |mu| + (1 - b1) |g|; both stayed within 1.1 eps of that size from
+    # a float64 recurrence on the same gradients (jaxcomm the closer). At
+    # -O0 (conftest's flags) both jaxlibs give optax's bits. The bound: 2
+    # eps of the terms' size, element by element.
     terms = 0.9 * np.abs(0.1 * means[0]) + 0.1 * np.abs(means[1])
     np.testing.assert_array_less(
       np.abs(got.astype(np.float64) - want),

@@ -542,7 +542,9 @@ def test_transformer_lm_mean_equals_plain_step_and_topk_trains(mesh_name):
 def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
   """``jax.make_mesh``'s default on JAX 0.10 is Explicit axes: a sharded
   step on such a mesh (params over "fsdp", compression over "dcn") keeps
-  the params' sharding and gives the Auto mesh's params."""
+  the params' sharding, gives the Auto mesh's params and sends across
+  "dcn" what the Auto mesh's step sends (JAX 0.12 refused the update's
+  inputs there: a replicated leaf's copies typed replicated)."""
   rng = np.random.RandomState(0)
   w0 = rng.randn(64, 16).astype(np.float32) * 0.1
   batches = [(rng.randn(32, 64).astype(np.float32),
@@ -552,7 +554,7 @@ def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
     x, y = batch
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
-  out = {}
+  out, across = {}, {}
   for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
     mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(kind,) * 2)
     params = {"w": jax.device_put(w0, NamedSharding(mesh, P("fsdp", None))),
@@ -562,6 +564,9 @@ def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
     dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name="dcn",
                                auto_axes=("fsdp",))
     p, s = dp.init(params)
+    ops = jaxcomm.wire.collectives(dp.lower(p, s, dp.shard_batch(
+      tuple(map(jnp.asarray, batches[0])))))
+    across[kind] = sorted((o.kind, o.payload) for o in ops if o.group == 2)
     for b in batches:
       p, s, _ = dp.step(p, s, tuple(map(jnp.asarray, b)))
     jax.block_until_ready(p)
@@ -569,6 +574,9 @@ def test_explicit_axis_mesh_trains_as_the_auto_mesh(make):
       NamedSharding(mesh, P("fsdp", None)), 2), (kind, p["w"].sharding)
     out[kind] = jax.tree.map(np.asarray, p)
   auto, explicit = out.values()
+  assert across[jax.sharding.AxisType.Auto], across     # dcn has size 2
+  assert across[jax.sharding.AxisType.Explicit] == across[
+    jax.sharding.AxisType.Auto], across
   assert not np.allclose(auto["w"], w0)       # it trained
   for k in auto:
     np.testing.assert_allclose(explicit[k], auto[k], rtol=1e-6, atol=1e-7,

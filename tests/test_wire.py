@@ -72,6 +72,142 @@ HloModule m, num_partitions=4
   assert ops == [wire.Op("all-reduce", 52, 4), wire.Op("all-gather", 32, 4)]
 
 
+# One step's collectives on 8 CPU devices (mesh a=2, data=4: psums of a
+# tuple and of int8 over every device, an all-gather, an all-to-all, a
+# ppermute, a psum_scatter), verbatim from jaxlib 0.10.2's and jaxlib
+# 0.12.0.1's compiled text, metadata cut; the newer one prints replica
+# groups over the mesh's axes. Payloads by hand (elements x bytes). In the
+# texts below a backslash at the end of a line continues the instruction.
+_CPU_LINES = {
+  "0.10.2": (
+    "replica_groups={{0,1,2,3},{4,5,6,7}}",
+    "replica_groups={{0,1,2,3,4,5,6,7}}"),
+  "0.12.0.1": (
+    "replica_groups=mesh['a'=2,'data'=4] {'data'}",
+    "replica_groups=mesh['a'=2,'data'=4] {'a','data'}"),
+}
+_CPU_TEXT = """HloModule jit_f, num_partitions=8
+  %all_gather.3 = f32[4000]{0} all-gather(%bitcast), channel_id=1, \
+DATA, dimensions={0}, use_global_device_ids=true
+  %ppermute.3 = f32[1000]{0} collective-permute(%bitcast), channel_id=1, \
+source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
+  %reduce_scatter.7 = f32[1,250]{1,0} reduce-scatter(%bitcast.2), \
+channel_id=1, DATA, use_global_device_ids=true, dimensions={0}, \
+to_apply=%region_3.0
+  %all-to-all = (f32[1,250]{1,0}, f32[1,250]{1,0}, f32[1,250]{1,0}, \
+f32[1,250]{1,0}) all-to-all(%wrapped_slice, %wrapped_slice.1, \
+%wrapped_slice.2, %wrapped_slice.3), channel_id=1, DATA
+  %psum.30 = s8[6]{0} all-reduce(%convert_bitcast_fusion), channel_id=1, \
+EVERY, use_global_device_ids=true, to_apply=%region_4.0
+  %all-reduce = (f32[1000]{0}, f32[6]{0}) all-reduce(%bitcast, \
+%convert_bitcast_fusion.1), channel_id=1, DATA, \
+use_global_device_ids=true, to_apply=%region_0.0
+"""
+_CPU_OPS = [wire.Op("all-gather", 4000 * 4, 4),
+            wire.Op("collective-permute", 1000 * 4, 8, 8 / 8),
+            wire.Op("reduce-scatter", 250 * 4 * 4, 4),
+            wire.Op("all-to-all", 4 * 250 * 4, 4),
+            wire.Op("all-reduce", 6 * 1, 8),
+            wire.Op("all-reduce", (1000 + 6) * 4, 4)]
+
+
+@pytest.mark.parametrize("jaxlib", sorted(_CPU_LINES))
+def test_cpu_collectives_of_two_jaxlibs(jaxlib):
+  data, every = _CPU_LINES[jaxlib]
+  text = _CPU_TEXT.replace("DATA", data).replace("EVERY", every)
+  assert wire.collectives(text) == _CPU_OPS
+
+
+# In-slice collectives of the int8 sharded step compiled for v5e by libtpu
+# 0.0.42.1 and 0.0.50.1 (the same text from both), metadata cut: tiles,
+# tile groups and memory spaces in the layouts; then synthetic lines as a
+# later compiler may print them (async halves whose operands sit in
+# another memory space, variadic gathers, comments, packed 4-bit values,
+# a bounded dynamic dimension, new attributes), a computation named after
+# a collective and a fusion that calls it (no collective of their own).
+_TPU_TEXT = """HloModule jit_step, is_scheduled=true, num_partitions=8
+%all-reduce-scatter.2 (input_0: f32[256,1024]) -> f32[64,1024] {
+  %fusion.98 = (f32[64,1024]{1,0:T(8,128)S(1)}, f32[1024,64]{0,1:T(8,128)\
+S(1)}) fusion(%fusion.38, %fusion.23), kind=kCustom, \
+calls=%all-reduce-scatter.2
+}
+ENTRY %main.1 (p: f32[8]) -> f32[8] {
+  %all-gather.24 = bf16[1024,256]{0,1:T(8,128)(2,1)S(1)} all-gather(\
+%param_0.578), channel_id=9, replica_groups={{0,1,2,3}}, dimensions={1}, \
+use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  %all-reduce.35 = (f32[]{:T(128)}, f32[256]{0:T(256)S(1)}) all-reduce(\
+%get-tuple-element.74, %get-tuple-element.73), channel_id=20, \
+replica_groups={{0,1,2,3}}, use_global_device_ids=true, \
+to_apply=%region_17.19.clone
+  %ags = ((f32[8]{0:S(1)}, bf16[4]{0}), (f32[32]{0:T(256)S(1)}, \
+bf16[16]{0})) all-gather-start(%a, %b), replica_groups=[1,4]<=[4], \
+dimensions={0}
+  %agd = (f32[32]{0}, bf16[16]{0}) all-gather-done(%ags)
+  %cps = (f32[100]{0:S(1)}, f32[100]{0}, u32[]{:S(2)}, u32[]{:S(2)}) \
+collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %ars = (f32[10]{0:T(256)S(1)}, /*index=1*/s4[64]{0:E(4)}) \
+all-reduce-start(%y, %z), replica_groups={{0,1}}, new_attr={k=(1,2)}
+  %ard = (f32[10]{0}, s4[64]{0:E(4)}) all-reduce-done(%ars)
+  ROOT %dyn = f32[<=32,4]{1,0:T(8,128)} all-gather(%w), \
+replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+
+
+def test_tpu_and_synthetic_collectives():
+  assert wire.collectives(_TPU_TEXT) == [
+    wire.Op("all-gather", 1024 * 256 * 2, 4),
+    wire.Op("all-reduce", 4 + 256 * 4, 4),
+    wire.Op("all-gather", 32 * 4 + 16 * 2, 4),
+    wire.Op("collective-permute", 100 * 4, 8, 2 / 8),
+    wire.Op("all-reduce", 10 * 4 + 64 // 2, 2),
+    wire.Op("all-gather", 32 * 4 * 4, 4)]
+
+
+@pytest.mark.parametrize("line,why", [
+  ("%bad.1 = f32[8]{0:T(8,128)S(1) all-reduce(%x)", "unclosed '{'"),
+  ("%bad.1 = q77[8]{0} all-reduce(%x)", "unknown element type 'q77'"),
+  ("%bad.1 = (f32[8]{0} f32[8]{0}) all-gather-start(%x)", "expected ','"),
+  ("%bad.1 = f32[8]{0} all-gather-start(%x)", "not a tuple"),
+])
+def test_an_unreadable_collective_is_named_with_the_versions(line, why):
+  """A collective whose line cannot be read is an error naming it and the
+  versions that printed it, never a collective of 0 bytes."""
+  import importlib.metadata  # noqa: PLC0415
+  with pytest.raises(ValueError, match="wire.collectives") as e:
+    wire.collectives("HloModule m, num_partitions=8\n  " + line)
+  msg = str(e.value)
+  assert "%bad.1" in msg and why in msg, msg
+  assert f"jaxlib {importlib.metadata.version('jaxlib')}" in msg, msg
+
+
+@pytest.mark.parametrize("dtype,bits", [
+  ("pred", 8), ("s4", 4), ("u8", 8), ("bf16", 16), ("f16", 16),
+  ("f32", 32), ("f64", 64), ("c64", 64), ("c128", 128), ("token", 0),
+  ("f8e4m3fn", 8), ("f8e5m2", 8), ("f8e8m0fnu", 8), ("f4e2m1fn", 4),
+  ("f99", None), ("tuple", None)])
+def test_element_widths(dtype, bits):
+  from jaxcomm import _hlo  # noqa: PLC0415
+  assert _hlo.dtype_bits(dtype) == bits
+
+
+def test_shape_reader_keeps_memory_spaces_and_packing():
+  """A nested tuple read field by field: dims, the layout's memory space
+  and element size, bytes by hand; where the shape ends."""
+  from jaxcomm import _hlo  # noqa: PLC0415
+  text = ("((f32[2,3]{1,0:T(2,128)S(1)}, s4[5]{0:E(4)}), u8[]{:S(2)}, "
+          "/*index=2*/token[]) send(%a)")
+  shape, end = _hlo.parse_shape(text)
+  (pair, u8, token) = shape.elements
+  (f32, s4) = pair.elements
+  assert (f32.dims, f32.memory_space, f32.nbytes) == ((2, 3), 1, 24)
+  assert (s4.element_bits, s4.nbytes) == (4, 3)        # 5 x 4 bits
+  assert (u8.dims, u8.memory_space, u8.nbytes) == ((), 2, 1)
+  assert token.nbytes == 0 and shape.nbytes == 24 + 3 + 1
+  assert text[end:].startswith(" send(")
+  assert str(f32) == "f32[2,3]"
+
+
 @pytest.mark.parametrize("groups,size", (
   # Explicit lists.
   ("{{0,1,2,3},{4,5,6,7}}", 4),
