@@ -64,3 +64,18 @@ def test_gossip_bad_input_and_single_device():
     jaxcomm.collectives.gossip_average(x, None, rounds=-1)
   with pytest.raises(ValueError, match="power-of-two"):
     _gossip.gossip_weights("hypercube", 6)
+
+
+@pytest.mark.parametrize("method", ["dcd_psgd", "ecd_psgd"])
+def test_replica_methods_refuse_a_compressor_on_another_axis(method):
+  """DCD-/ECD-PSGD refuse a compressor built on another data axis than
+  their own, as fedcom does (it would be laid out for the wrong axis)."""
+  import optax
+  make = getattr(jaxcomm, method)
+  with pytest.raises(ValueError, match="axis_name='dcn'.*'data'"):
+    make(optax.sgd(0.1), jaxcomm.topk(0.5, axis_name="dcn"))
+  with pytest.raises(ValueError, match="axis_name='data'.*'dcn'"):
+    make(optax.sgd(0.1), jaxcomm.topk(0.5), axis_name="dcn")
+  # The same axis, or the default compressor, is accepted on either axis.
+  make(optax.sgd(0.1), jaxcomm.topk(0.5, axis_name="dcn"), axis_name="dcn")
+  make(optax.sgd(0.1), axis_name="dcn")

@@ -587,3 +587,37 @@ def test_resize_keeps_what_every_per_device_buffer_owes(mesh, make, new):
       np.testing.assert_allclose(np.asarray(q[k]).mean(axis=0),
                                  np.asarray(p[k]).mean(axis=0), rtol=1e-5,
                                  atol=1e-7)
+
+
+def test_update_args_keyword_no_transform_reads_is_refused(mesh):
+  """Optax offers ``update_args``' keywords to every transformation of the
+  chain and each takes what it knows: ``grad_variance`` handed to a chain
+  of top-k and SGD would be dropped unread, so the first step refuses it
+  by name; with ``jaxcomm.variance_sparsification`` in the chain it is
+  read; a keyword no jaxcomm method reads (another library's) is passed
+  on with a warning."""
+  x = np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 100
+  batch = {"x": x, "y": x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32)}
+
+  def loss_fn(params, b):
+    return jnp.mean((b["x"] @ params["w"] - b["y"]) ** 2)
+
+  def variance(params, b):
+    return {"grad_variance": jax.tree.map(jnp.ones_like, params)}
+
+  def run(tx, update_args):
+    dp = parallel.DataParallel(loss_fn, tx, mesh, update_args=update_args,
+                               donate=False)
+    params, state = dp.init({"w": jnp.zeros(4)})
+    return dp.step(params, state, batch)[0]["w"]
+
+  policy = jaxcomm.LeafPolicy(min_size=1)
+  topk = optax.chain(jaxcomm.topk(0.5, policy=policy), optax.sgd(0.1))
+  with pytest.raises(ValueError, match="'grad_variance'.*"
+                     "jaxcomm.variance_sparsification"):
+    run(topk, variance)
+  vs = optax.chain(jaxcomm.variance_sparsification(policy=policy),
+                   optax.sgd(0.1))
+  assert np.all(np.isfinite(np.asarray(run(vs, variance))))
+  with pytest.warns(UserWarning, match="'learning_rate_scale'"):
+    run(topk, lambda p, b: {"learning_rate_scale": jnp.float32(1.0)})

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import _checks
+from jaxcomm import _extra_args
 from jaxcomm import _local_engine
 from jaxcomm import _stages
 from jaxcomm.collectives import _core
@@ -96,7 +97,11 @@ class DataParallel:
       takes extra arguments): the batch statistic of
       :func:`jaxcomm.variance_sparsification` (``{"grad_variance": ...}``
       from its ``grad_and_variance``). Block mode only (a sharded step's
-      update runs on shards the statistic is not cut to).
+      update runs on shards the statistic is not cut to). A keyword that
+      a jaxcomm method reads but no transformation of ``tx`` read (e.g.
+      ``grad_variance`` with :func:`jaxcomm.topk` only) is refused at the
+      first step; one that no jaxcomm method reads (another library's)
+      is passed on with a warning when nothing jaxcomm's read it.
     donate: donate params and state buffers to the step.
     block: wait for the previous step's params and state before
       dispatching the next step. ``None`` (default): on a mesh of several
@@ -117,7 +122,10 @@ class DataParallel:
     ValueError: naming the argument: ``axis_name`` not an axis of
       ``mesh``, ``update_args`` not callable or given with ``auto_axes``,
       ``auto_axes`` or ``batch_axes`` that do not fit the mesh's axes,
-      ``block`` not a bool.
+      ``block`` not a bool; at the first :meth:`step`, when
+      ``update_args`` does not return a dict, or gives a keyword (e.g.
+      ``grad_variance``) that a jaxcomm method reads but no
+      transformation of ``tx`` read.
 
   Examples:
     A least-squares fit on 8 devices, top-k (half of the 4 weights' gradient
@@ -593,7 +601,13 @@ def _device_step(loss_fn, update, axis, params, state, batch, *extra,
       raise ValueError("update_args must return a dict of keyword "
                        f"arguments for tx.update, got {type(more).__name__}")
     value.update(more)
-  new_params, new_state = update(grads, state, params, **value)
+    # Optax offers each keyword to every transformation of tx: refuse one
+    # that a jaxcomm method reads but none of tx read (dropped otherwise).
+    with _extra_args.recording() as reads:
+      new_params, new_state = update(grads, state, params, **value)
+    _extra_args.check(more, reads)
+  else:
+    new_params, new_state = update(grads, state, params, **value)
   if per_device:
     new_params = jax.tree.map(lambda x: x[None], new_params)
   # Local-update steps send nothing between syncs, not even the loss:

@@ -34,6 +34,7 @@ from jaxcomm import _registry
 from jaxcomm._local_engine import LocalState
 from jaxcomm._local_engine import _check_inner
 from jaxcomm.transforms.gossip import _gossip
+from jaxcomm.transforms.local import _fedcom
 from jaxcomm.transforms.sparsify import _sparsification
 
 
@@ -93,8 +94,11 @@ class UnbiasedRandomk:
 def _replica_method(method, extrapolate, inner, compressor, topology,
                     unbiased, axis_name, seed):
   _check_inner("inner", inner)
+  _checks.axis_name(axis_name)
+  # As fedcom: a compressor built on another data axis is refused by name.
+  _fedcom._check_compressor(method, compressor, axis_name, False)
   if compressor is None:
-    compressor = _sparsification.randomk(1.0)
+    compressor = _sparsification.randomk(1.0, axis_name=axis_name)
   spec = _gossip.gossip_compressor(method, compressor)
   _checks.choice("topology", topology, _gossip.CHOCO_TOPOLOGIES)
   _checks.boolean("unbiased", unbiased)
@@ -104,7 +108,6 @@ def _replica_method(method, extrapolate, inner, compressor, topology,
         f"unbiased=True rescales jaxcomm.randomk's message (size / k); "
         f"compressor {spec.codec.name} is not random-k")
     spec = dataclasses.replace(spec, codec=UnbiasedRandomk(spec.codec))
-  _checks.axis_name(axis_name)
   seed = _checks.seed("seed", seed)
   inner = optax.with_extra_args_support(inner)
 
@@ -214,8 +217,9 @@ def dcd_psgd(inner: optax.GradientTransformation, compressor=None, *,
 
   Raises:
     ValueError: when ``inner`` is not an optax transformation,
-      ``compressor`` is not a jaxcomm compressor with a gossip message or
-      has a ``start_step``, ``topology`` is not ``"ring"`` or ``"torus"``,
+      ``compressor`` is not a jaxcomm compressor with a gossip message,
+      has a ``start_step`` or averages over another axis than
+      ``axis_name``, ``topology`` is not ``"ring"`` or ``"torus"``,
       ``unbiased`` is not a bool or is True with a compressor other than
       :func:`jaxcomm.randomk`, ``axis_name`` is not a valid axis name or
       ``seed`` not an int >= 0; at ``init``, when a params leaf is
@@ -316,8 +320,9 @@ def ecd_psgd(inner: optax.GradientTransformation, compressor=None, *,
 
   Raises:
     ValueError: when ``inner`` is not an optax transformation,
-      ``compressor`` is not a jaxcomm compressor with a gossip message or
-      has a ``start_step``, ``topology`` is not ``"ring"`` or ``"torus"``,
+      ``compressor`` is not a jaxcomm compressor with a gossip message,
+      has a ``start_step`` or averages over another axis than
+      ``axis_name``, ``topology`` is not ``"ring"`` or ``"torus"``,
       ``unbiased`` is not a bool or is True with a compressor other than
       :func:`jaxcomm.randomk`, ``axis_name`` is not a valid axis name or
       ``seed`` not an int >= 0; at ``init``, when a params leaf is

@@ -45,6 +45,7 @@ from jaxcomm import _buckets
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _extra_args
 from jaxcomm import _policy
 from jaxcomm import _registry
 from jaxcomm import _vma
@@ -611,6 +612,7 @@ def variance_sparsification(
                 **extra_args):
     if grad_variance is None:
       return base.update(updates, state, params, **extra_args)
+    _extra_args.read("grad_variance")
     handed = _HandedVarianceCodec(
       **{f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)},
       handed=_handed_buckets(spec, updates, grad_variance))
@@ -621,5 +623,6 @@ def variance_sparsification(
 
 
 variance_sparsification.grad_and_variance = grad_and_variance
+_extra_args.declare("grad_variance", "variance_sparsification")
 
 __all__ = ["variance_sparsification"]
