@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from jaxcomm import _aot_cli
 from jaxcomm import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +32,7 @@ def no_compile(monkeypatch):
 def _refused(capsys, argv):
   """The ``error:`` line ``main(argv)`` exits with (status 2)."""
   with pytest.raises(SystemExit) as e:
-    aot.main(argv)
+    _aot_cli.main(argv)
   assert e.value.code == 2, e.value.code
   err = capsys.readouterr().err
   lines = [l for l in err.splitlines() if "error:" in l]
@@ -110,16 +111,16 @@ def test_command_line_errors_have_no_traceback(argv, flag):
    "capacity by 1.87G.", "17.35G", "15.48G", ""),
 ])
 def test_does_not_fit_reads_the_compilers_message(text, need, cap, what):
-  line = aot.does_not_fit("plain jit step", RuntimeError(text))
+  line = _aot_cli.does_not_fit("plain jit step", RuntimeError(text))
   assert line == (f"plain jit step: does not fit: needs {need} per "
                   f"chip{what}, the chip has {cap} of HBM (the compiler's "
                   "RESOURCE_EXHAUSTED)"), line
   # A message it cannot read is quoted (one line), not lost.
-  odd = aot.does_not_fit("s", RuntimeError("RESOURCE_EXHAUSTED: out of\n"
+  odd = _aot_cli.does_not_fit("s", RuntimeError("RESOURCE_EXHAUSTED: out of\n"
                                            "memory somewhere"))
   assert odd == "s: does not fit: RESOURCE_EXHAUSTED: out of memory "\
                 "somewhere", odd
-  assert aot.does_not_fit("s", RuntimeError("INTERNAL: other")) is None
+  assert _aot_cli.does_not_fit("s", RuntimeError("INTERNAL: other")) is None
 
 
 @needs_libtpu
@@ -133,7 +134,7 @@ def test_a_step_that_does_not_fit_is_one_line_and_status_1(capsys,
     calls.append(lowered)
     raise RuntimeError(OOM)
   monkeypatch.setattr(aot, "compile_lowered", compile_lowered)
-  assert aot.main(["--topology", "v5e:2x2", "--model", "mlp", "--size",
+  assert _aot_cli.main(["--topology", "v5e:2x2", "--model", "mlp", "--size",
                    "64", "--compressor", "cast:dtype=bfloat16"]) == 1
   out = capsys.readouterr().out
   fits = [l for l in out.splitlines() if "does not fit" in l]

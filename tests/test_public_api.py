@@ -49,12 +49,12 @@ def test_advise_loads_on_first_use():
 def test_internal_names_stay_importable():
   """Names left out of ``__all__`` (Pallas kernels, command-line entry
   points, helpers the tests and benchmarks use) are still importable."""
-  import jaxcomm.aot
+  import jaxcomm._aot_cli
   import jaxcomm.kernels.bitpack
   import jaxcomm.kernels.threshold
   import jaxcomm.kernels.topk
   for module, names in (
-      (jaxcomm.aot, ["main", "cli_value"]),
+      (jaxcomm._aot_cli, ["main", "cli_value", "does_not_fit"]),
       (jaxcomm.advise, ["main"]),
       (jaxcomm.kernels.bitpack, ["pack_signs_pallas", "unpack_signs_pallas",
                                  "vote_pallas"]),

@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm import _aot_cli
 from jaxcomm import aot
 from jaxcomm import parallel
 from tests import harness
@@ -672,14 +673,14 @@ def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
   """``python -m jaxcomm.aot`` on the MLP: the plain step's and bf16's
   figures; bf16 crosses half the plain step's bytes (the all-to-all's
   own chunk does not cross; 2 slices)."""
-  assert aot.main(["--topology", "v5e:2x2", "--slices", "2", "--model",
+  assert _aot_cli.main(["--topology", "v5e:2x2", "--slices", "2", "--model",
                    "mlp", "--size", "256", "--compressor",
                    "cast:dtype=bfloat16"]) == 0
   out = capsys.readouterr().out
   assert "plain jit step:" in out and "cast (state" in out, out
   assert "(0.50x) in 3 sends" in out, out
   with pytest.raises(SystemExit):
-    aot.main(["--model", "mlp", "--size", "wide"])
+    _aot_cli.main(["--model", "mlp", "--size", "wide"])
 
 
 @pytest.mark.parametrize("text,want", [
@@ -689,7 +690,7 @@ def test_aot_command_reports_a_method_beside_the_plain_step(capsys):
 def test_aot_command_reads_compressor_values(text, want):
   """``--compressor name:key=value``: bools, None, ints, floats, strings
   (``batch_same_shape=True`` was the string ``'True'``, refused)."""
-  got = aot.cli_value(text)
+  got = _aot_cli.cli_value(text)
   assert got == want and type(got) is type(want), (text, got)
 
 
