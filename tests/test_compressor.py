@@ -586,3 +586,16 @@ def test_long_buckets_are_stored_in_whole_tiles(mesh):
   assert got.shape == (4, 75_776)
   np.testing.assert_allclose(got.mean(axis=0), res.mean(axis=0),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_a_bucket_past_int32_positions_still_traces():
+  """A bucket of 2^31 values (one leaf of a 46k x 46k matrix) has no int32
+  index past its end; the step still traces (it raised OverflowError in
+  the materializing scatter, seen compiling a large MLP for TPU)."""
+  big = jax.ShapeDtypeStruct((2**31,), jnp.float32)
+  out = jax.eval_shape(
+    lambda x: _compressor._materialized(x, jnp.zeros([], jnp.int32)), big)
+  assert out.shape == big.shape and out.dtype == big.dtype
+  small = jnp.arange(5.0)
+  np.testing.assert_array_equal(
+    _compressor._materialized(small, jnp.zeros([], jnp.int32)), small)
