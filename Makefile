@@ -16,10 +16,10 @@ train: $(STAMP)
 	$(PY) train.py
 
 # Two workers (pytest-xdist, work stealing): each simulates 8 CPU devices and
-# they share a persistent XLA compilation cache (.cache/jax-<jaxlib>); tests/conftest.py
-# sets XLA flags that compile the suite's small programs fast. On 2 cores the
-# suite (2,079 tests) ran in 6 min 21 s from an empty cache (15 min 8 s
-# without those flags).
+# they share a persistent XLA compilation cache (.cache/jax-<jaxlib>);
+# tests/conftest.py sets XLA flags that compile the suite's small programs
+# fast. On 2 cores the suite (2,079 tests) ran in 6 min 21 s from an empty
+# cache (15 min 8 s without those flags).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
