@@ -81,11 +81,16 @@ class Array:
       where it gives one, else the type's width rounded up to whole bytes
       (XLA stores a 4-bit type unpacked unless its layout packs it).
     memory_space: the layout's ``S(n)`` (0: device memory, the default).
+    minor_to_major: the layout's dimension order (``()`` when none).
+    tile: the layout's first tile ``T(...)`` (``()`` when none): the
+      most minor dimensions are stored padded to whole tiles of it.
   """
   dtype: str
   dims: tuple
   element_bits: int
   memory_space: int = 0
+  minor_to_major: tuple = ()
+  tile: tuple = ()
 
   @property
   def elements(self) -> int:
@@ -94,6 +99,28 @@ class Array:
   @property
   def nbytes(self) -> int:
     return -(-self.elements * self.element_bits // 8)
+
+  @property
+  def tiled_elements(self) -> int:
+    """Elements stored, the tile's padding included: each of the ``len(
+    tile)`` most minor dimensions (in layout order) rounded up to its
+    extent in the tile (a rank below the tile's counts as leading 1s)."""
+    if not self.tile:
+      return self.elements
+    order = self.minor_to_major or tuple(range(len(self.dims) - 1, -1, -1))
+    dims = list(self.dims)
+    total = 1
+    for i, t in enumerate(reversed(self.tile)):
+      d = dims[order[i]] if i < len(order) else 1
+      total *= -(-d // t) * t
+    for j in order[len(self.tile):]:
+      total *= dims[j]
+    return total
+
+  @property
+  def tiled_nbytes(self) -> int:
+    """Bytes stored, the tile's padding included."""
+    return -(-self.tiled_elements * self.element_bits // 8)
 
   def __str__(self) -> str:
     return f"{self.dtype}[{','.join(map(str, self.dims))}]"
@@ -123,6 +150,7 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _NAME = re.compile(r"[a-z][a-z0-9]*")
 _DIM = re.compile(r"\s*(<=)?\s*(\d+)\s*")
 _LAYOUT_ATTR = re.compile(r"(?<![A-Za-z])([ES])\((\d+)\)")
+_TILE = re.compile(r"(?<![A-Za-z])T\((\d+(?:,\d+)*)\)")
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -180,18 +208,25 @@ def _array(text: str, i: int) -> tuple[Array, int]:
       dims.append(int(d.group(2)))
   j = close + 1
   element_bits = -(-bits // 8) * 8
-  space = 0
+  space, order, tile = 0, (), ()
   if j < len(text) and text[j] == "{":
     end = _balanced(text, j)
     layout = text[j + 1:end - 1]
-    if ":" in layout:
-      for key, value in _LAYOUT_ATTR.findall(layout.split(":", 1)[1]):
-        if key == "E":
-          element_bits = int(value)
-        else:
-          space = int(value)
+    head, _, attrs = layout.partition(":")
+    order = tuple(int(d) for d in _COMMENT.sub("", head).split(",")
+                  if d.strip().isdigit())
+    if len(order) != len(dims):
+      order = ()
+    for key, value in _LAYOUT_ATTR.findall(attrs):
+      if key == "E":
+        element_bits = int(value)
+      else:
+        space = int(value)
+    t = _TILE.search(attrs)
+    if t:
+      tile = tuple(int(v) for v in t.group(1).split(","))
     j = end
-  return Array(dtype, tuple(dims), element_bits, space), j
+  return Array(dtype, tuple(dims), element_bits, space, order, tile), j
 
 
 def parse_shape(text: str, i: int = 0) -> tuple[Shape, int]:

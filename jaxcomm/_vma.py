@@ -81,3 +81,25 @@ def out_struct(shape, dtype, axes) -> jax.ShapeDtypeStruct:
   typed = (jax.sharding.ManualAxisType(varying=axes)
            if _STRUCT_KWARG == "manual_axis_type" else axes)
   return jax.ShapeDtypeStruct(tuple(shape), dtype, **{_STRUCT_KWARG: typed})
+
+
+def unchecked(fn, *args) -> Any:
+  """``fn(*args)`` with shard_map's varying-axes check off inside it, its
+  outputs typed as varying over every axis an argument varies over.
+
+  For JAX's own loops that do not type their carries (on TPU,
+  ``jnp.linalg.eigh`` and ``svd`` of a matrix wider than the Jacobi
+  solver's take a QDWH path whose ``while`` carry starts invariant: the
+  step does not lower inside ``jax.shard_map``). A nested
+  ``jax.shard_map`` over no new axes runs ``fn`` on each device's values
+  as they are. Outside ``jax.shard_map``, or on invariant arguments, it is
+  ``fn(*args)``.
+  """
+  axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+  if not axes:
+    return fn(*args)
+  from jax.sharding import PartitionSpec as P
+  inner = jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=P(), out_specs=P(), axis_names=frozenset(),
+                        check_vma=False)
+  return jax.tree.map(lambda o: mark_varying(o, axes), inner(*args))

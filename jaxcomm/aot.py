@@ -42,6 +42,7 @@ import re
 import sys
 import time
 from typing import Any
+from typing import NamedTuple
 from typing import Sequence
 
 import jax
@@ -62,6 +63,7 @@ __all__ = [
   "SIZES",
   "TRANSFER_KINDS",
   "Figures",
+  "Padded",
   "Transfer",
   "analyze",
   "backward_after_first_send",
@@ -72,6 +74,7 @@ __all__ = [
   "memory_per_chip",
   "mlp",
   "optimizer_state",
+  "padded_buffers",
   "plain_step",
   "slice_mesh",
   "state_bytes_per_chip",
@@ -412,6 +415,113 @@ def collective_dependence(compiled_or_text: Any, *,
     return [depends(re.match(r"^\s+ROOT %([\w.\-]+)", root).group(1))]
   args = root[root.index(" tuple(") + len(" tuple("):].split(")")[0]
   return [depends(o) for o in re.findall(r"%([\w.\-]+)", args)]
+
+
+class Padded(NamedTuple):
+  """A buffer whose tiled layout stores much more than its data.
+
+  Attributes:
+    instruction: the instruction that defines it (without ``%``).
+    opcode: its opcode.
+    shape: its shape and layout as the compiler printed them.
+    data_bytes: the bytes of its elements.
+    tiled_bytes: the bytes it takes, its tiles' padding included.
+    op_name: the JAX operation it comes from (``op_name`` metadata; empty
+      when the compiler kept none).
+    source: ``file:line`` of the Python that traced it (empty when none).
+  """
+  instruction: str
+  opcode: str
+  shape: str
+  data_bytes: int
+  tiled_bytes: int
+  op_name: str
+  source: str
+
+  def __str__(self) -> str:
+    where = f" at {self.source}" if self.source else ""
+    return (f"%{self.instruction} = {self.opcode} {self.shape}: "
+            f"{self.tiled_bytes / 2**20:.2f} MiB tiled for "
+            f"{self.data_bytes / 2**20:.2f} MiB of data "
+            f"({self.tiled_bytes / max(self.data_bytes, 1):.0f}x), from "
+            f"{self.op_name or '(no op_name)'}{where}")
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_LAYOUT_TEXT = re.compile(r"\w+\[[^\]]*\]\{[^}]*\}")
+
+
+def padded_buffers(compiled_or_text: Any, *, min_bytes: int,
+                   ratio: float = 2.0) -> list[Padded]:
+  """The buffers of a compiled step padded by their tiles (a layout lint).
+
+  The buffers whose tiles store more than ``ratio`` times their data and
+  that take more than ``min_bytes``. A TPU array is stored in tiles (``T(8,128)``: the two most minor
+  dimensions rounded up to 8 rows of 128 lanes): an index array of shape
+  ``[n, 2]`` takes 64 times its data. Such a layout is invisible on CPU
+  and in the test's model until a shape reaches it; this reads every
+  buffer's layout from the compiled program instead. Fusion bodies are
+  left out (their values are not stored), and so are buffers in another
+  memory space than the chip's HBM (``S(1)``...: outside the compiler's
+  memory analysis; onebit's step once held 47 MiB of them beside 1.2 MiB
+  of temporaries). Each buffer is named once by its shape and source.
+
+  Args:
+    compiled_or_text: a compiled program or its HLO text.
+    min_bytes: report only buffers that take more than this, tiled.
+    ratio: report only buffers whose tiled size is more than this times
+      their data.
+
+  Returns:
+    A list of :class:`Padded`, largest first.
+
+  Examples:
+    >>> from jaxcomm import aot
+    >>> hlo = "\\n".join([
+    ...   "ENTRY %main (p: s32[4096,2]) -> s32[4096,2] {",
+    ...   '  ROOT %g = s32[4096,2]{1,0:T(8,128)} gather(%p), '
+    ...   'metadata={op_name="jit(step)/gather" source_file="m.py" '
+    ...   'source_line=7}', "}"])
+    >>> [p.tiled_bytes // p.data_bytes for p in
+    ...  aot.padded_buffers(hlo, min_bytes=1 << 20)]
+    [64]
+  """
+  text = (compiled_or_text if isinstance(compiled_or_text, str)
+          else compiled_or_text.as_text())
+  fused = set(re.findall(r"\bfusion\(.*?calls=%([\w.\-]+)", text))
+  out, seen, skip = [], set(), False
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+    if head:
+      skip = head.group(1) in fused
+      continue
+    if skip:
+      continue
+    ins = _hlo.instruction(line, where="aot.padded_buffers")
+    if ins is None:
+      continue
+    shape = ins.shape
+    arrays = shape.elements if isinstance(shape, _hlo.Tuple) else (shape,)
+    texts = _LAYOUT_TEXT.findall(line.split(ins.opcode + "(", 1)[0])
+    for i, a in enumerate(arrays):
+      if not isinstance(a, _hlo.Array) or not a.tile or a.memory_space:
+        continue
+      tiled = a.tiled_nbytes
+      if tiled <= min_bytes or tiled <= ratio * a.nbytes:
+        continue
+      name = _OP_NAME.search(ins.rest)
+      src = _SOURCE.search(ins.rest)
+      shown = texts[i] if i < len(texts) else str(a)
+      key = (shown, name and name.group(1), src and src.group(0))
+      if key in seen:
+        continue
+      seen.add(key)
+      out.append(Padded(
+        ins.name, ins.opcode, shown, a.nbytes, tiled,
+        name.group(1) if name else "",
+        f"{src.group(1)}:{src.group(2)}" if src else ""))
+  return sorted(out, key=lambda p: -p.tiled_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

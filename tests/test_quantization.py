@@ -176,6 +176,55 @@ def test_server_error_of_a_long_bucket_is_stored_in_whole_tiles(
     np.testing.assert_array_equal(four[k][(k + 1) * c4:], 0.0)
 
 
+# Leaves with no common block width: the server stage and the decode
+# take the per-element path (scales spread over segments by
+# _signs._fill), whose chunk boundaries fall inside leaves.
+_NO_WIDTH = {"a": (37, 29), "b": (41, 53), "c": (13, 97), "d": (211, 5)}
+
+
+def test_onebit_on_leaves_without_a_common_width_equals_the_reference(mesh):
+  """onebit's per-element path against the numpy reference over 3 steps
+  with worker error feedback: the chunks' scales, read per leaf segment,
+  reach every element of it (segments that start before a chunk, inside
+  it, and the padding's)."""
+  params = {k: jnp.zeros(v, jnp.float32) for k, v in _NO_WIDTH.items()}
+  sizes = [int(np.prod(v)) for v in _NO_WIDTH.values()]
+  width = entries_quantization.stored_of(sum(sizes))
+  assert _signs._chunk_blocks(sizes, width - sum(sizes), _signs.chunk_length(
+    width, harness.N)) is None
+  grads = harness.make_grads(7, 3, params=params)
+  outs, _, _ = harness.device_run(jaxcomm.onebit(axis_name=harness.AXIS),
+                                  mesh, grads, params=params)
+  keys = sorted(_NO_WIDTH)
+  e = {i: [np.zeros(_NO_WIDTH[k]) for k in keys] for i in range(harness.N)}
+  rstate = {"server": None, "shapes": None}
+  for t, (g, out) in enumerate(zip(grads, outs)):
+    xs = [[np.asarray(g[k][i], np.float64) + e[i][j]
+           for j, k in enumerate(keys)] for i in range(harness.N)]
+    mean, sent, rstate = entries_quantization._onebit_ref_step(
+      xs, rstate, t, None, harness.N)
+    for j, k in enumerate(keys):
+      np.testing.assert_allclose(np.asarray(out[k], np.float64), mean[j],
+                                 rtol=1e-4, atol=1e-5, err_msg=f"{k} {t}")
+    e = {i: [x - s_ for x, s_ in zip(xs[i], sent[i])]
+         for i in range(harness.N)}
+
+
+def test_fill_spreads_segment_values_exactly():
+  """``_signs._fill`` against numpy: each element gets its segment's value
+  bit for bit (values of very different magnitudes, NaN-free), starts
+  before 0 collapse onto 0, starts past the end are dropped."""
+  rng = np.random.default_rng(0)
+  vals = (rng.normal(size=(2, 6)) * 10.0 ** rng.integers(-30, 30, (2, 6))
+          ).astype(np.float32)
+  starts = np.array([-9, -2, 0, 5, 17, 40], np.int32)
+  got = np.asarray(_signs._fill(jnp.asarray(vals), jnp.asarray(starts), 30))
+  want = np.empty((2, 30), np.float32)
+  for j in range(30):
+    want[:, j] = vals[:, np.nonzero(np.maximum(starts, 0) <= j)[0][-1]]
+  np.testing.assert_array_equal(got, want)
+
+
 def test_a_server_error_of_the_old_width_is_refused_by_name():
   """A state saved when a long bucket's server error was as wide as the
   bucket (50,500, not its stored 51,200) is refused, naming the cause."""

@@ -65,6 +65,11 @@ SLICES = 2
 DIM = 256
 TEMP_RATIO = 1.25
 TEMP_SLACK = 256 << 10
+# The layout lint (tests/test_tpu_shapes.py): no HBM buffer tiled past
+# 2x its data that takes more than 1 MiB (or 1/8 of the plain step's
+# temporaries, where smaller).
+LINT_RATIO = 2.0
+LINT_BYTES = 1 << 20
 SCALARS = 4096
 # Entries whose arguments set a size that the tier's small model needs
 # changed (as in tests/test_shards.py's memory test). DeMo at its defaults
@@ -147,6 +152,21 @@ def _plain_memory(gen, name) -> int:
   return aot.memory_per_chip(fig, state)
 
 
+def lint_limit(plain_temp: int) -> int:
+  """The lint's size floor: 1 MiB, or 1/8 of the plain step's
+  temporaries where that is smaller."""
+  return min(LINT_BYTES, max(plain_temp // 8, 1))
+
+
+def lint(compiled, plain_temp: int, what: str):
+  """Fails naming every padded buffer of ``compiled``
+  (:func:`jaxcomm.aot.padded_buffers`)."""
+  found = aot.padded_buffers(compiled, min_bytes=lint_limit(plain_temp),
+                             ratio=LINT_RATIO)
+  assert not found, f"{what}: buffers padded past {LINT_RATIO}x:\n" + (
+    "\n".join(f"  {p}" for p in found))
+
+
 def _compile(tx, gen, mode):
   loss_fn, params, batch, specs = _model(gen, mode)
   mesh = _mesh(gen)
@@ -156,7 +176,17 @@ def _compile(tx, gen, mode):
   p, state = dp.init(params)
   compiled, secs = aot.compile_lowered(dp.lower(p, state, batch))
   fig = aot.analyze(compiled, secs, slices=SLICES)
+  _LINTED[id(fig)] = compiled
   return fig, state, params, specs
+
+
+# The compiled program of each figure _compile returned (for the lint).
+_LINTED: dict = {}
+
+
+def _lint_of(fig, gen, what):
+  """The lint over the program behind ``fig`` (see :func:`lint`)."""
+  lint(_LINTED.pop(id(fig)), _plain(gen).temp, what)
 
 
 def _claim(tx, params, specs, gen, mode, step=None):
@@ -236,7 +266,22 @@ def _check(name, gen, mode):
     assert not within, f"{message}: now within the bound, drop MEMORY_OVER"
     pytest.xfail(f"{message}; known at {MEMORY_OVER[name, gen, mode]}x")
   assert within, message
+  if (name, gen, mode) in PADDED:
+    with pytest.raises(AssertionError, match="padded"):
+      _lint_of(fig, gen, f"{name} {gen} {mode}")
+    pytest.xfail(f"{name} {gen} {mode}: {PADDED[name, gen, mode]}")
+  _lint_of(fig, gen, f"{name} {gen} {mode}")
   return fig
+
+
+# Steps within the memory bound whose layout the lint refuses, by (entry,
+# generation, mode): strict expected failures, with what it found.
+PADDED = {
+  ("powersgd_r4_iters2_cholesky_batched", "v6e", "block"):
+    "the batched factors P, f32[2,256,4] with the rank minor, tiled to 128 "
+    "lanes (32x, 0.25 MiB each: QR's householder product, its copies and "
+    "the cond's result)",
+}
 
 
 # The default tier: sharded on v5e, block mode on v6e (every entry, both
@@ -429,10 +474,12 @@ def test_forced_kernels_lower_by_mosaic_inside_the_step(name, gen, mode,
   kwargs = KWARGS.get(name, {})
   tx = optax.chain(entry.make(axis_name="dcn", **kwargs), optax.sgd(0.1))
   jnp_path = _compile(tx, gen, mode)[0]
+  _lint_of(jnp_path, gen, f"{name} {gen} {mode} (jnp)")
   assert jnp_path.mosaic == 0, (name, gen, mode)
   monkeypatch.setenv("JAXCOMM_KERNELS", "always")
   tx = optax.chain(entry.make(axis_name="dcn", **kwargs), optax.sgd(0.1))
   fig = _compile(tx, gen, mode)[0]
+  _lint_of(fig, gen, f"{name} {gen} {mode} (kernels)")
   assert fig.mosaic >= 1, (name, gen, mode)
   assert abs(fig.crossing - jnp_path.crossing) <= 2 * SCALARS * len(
     fig.transfers), (name, fig.transfers, jnp_path.transfers)
@@ -548,6 +595,7 @@ def test_methods_outside_the_battery_compile_for_tpu(name, gen, mode):
   tx = OUTSIDE_BATTERY[name]()
   fig, state, params, specs = _compile(optax.chain(tx, optax.sgd(0.1)), gen,
                                        mode)
+  _lint_of(fig, gen, f"{name} {gen} {mode}")
   claim = _claim(tx, params, specs, gen, mode)
   assert fig.transfers, name
   assert abs(fig.crossing - claim) <= 2 * SCALARS * len(fig.transfers), (

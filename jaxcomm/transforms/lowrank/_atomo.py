@@ -28,6 +28,7 @@ from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _lowrank
 from jaxcomm.transforms.lowrank._powersgd import matrix_shape
@@ -81,7 +82,9 @@ def gram_svd(a: jax.Array):
     return jnp.swapaxes(uh, -1, -2), sigma, jnp.swapaxes(v, -1, -2)
   hi = jax.lax.Precision.HIGHEST
   gram = jnp.einsum("...ri,...rj->...ij", a, a, precision=hi)
-  _, v = jnp.linalg.eigh(gram)
+  # Unchecked: on TPU a Gram matrix wider than the Jacobi solver takes
+  # JAX's QDWH loop, which does not lower inside shard_map otherwise.
+  _, v = _vma.unchecked(jnp.linalg.eigh, gram)
   w = jnp.einsum("...rc,...ck->...rk", a, v, precision=hi)
   sigma = jnp.sqrt(jnp.sum(w * w, axis=-2))
   order = jnp.argsort(-sigma, axis=-1)
