@@ -18,7 +18,8 @@ replicated), the loss on whole arrays (the sharded step,
 * ``transformer``: the repository's transformer LM at a width that is not
   a multiple of 128 (``models.transformer``);
 * ``mixed``: odd sizes, 1-D leaves, a bfloat16 leaf and a hundred small
-  leaves in one model (the set ``make test`` compiles every method on).
+  leaves in one model (the model ``make test`` compiles on);
+* ``odd_6m`` (not in :data:`FAMILY`): ``odd`` at 6.1M params, fixed sizes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from jax.sharding import PartitionSpec as P
 SEED = 48
 FAMILY = ("odd", "small_leaves", "vectors", "bf16", "conv", "transformer",
           "mixed")
+# Beside the family (benchmarks/tpu_shapes.py): the 6.1M MLP of odd sizes
+# that took onebit to 42x the plain step's memory, w1 (1003, 6124).
+MODELS = FAMILY + ("odd_6m",)
 BATCH = 64
 
 
@@ -106,9 +110,13 @@ def _small_leaves(mesh, rng, count=300):
 
 def model(mesh, name: str, seed: int = SEED):
   """``(loss_fn, params, batch)``: the family's model ``name``."""
-  rng = np.random.default_rng([seed, FAMILY.index(name)])
+  if name not in MODELS:
+    raise ValueError(f"name must be one of {MODELS}, got {name!r}")
+  rng = np.random.default_rng([seed, MODELS.index(name)])
   if name == "odd":
     return _mlp(mesh, rng, jnp.float32)
+  if name == "odd_6m":
+    return _mlp(mesh, rng, jnp.float32, 1003, 4 * 1531, 997)
   if name == "bf16":
     return _mlp(mesh, rng, jnp.bfloat16)
   if name == "small_leaves":
