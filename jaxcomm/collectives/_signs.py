@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _buckets
+from jaxcomm import _vma
 from jaxcomm.collectives import _core
 from jaxcomm.kernels import bitpack
 
@@ -441,10 +442,18 @@ def gather_signs(x: jax.Array, scales: jax.Array, sizes: Sequence[int],
   rows = _core.all_gather(jnp.concatenate([words, _f32_words(scales)]),
                           axis_name)                                # [n, w+k]
   n = rows.shape[0]
-  signs = bitpack.unpack_signs(rows[:, :w].reshape(-1), n * w * WORD_BITS)
-  signs = signs.reshape(n, w * WORD_BITS)[:, :length]
-  return jnp.sum(_per_leaf(signs, _words_f32(rows[:, w:]), sizes,
-                           _blocks(sizes)), axis=0) / n
+  blocks = _blocks(sizes)
+
+  # One device's row at a time: the decoded signs of all n devices at once
+  # are n times the vector (2 slices, a 6.1M MLP of odd sizes on v5e: 3.09x
+  # the plain step's memory per chip).
+  def add_row(i, total):
+    row = jax.lax.dynamic_index_in_dim(rows, i, keepdims=False)
+    signs = bitpack.unpack_signs(row[:w], w * WORD_BITS)[:length]
+    return total + _per_leaf(signs, _words_f32(row[w:]), sizes, blocks)
+
+  total = _vma.match_varying(jnp.zeros((length,), jnp.float32), rows)
+  return jax.lax.fori_loop(0, n, add_row, total) / n
 
 
 def sign_message(x: jax.Array, scales: jax.Array) -> jax.Array:
