@@ -457,15 +457,16 @@ def padded_buffers(compiled_or_text: Any, *, min_bytes: int,
   """The buffers of a compiled step padded by their tiles (a layout lint).
 
   The buffers whose tiles store more than ``ratio`` times their data and
-  that take more than ``min_bytes``. A TPU array is stored in tiles (``T(8,128)``: the two most minor
-  dimensions rounded up to 8 rows of 128 lanes): an index array of shape
-  ``[n, 2]`` takes 64 times its data. Such a layout is invisible on CPU
-  and in the test's model until a shape reaches it; this reads every
-  buffer's layout from the compiled program instead. Fusion bodies are
-  left out (their values are not stored), and so are buffers in another
-  memory space than the chip's HBM (``S(1)``...: outside the compiler's
-  memory analysis; onebit's step once held 47 MiB of them beside 1.2 MiB
-  of temporaries). Each buffer is named once by its shape and source.
+  that take more than ``min_bytes``. A TPU array is stored in tiles
+  (``T(8,128)``: the two most minor dimensions rounded up to 8 rows of
+  128 lanes): an index array of shape ``[n, 2]`` takes 64 times its
+  data. Such a layout is invisible on CPU and in the test's model until a
+  shape reaches it; this reads every buffer's layout from the compiled
+  program instead. Fusion bodies are left out (their values are not
+  stored), and so are buffers in another memory space than the chip's
+  HBM (``S(1)``...: outside the compiler's memory analysis; onebit's step
+  once held 47 MiB of them beside 1.2 MiB of temporaries). Each buffer is
+  named once by its shape and source.
 
   Args:
     compiled_or_text: a compiled program or its HLO text.

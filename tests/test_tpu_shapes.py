@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import os
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -124,7 +126,7 @@ def _check(name, shape, gen):
     tier.lint(compiled, base.temp, what)
   except AssertionError as e:
     problems.append(str(e))
-  specs = jax_specs(params)
+  specs = jax.tree.map(lambda x: x.sharding.spec, params)
   claim = tier._claim(tx, params, specs, gen, "sharded")
   slack = 2 * tier.SCALARS * len(fig.transfers)
   if abs(fig.crossing - claim) > slack:
@@ -141,11 +143,6 @@ def _check(name, shape, gen):
   assert not problems, "\n".join(problems)
 
 
-def jax_specs(params):
-  import jax
-  return jax.tree.map(lambda x: x.sharding.spec, params)
-
-
 @pytest.mark.parametrize("shape,gen", CASES)
 @pytest.mark.parametrize("name", CHECKED)
 def test_step_on_the_shape_family_compiles_within_bounds(name, shape, gen):
@@ -157,8 +154,6 @@ def test_family_models_draw_the_shapes_they_promise(shape):
   """Each model holds what its name says (odd sizes: no leaf a multiple
   of 128 and no common block width; many small leaves; 1-D only; bf16),
   the same on every draw."""
-  import jax
-  import jax.numpy as jnp
   params = _model(shape, "v5e")[1]
   again = tpu_shapes.model(tier._mesh("v5e"), shape)[1]
   leaves = jax.tree.leaves(params)

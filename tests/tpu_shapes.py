@@ -171,8 +171,9 @@ def _conv(mesh, rng):
 
 
 def _transformer(mesh, rng):
-  from flax import nnx
   import optax
+  from flax import nnx
+
   from models import transformer as tmod
   heads = 4
   cfg = dict(d_model=heads * 4 * _odd(rng, 9, 15), num_heads=heads,
