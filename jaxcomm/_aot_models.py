@@ -62,11 +62,21 @@ def transformer(mesh: Mesh, size: str = "small", data_axes=("dcn",),
     raise ValueError(
       "model 'transformer' needs the repository's models package: run "
       "from the repository root") from e
-  from flax import nnx
   cfg = dict(SIZES[size])
   batch_size = cfg.pop("batch")
   if batch is not None:
     batch_size = int(batch)
+  return lm(mesh, cfg, batch_size, data_axes, tmod)
+
+
+def lm(mesh: Mesh, cfg: dict, batch_size: int, data_axes=("dcn",),
+       tmod=None):
+  """:func:`transformer` at any config: ``cfg`` holds the
+  ``TransformerLM`` arguments (no RNGs), ``tmod`` the imported
+  ``models.transformer`` (None: imported here)."""
+  from flax import nnx
+  if tmod is None:
+    tmod = importlib.import_module("models.transformer")
   model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg,
                                                     rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)

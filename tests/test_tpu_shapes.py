@@ -203,3 +203,31 @@ def test_lint_names_the_op_its_source_and_shape():
     tier.lint(text, 1 << 30, "hand-written")
   assert not aot.padded_buffers(text, min_bytes=4 << 20)
   assert not aot.padded_buffers(text, min_bytes=0, ratio=200.0)
+
+
+def test_unchecked_runs_per_device_and_types_outputs_varying(mesh):
+  """``_vma.unchecked`` (ATOMO's and GradiVeQ's eigensolve) inside
+  ``jax.shard_map`` on 8 CPU devices: each device's eigenvalues of its
+  own matrix, as numpy's, typed as varying over the axis like its input;
+  outside shard_map it is the plain call."""
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+
+  from jaxcomm import _vma
+  x = np.random.default_rng(0).normal(size=(8, 5, 5)).astype(np.float32)
+  x = x + x.transpose(0, 2, 1)
+  axes = []
+
+  def body(a):
+    v = _vma.unchecked(lambda h: jnp.linalg.eigh(h)[0], a[0])
+    axes.append(_vma.varying_axes(v))
+    return v[None]
+
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"),
+                              out_specs=P("data")))(x)
+  np.testing.assert_allclose(np.asarray(got), np.linalg.eigvalsh(x),
+                             rtol=1e-5, atol=1e-5)
+  assert axes == [frozenset({"data"})]
+  np.testing.assert_allclose(
+    np.asarray(_vma.unchecked(lambda h: jnp.linalg.eigh(h)[0], x[0])),
+    np.linalg.eigvalsh(x[0]), rtol=1e-5, atol=1e-5)

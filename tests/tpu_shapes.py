@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm import _aot_models
+
 SEED = 48
 FAMILY = ("odd", "small_leaves", "vectors", "bf16", "conv", "transformer",
           "mixed")
@@ -171,26 +173,8 @@ def _conv(mesh, rng):
 
 
 def _transformer(mesh, rng):
-  import optax
-  from flax import nnx
-
-  from models import transformer as tmod
   heads = 4
   cfg = dict(d_model=heads * 4 * _odd(rng, 9, 15), num_heads=heads,
              num_layers=2, d_ff=4 * _odd(rng, 100, 160),
              vocab_size=4 * _odd(rng, 200, 300), max_len=32)
-  model = nnx.eval_shape(lambda: tmod.TransformerLM(**cfg, rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model, nnx.Param)
-  specs = tmod.partition_specs(params, ["fsdp"])
-  params = jax.tree.map(
-    lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=NamedSharding(mesh, sp)),
-    params, specs, is_leaf=lambda x: isinstance(x, P))
-
-  def loss_fn(p, b):
-    logits = nnx.merge(graphdef, p)(b["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, b["y"]).mean()
-
-  tokens = _data(mesh, (16, cfg["max_len"]), jnp.int32)
-  return loss_fn, params, {"x": tokens, "y": tokens}
+  return _aot_models.lm(mesh, cfg, 16)
