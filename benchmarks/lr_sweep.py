@@ -44,9 +44,16 @@ import train  # noqa: E402
 LRS = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
 
 # The registry's optimizer text -> train.py's --optimizer.
-_OPTIMIZER = {"sgd": "sgd", "sgd momentum 0.9": "momentum",
-              "sgd (momentum inside dgc)": "sgd",
-              "sgd (momentum inside dist_ef_sgdm)": "sgd"}
+# ("sgd (momentum inside dgc)": plain SGD, the method keeps its own).
+def optimizer_flag(text: str) -> str:
+  """lr.json's optimizer text (``"sgd momentum 0.9"``, ``"sgd"``, ``"sgd
+  (momentum inside dgc)"``) as train.py's ``--optimizer``."""
+  if text == "sgd momentum 0.9":
+    return "momentum"
+  if text == "sgd" or text.startswith("sgd (momentum inside "):
+    return "sgd"
+  raise ValueError(f"lr.json optimizer {text!r}: expected 'sgd', 'sgd "
+                   "momentum 0.9' or 'sgd (momentum inside <method>)'")
 
 
 def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
@@ -55,7 +62,7 @@ def sweep(names, lrs, steps: int, out_root: str) -> list[dict]:
   rows = []
   for name in names:
     m = jaxcomm.registry.get(name, "compressor")
-    optimizer = _OPTIMIZER[train.measured_lr()[m.name]["optimizer"]]
+    optimizer = optimizer_flag(train.measured_lr()[m.name]["optimizer"])
     for lr in lrs:
       cfg = train.Config(
         model="mlp", model_args="", dataset="digits", compressor=m.name,

@@ -53,7 +53,9 @@ class LocalState(NamedTuple):
       ``anchor`` in this step (read by :func:`jaxcomm.apply_updates`).
     inner: the inner optimizer's state (per device).
     skipped: local steps this device skipped because its gradient or its
-      updated params were not finite (``int32``, per device).
+      updated params were not finite, and syncs skipped because their
+      result was not finite in the params' dtypes (``int32``, per
+      device).
     outer: DiLoCo: one outer-optimizer state per fragment (replicated).
     compress: DiLoCo: one compressor state per fragment; FedCOM and
       hierarchical SGD: their compressor's state; the gossip methods:
@@ -416,13 +418,25 @@ def _local_engine(inner, *, method: str, axis_name, period: int,
       return op
 
     branches = [run_fragment(f) for f in range(nb)] + [no_sync]
-    x, anchor, outer, comp, schedule = switch(
-      index, branches, (x, anchor, state.outer, state.compress, schedule))
+    before = (x, anchor, state.outer, state.compress, schedule)
+    after = switch(index, branches, before)
+    # A sync whose result is not finite in the params' dtypes (an outer
+    # step past float16's range, a mean past bfloat16's) is skipped: the
+    # params stay this step's local ones and the anchor, outer, compressor
+    # and schedule states as they were; the step is counted. The anchor
+    # is computed from averaged values, the same on every device, and so
+    # is the decision taken on it (its type stays unvarying); params a
+    # device's own sync result takes past the range are kept there.
+    anchor_ok = _all_finite(after[1])
+    x_ok = anchor_ok & _all_finite(after[0])
+    _, anchor, outer, comp, schedule = _where(anchor_ok, after, before)
+    x = _where(x_ok, after[0], before[0])
+    skipped = skipped + jnp.where(ok & ~x_ok, 1, 0).astype(jnp.int32)
 
     if merge is not None:
       x, synced_l = merge(count, x, anchor, frag_of)
     else:
-      synced_l = [do[frag_of[j]] for j in range(len(x))]
+      synced_l = [do[frag_of[j]] & anchor_ok for j in range(len(x))]
     new_params = jax.tree.unflatten(treedef, x)
     out = jax.tree.map(lambda n_, p: (n_ - p).astype(p.dtype), new_params,
                        params)

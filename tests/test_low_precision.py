@@ -23,6 +23,7 @@ device that saw it (tests/test_local.py); they run under
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxcomm
@@ -246,3 +247,70 @@ def test_demo_casting_a_large_step_is_a_counted_skip(mesh):
   skipped and counted (before: inf, uncounted, the residual moved on)."""
   tx = jaxcomm.demo(100.0, sign=False)
   assert _check_overflow("demo", "optimizer", tx, mesh, jnp.float16) >= 1
+
+
+# ------------------------------------------- per-device params (local) --
+
+# Its outer step pulls the params back at every sync (period 2): they
+# never reach the range's end here.
+_PULLED_BACK = ("diloco",)
+_PER_DEVICE = ([m.name for m in jaxcomm.registry.methods("local")]
+               + list(_LOCAL_UPDATE))
+
+
+def _per_device_tx(name, step):
+  """``name`` with an inner SGD (or, for zero_one_adam, a rate) that moves
+  every param by ``step`` a local step, and the axis names it runs on."""
+  m = jaxcomm.registry.get(name)
+  args = harness.required_args(m)
+  if "inner" in args:
+    args["inner"] = optax.sgd(1.0)
+  if name in _LOCAL_UPDATE:   # Adam: a step of about the rate
+    args["learning_rate"] = float(step)
+  axes = "data"
+  if name == "hierarchical_sgd":
+    axes = ("dcn", "ici")
+    args["axis_name"] = axes
+  return m.make(**args), axes
+
+
+@pytest.mark.parametrize("name", _PER_DEVICE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_per_device_params_never_leave_the_dtype_uncounted(name, dtype):
+  """Each local step raises every param by a quarter of the dtype's range
+  (a constant gradient, SGD at rate 1; Adam at that rate): the fifth
+  would pass the largest finite value. Every device's params stay finite
+  at every step, in their dtype; a step that would leave the range is
+  skipped where it happens and counted in ``skipped`` (its params as
+  before). That includes a sync whose result overflows (an outer step
+  that extrapolates, a mean past the range) and the gossip methods'
+  mixing: before either was checked, dpsgd, CHOCO, SGP, DCD/ECD-PSGD and
+  SQuARM turned inf uncounted, MuLoCo and Overlap Local SGD inf at a
+  sync."""
+  step = float(jnp.finfo(dtype).max) / 4.4
+  tx, axes = _per_device_tx(name, step)
+  mesh = (parallel.make_pod_mesh(2) if isinstance(axes, tuple)
+          else parallel.make_mesh(N))
+
+  def loss_fn(p, x):
+    # d loss / d p = -x[0, 0] everywhere (every device the same gradient);
+    # the loss itself 0, not a sum past the range.
+    return sum(jnp.sum(-x[0, 0] * (v - jax.lax.stop_gradient(v)))
+               for v in jax.tree.leaves(p)).astype(jnp.float32)
+
+  dp = parallel.DataParallel(loss_fn, tx, mesh, axis_name=axes,
+                             donate=False)
+  p, s = dp.init(_params(dtype))
+  # Adam moves by about its rate whatever the gradient's size.
+  g = 1.0 if name in _LOCAL_UPDATE else step
+  batch = np.full((2 * N, 1), g, np.float32)
+  for t in range(10):
+    p, s, _ = dp.step(p, s, batch)
+    w = np.asarray(jax.device_get(p["w"])).astype(np.float32)
+    assert np.isfinite(w).all(), f"{name}: step {t}: params not finite"
+  assert np.abs(w).max() > step / 2, f"{name}: no step taken"
+  if name in _PULLED_BACK:
+    return
+  # Ten steps of a quarter of the range each cannot all have been taken.
+  skipped = np.asarray(jax.device_get(s.skipped)).reshape(-1)
+  assert skipped.shape == (N,) and skipped.min() >= 1, (name, skipped)

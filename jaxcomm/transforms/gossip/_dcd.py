@@ -32,7 +32,9 @@ from jaxcomm import _compressor
 from jaxcomm import _per_device
 from jaxcomm import _registry
 from jaxcomm._local_engine import LocalState
+from jaxcomm._local_engine import _all_finite
 from jaxcomm._local_engine import _check_inner
+from jaxcomm._local_engine import _where
 from jaxcomm.transforms.gossip import _gossip
 from jaxcomm.transforms.local import _fedcom
 from jaxcomm.transforms.sparsify import _sparsification
@@ -150,9 +152,19 @@ def _replica_method(method, extrapolate, inner, compressor, topology,
       a, b = 1.0 - 2.0 / t, 2.0 / t
       pull = [a * (x + d) + b * m - y
               for x, d, m, y in zip(xs, rs.pull, mixed, new_x)]
-    return _gossip.from_buffers(spec, params, new_x), LocalState(
+    out = _gossip.from_buffers(spec, params, new_x)
+    # A step whose params or replicas leave the range (ECD's
+    # extrapolation grows with t; a float16 param past 65,504) is skipped
+    # here and counted: params, replicas and inner state as they were.
+    fin = (_all_finite(jax.tree.leaves(out))
+           & _all_finite(jax.tree.leaves(optax.apply_updates(params, out)))
+           & _all_finite(pull))
+    out = _where(fin, out, jax.tree.map(jnp.zeros_like, out))
+    pull = _where(fin, tuple(pull), rs.pull)
+    inner_new = _where(fin, inner_new, state.inner)
+    return out, LocalState(
       count=state.count + 1, anchor=(), synced=(), inner=inner_new,
-      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+      skipped=state.skipped + jnp.where(ok & fin, 0, 1).astype(jnp.int32),
       compress=ReplicaState(pull=tuple(pull), key=key))
 
   return optax.GradientTransformationExtraArgs(

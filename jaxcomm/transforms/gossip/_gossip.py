@@ -50,7 +50,8 @@ def _gossip_inner_step(method, inner, axis_name, updates, state, params,
   """The step every gossip method starts with: checks (params given, the
   method's own state, gradients not already summed over the axis), the
   local ``inner`` update, and the finiteness guard (a non-finite gradient
-  or update keeps the inner state and contributes nothing this step).
+  or update, or params that the update takes past their dtype's range,
+  keep the inner state and contribute nothing this step).
 
   Returns:
     ``(n, u, inner_new, ok)``: the axis size, the inner update, the inner
@@ -66,8 +67,11 @@ def _gossip_inner_step(method, inner, axis_name, updates, state, params,
                      f"init returned, got {type(state).__name__}")
   n = _core.check_axis(axis_name, f"jaxcomm.{method}", grads=updates)
   u, inner_new = inner.update(updates, state.inner, params, **extra_args)
+  # The update is checked as it lands, in the params' own dtypes: a
+  # float16 param plus a finite float32 step can round to inf.
   ok = _all_finite(jax.tree.leaves(updates)) & _all_finite(
-    jax.tree.leaves(u))
+    jax.tree.leaves(u)) & _all_finite(
+      jax.tree.leaves(optax.apply_updates(params, u)))
   return n, u, _where(ok, inner_new, state.inner), ok
 
 
