@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train convergence test test-newest bench bench-lr bench-network bench-sharded bench-time-to-target docs docs-site lint clean
+.PHONY: train convergence test test-newest bench bench-lr bench-defaults bench-network bench-sharded bench-time-to-target docs docs-site lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,11 +75,17 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache .cache
 
-# Measured step times in a rate-limited network namespace (needs root);
-# The learning rate each compressor wants (digits MLP, ~5 min).
+# The learning rate each compressor wants (digits MLP, ~20 min); ARGS
+# e.g. --write-lr to record it in docs/benchmarks/lr.json.
 bench-lr: $(STAMP)
 	$(PY) -m benchmarks.lr_sweep $(ARGS)
 
+# Every compressor at its registry defaults and lr.json's rate on three
+# tasks against dense (~1 h on 2 cores): docs/benchmarks/defaults.md.
+bench-defaults: $(STAMP)
+	$(PY) -m benchmarks.defaults $(ARGS)
+
+# Measured step times in a rate-limited network namespace (needs root);
 # e.g. make bench-network ARGS=--quick
 bench-network: $(STAMP)
 	$(PY) -m benchmarks.network $(ARGS)

@@ -7,11 +7,15 @@ block is stale. The compressor table's bytes are each compressor's claim
 (``jaxcomm.wire.claimed``, which the test battery checks against the
 compiled HLO) for ResNet-18's gradient shapes on 8 devices, against the
 dense mean's; its learning rates are ``docs/benchmarks/lr.json`` (``make
-bench-lr``).
+bench-lr``); its last column is how far each compressor, at those defaults
+and that rate, trains from dense on three tasks
+(``docs/benchmarks/defaults.json``, ``python -m benchmarks.defaults``),
+with the registry's reason (``Method.gap``) where it is more than 2 points.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -31,7 +35,8 @@ BYTES_DEVICES = 8
 _HEADERS = {
   "compressor": ("| factory | what travels | bytes vs dense "
                  f"({BYTES_MODEL}, n={BYTES_DEVICES}) | paper | then (lr from "
-                 "the digits sweep) |\n|---|---|---:|---|---|"),
+                 "the digits sweep) | at these, vs dense (3 tasks) |"
+                 "\n|---|---|---:|---|---|---|"),
   "optimizer": "| factory | what it does | paper |\n|---|---|---|",
   "local": "| factory | sync | paper |\n|---|---|---|",
   "delay": "| factory | when the average is applied | paper |\n|---|---|---|",
@@ -116,17 +121,58 @@ def _lr_cell(entry: dict | None) -> str:
     "momentum M' or 'sgd (momentum inside NAME)'")
 
 
+DEFAULTS_JSON = os.path.join(os.path.dirname(README), "docs", "benchmarks",
+                             "defaults.json")
+# A compressor within this many accuracy points of dense on every task.
+POINTS = 2.0
+
+
+def worst_gaps(path: str = DEFAULTS_JSON) -> dict[str, tuple[float, str]]:
+  """``{method: (accuracy points vs dense, task label)}``: each measured
+  method's largest shortfall over the tasks of ``benchmarks/defaults.py``
+  (``-inf`` where it diverged); empty when the file is missing."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    result = json.load(f)
+  dense = {r["task"]: r["accuracy"] for r in result["rows"]
+           if r["method"] == "dense"}
+  out = {}
+  for r in result["rows"]:
+    if r["task"] not in dense:
+      continue
+    diff = r["accuracy"] - dense[r["task"]]
+    diff = diff if diff == diff else -float("inf")   # NaN: diverged
+    label = result["tasks"][r["task"]]["label"].split(" (")[0]
+    if r["method"] not in out or diff < out[r["method"]][0]:
+      out[r["method"]] = (diff, label)
+  return out
+
+
+def _gap_cell(m, gaps) -> str:
+  """``within 2 points``, or the worst shortfall, its task and the
+  registry's reason."""
+  if m.name not in gaps:
+    return "not measured"
+  diff, task = gaps[m.name]
+  if diff >= -POINTS:
+    return "within 2 points"
+  figure = "diverged" if diff == -float("inf") else f"{diff:.1f} points"
+  return f"{figure} ({task})" + (f": {m.gap}" if m.gap else "")
+
+
 def table(family: str, params=None) -> str:
   """The markdown table of one family."""
   rows = [_HEADERS[family]]
   if family == "compressor":
     params = _bytes_params() if params is None else params
     lrs = measured_lr()
+    gaps = worst_gaps()
   for m in jaxcomm.registry.methods(family):
     cells = [call(m), m.summary]
     if family == "compressor":
       cells += [_ratio(m.make(), params), m.paper,
-                _lr_cell(lrs.get(m.name))]
+                _lr_cell(lrs.get(m.name)), _gap_cell(m, gaps)]
     else:
       cells.append(m.paper)
     rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells)

@@ -196,6 +196,9 @@ class AtomoCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "2 sampled SVD atoms per matrix, unbiased but of high variance; "
+      "within on both digits tasks"),
     paper="Wang et al. 2018 (ATOMO)",
     summary="s SVD atoms sampled unbiasedly (systematic), all-gather",
     defaults={"budget": 2})

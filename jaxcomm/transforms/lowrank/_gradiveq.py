@@ -148,6 +148,9 @@ class GradiveqCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "32 of 256 PCA directions from one dense step in 100; what they "
+      "miss waits for the next dense step"),
     paper="Yu et al. 2018 (GradiVeQ)",
     summary="k of d PCA coefficients per slice, summed compressed (psum); "
     "basis from a periodic dense step",

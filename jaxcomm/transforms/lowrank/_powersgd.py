@@ -385,6 +385,9 @@ class PowerSGDCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "rank 4 of the char-LSTM's gate matrices; within on both digits "
+      "tasks"),
     paper="Vogels et al. 2019",
     summary="rank-r factors P, Q in two fused all-reduces, warm start, EF",
     defaults={"rank": 4},

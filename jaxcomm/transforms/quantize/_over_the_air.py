@@ -220,6 +220,9 @@ def ota_analog(snr_db: float, *, threshold: float = 0.0, axis_name="data",
 
 
 @_registry.method(
+    gap=(
+      "one-bit vote through a fading channel at 10 dB SNR: the receiver's "
+      "sign errors"),
     paper="Zhu et al. 2020 (OBDA)",
     static=("snr_db", "threshold"),
     defaults={"snr_db": 10.0},

@@ -123,6 +123,9 @@ class QcsCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "a quarter of each block's Hadamard measurements, decoded by the "
+      "transpose without rescaling, 4-bit codes of one scale"),
     paper="Abdi, Fekri 2020 (quantized compressive sampling)",
     summary="subsampled randomized Hadamard measurements, integer codes "
     "of a shared scale, summed; transpose reconstruction",

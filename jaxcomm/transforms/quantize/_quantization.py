@@ -500,6 +500,9 @@ class TerngradCodec(IntegerCodec):
 
 
 @_registry.method(
+    gap=(
+      "stochastic ternary of high variance: at dense's rate it diverged "
+      "on the conv net, at lr.json's 0.03 the char-LSTM learns slowly"),
     paper="Wen et al. 2017",
     summary="stochastic ternary, shared layer scale")
 @_compressor.shared_options

@@ -64,6 +64,10 @@ class OneBitCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "one bit a coordinate, worker and server error: on the char-LSTM "
+      "larger rates than lr.json's x10 help but do not close it (x33: "
+      "54.5)"),
     paper="Seide et al. 2014; Tang et al. 2021",
     summary=(
       "packed signs + scale, worker and server EF (DeepSpeed-style "
@@ -215,6 +219,8 @@ class MajorityVoteCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "majority vote of signs without error feedback (biased)"),
     paper="Bernstein et al. 2018",
     summary="packed signs, majority vote in 2 phases")
 @_compressor.shared_options
@@ -427,6 +433,9 @@ class EfSignSgdCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "scaled signs with error feedback, as onebit; short on the "
+      "char-LSTM"),
     paper="Karimireddy et al. 2019",
     summary="scaled signs, EF, all-gather",
     aliases=("signsgd_ef",))

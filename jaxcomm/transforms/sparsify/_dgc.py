@@ -291,6 +291,9 @@ class DgcCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "0.1% of coordinates a step (DGC's ratio), the rest in its "
+      "corrected momentum; short on the char-LSTM"),
     paper="Lin et al. 2018",
     summary=(
       "DGC: momentum correction, masking, local clipping, warm-up, "

@@ -63,6 +63,9 @@ class GtopkCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "one global top-k of all devices' k each: a step sends 1/n of what "
+      "top-k sends, a longer delay"),
     paper="Shi et al. 2019",
     summary="global top-k by recursive doubling, O(k log n)",
     defaults={"ratio": 0.01},
@@ -195,6 +198,9 @@ class CscCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "1% of 64-element chunks by summed |g|: coarser than top-k at the "
+      "same ratio, more of the gradient waits"),
     paper="Sun et al. 2019 (GradientFlow)",
     summary="top chunks by allreduced L1 norm, traffic independent of n",
     defaults={"chunk_size": 64, "ratio": 0.01},

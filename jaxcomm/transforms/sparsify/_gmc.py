@@ -87,6 +87,9 @@ class GmcCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "1% of gradient + memory + global momentum a step; short on the "
+      "char-LSTM"),
     paper="Zhao et al. 2019",
     summary="top-k of gradient + memory + global momentum (the last "
     "update), pairs, sparse psum",

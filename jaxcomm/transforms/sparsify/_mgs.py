@@ -201,6 +201,9 @@ def _finite(name, value, lo_open=False):
 
 
 @_registry.method(
+    gap=(
+      "as top-k (1% of merged groups' coordinates a step, the rest "
+      "delayed in the residual)"),
     paper="Shi et al. 2020 (MGS)",
     summary="top-k over groups of layers merged by the alpha-beta model, "
     "pairs, sparse psum",

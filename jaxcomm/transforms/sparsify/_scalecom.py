@@ -107,6 +107,9 @@ class ScaleComCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "the leader's top-k indices serve every device; the paper's memory "
+      "similarity needs larger per-device batches than 16 examples"),
     paper="Chen et al. 2020 (ScaleCom)",
     summary="leader's top-k indices (cyclic), values psummed, EF",
     defaults={"ratio": 0.01},

@@ -161,6 +161,9 @@ class SidcoCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "as top-k: about 1% above a fitted threshold a step, the rest "
+      "delayed in the residual"),
     paper="Abdelmoniem et al. 2021 (SIDCo)",
     summary="pairs above a fitted threshold, no sort, bounded capacity, EF",
     defaults={"ratio": 0.01},

@@ -326,6 +326,9 @@ class FetchSGDCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "0.1% of coordinates recovered from a 50,000-column count sketch, "
+      "momentum and error in the sketch"),
     paper="Rothchild et al. 2020",
     summary="count sketch, one psum of rows x cols",
     defaults={"k_ratio": 0.001, "cols": 50_000},

@@ -232,6 +232,8 @@ class SparcmlCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "top-k 1% with a sparse reduce-scatter: as top-k"),
     paper="Renggli et al. 2019 (SparCML)",
     summary="top-k, sparse reduce-scatter, all-gather of pairs or dense "
     "values by the measured union (never above dense), EF",

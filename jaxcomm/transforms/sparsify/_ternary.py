@@ -259,6 +259,9 @@ class TernaryCodec(_codec.CodecBase):
 
 
 @_registry.method(
+    gap=(
+      "top-k 1% as signs times one mean: as top-k, plus the signs' "
+      "rounding"),
     paper="Sattler et al. 2019 (STC)",
     summary="top-k signs x mean |kept|, Golomb-coded positions, EF",
     defaults={"ratio": 0.01},
@@ -349,6 +352,9 @@ def stc(ratio: float, *, axis_name="data", error_feedback: bool = True,
 
 
 @_registry.method(
+    gap=(
+      "top-k 1% of one sign, one mean: as top-k, plus the other sign's "
+      "delay"),
     paper="Sattler et al. 2018 (SBC)",
     summary="top-k of one sign, one mean, Golomb-coded positions, EF",
     defaults={"ratio": 0.01},

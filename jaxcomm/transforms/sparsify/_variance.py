@@ -429,6 +429,8 @@ def grad_and_variance(loss_fn: Callable, *, micro_batches: int | None = None
 
 
 @_registry.method(
+    gap=(
+      "coordinates whose variance is small a step, the rest delayed"),
     paper="Tsuzuku et al. 2018",
     summary="alpha var < r^2; sign + 2^-code + index in a 32-bit word, "
     "delayed update (EF)",
