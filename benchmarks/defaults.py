@@ -14,8 +14,9 @@ and reports the held-out accuracy beside dense's, on three tasks:
 
 The rate: lr.json's rate for the method times the task's scale, one number
 per task: the dense rate of that task (the lowest held-out loss of dense
-at lr.json's dense rate times 1/3, 1, 3 or 10, measured first in the same run)
-over lr.json's dense rate. On the digits MLP, where lr.json was swept,
+at lr.json's dense rate times 1/3, 1, 3, 10, 30 or 100, measured first in
+the same run; never the grid's largest, which would say the grid is too
+narrow) over lr.json's dense rate. On the digits MLP, where lr.json was swept,
 the scale is 1 by definition: each method trains at exactly lr.json's
 rate. Constant rate, seed 0, momentum SGD or plain SGD as lr.json says.
 
@@ -58,7 +59,7 @@ from benchmarks.lr_sweep import optimizer_flag  # noqa: E402
 # A method within this many accuracy points of dense keeps its defaults.
 POINTS = 2.0
 # The dense rate of a task: lr.json's dense rate times the best of these.
-DENSE_SCALES = (1 / 3, 1.0, 3.0, 10.0)
+DENSE_SCALES = (1 / 3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,11 @@ def dense_scale(task: Task, lrs: dict, tmp: str) -> tuple[float, list]:
     print(f"  {task.name}: dense at {entry['lr'] * s:.4g}: accuracy "
           f"{r['accuracy']:.1f} loss {r['loss']:.3f}", flush=True)
   ok = [r for r in rows if math.isfinite(r["loss"])]
-  return min(ok, key=lambda r: r["loss"])["scale"], rows
+  scale = min(ok, key=lambda r: r["loss"])["scale"]
+  if task.scale is None and scale == DENSE_SCALES[-1]:
+    print(f"  {task.name}: dense's best rate is the grid's largest: widen "
+          "DENSE_SCALES", flush=True)
+  return scale, rows
 
 
 def measure(names, task_names, tmp: str, lr_times: float = 1.0) -> dict:
@@ -154,7 +159,8 @@ def measure(names, task_names, tmp: str, lr_times: float = 1.0) -> dict:
 def table(result: dict) -> str:
   """Accuracy per (method, task), its difference from dense's, and
   whether the method is within :data:`POINTS` on every task."""
-  tasks = list(result["tasks"])
+  tasks = sorted(result["tasks"], key=lambda t: list(TASKS).index(t)
+                 if t in TASKS else len(TASKS))
   by = {(r["method"], r["task"]): r for r in result["rows"]}
   methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
   head = ("| method (registry defaults) | then | "
@@ -193,8 +199,11 @@ def describe(result: dict) -> str:
            "optimizer lr.json names, at lr.json's rate times the task's "
            "scale (`python -m benchmarks.defaults`). Scales: 1 on the "
            "digits MLP (lr.json's own task), else the best of dense at "
-           "lr.json's dense rate times 1/3, 1, 3 and 10 (by held-out loss):"]
-  for info in result["tasks"].values():
+           "lr.json's dense rate times 1/3, 1, 3, 10, 30 and 100 (by "
+           "held-out loss):"]
+  for t in sorted(result["tasks"], key=lambda t: list(TASKS).index(t)
+                  if t in TASKS else len(TASKS)):
+    info = result["tasks"][t]
     lines.append(f"- {info['label']}: x{info['scale']:g} ("
                  + ", ".join(f"{r['lr']:.3g}: {r['accuracy']:.1f}%"
                              for r in info["dense_sweep"]) + ")")
@@ -216,16 +225,19 @@ def main(argv=None):
                  "topk --lr-times 3)")
   p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                  help="train nothing: merge these runs' json (tasks run "
-                 "in separate processes) into --out")
+                 "in separate processes; where two hold the same method and "
+                 "task, the first) into --out")
   args = p.parse_args(argv)
   if args.merge:
     result = {"tasks": {}, "rows": []}
     for path in args.merge:
       with open(path, encoding="utf-8") as f:
         part = json.load(f)
-      result["tasks"].update(part["tasks"])
+      for k, v in part["tasks"].items():
+        result["tasks"].setdefault(k, v)
       seen = {(r["method"], r["task"]) for r in result["rows"]}
-      # Each process runs dense too: its first row of a task is kept.
+      # Each process runs dense too: the first file's row (and task) is
+      # kept; give a rerun's file first.
       result["rows"] += [r for r in part["rows"]
                          if (r["method"], r["task"]) not in seen]
     return write(result, args.out)

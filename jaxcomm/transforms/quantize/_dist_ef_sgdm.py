@@ -79,8 +79,8 @@ class DistEfSgdmCodec(_codec.CodecBase):
 
 @_registry.method(
     gap=(
-      "signs of the momentum: on the char-LSTM larger rates than "
-      "lr.json's x10 help but do not close it (x33: 52.4)"),
+      "signs of the momentum, worker and server error: short on the "
+      "char-LSTM in 300 steps"),
     paper="Zheng, Huang, Kwok 2019",
     summary="blockwise l1-scaled signs of the momentum, worker and server "
     "EF (2-phase)")

@@ -107,8 +107,8 @@ class IbcdCodec(_codec.CodecBase):
 @_registry.method(
     gap=(
       "each device sends 1/n of its blocks, unscaled (the paper's E[u] = "
-      "tau g): the step is 1/8 of dense's, and the paper's rate is n/3 "
-      "larger (char-LSTM at x30: 52.2)"),
+      "tau g): the step is 1/8 of dense's, and the paper's rate is about "
+      "n/3 times dense's, not dense's"),
     paper="Mishchenko, Hanzely, Richtarik 2020",
     summary="each device's own random tau m blocks (shared seed, no "
     "indices), all-gathered",

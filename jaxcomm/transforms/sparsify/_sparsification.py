@@ -156,9 +156,8 @@ class GossipTopkCodec(TopkCodec):
 
 @_registry.method(
     gap=(
-      "1% of coordinates a step, the rest delayed in the residual; on the "
-      "char-LSTM larger rates than lr.json's x10 help but do not close it "
-      "(x30: 55.9)"),
+      "1% of coordinates a step, the rest delayed in the residual: short "
+      "on the char-LSTM in 300 steps"),
     paper="Aji & Heafield 2017; Stich et al. 2018",
     summary="(index, value) pairs, sparse psum, EF",
     defaults={"ratio": 0.01},
