@@ -194,7 +194,8 @@ def table(result: dict) -> str:
 
 def describe(result: dict) -> str:
   """The table with the settings it was measured at."""
-  lines = ["Held-out accuracy (%) after 300 steps on 8 simulated CPU "
+  lines = ["## Every compressor at its defaults, on three tasks\n",
+           "Held-out accuracy (%) after 300 steps on 8 simulated CPU "
            "devices, each compressor at its registry defaults before the "
            "optimizer lr.json names, at lr.json's rate times the task's "
            "scale (`python -m benchmarks.defaults`). Scales: 1 on the "
