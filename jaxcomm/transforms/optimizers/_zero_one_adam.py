@@ -399,23 +399,23 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
                               state.anchor)
     # The step as it lands in the params' own dtypes: a float32 result
     # past float16's range (a local step, or the synchronised model) is
-    # a skipped step, counted, its update zero and the moments, sums,
-    # anchor and exchange states as they were (the schedules' counters
-    # move on). A synchronised result is the same on every device, and
-    # so is the decision.
+    # a skipped step, counted: its update zero, the per-device moments,
+    # sums and anchor as they were. The decision is per device, so only
+    # per-device state takes it (the variance, the rate sum, the exchange
+    # states and ``synced`` keep their replicated type): a skipped sync
+    # still marks the params synced, and jaxcomm.apply_updates sets them
+    # to the anchor kept, the last model every device agreed on.
     fits = (_all_finite(jax.tree.leaves(jax.tree.map(
       lambda n_, p: n_.astype(p.dtype), new_x, params)))
             & _all_finite(jax.tree.leaves(new_anchor)))
     out = _where(fits, out, jax.tree.map(jnp.zeros_like, out))
     new_anchor = _where(fits, new_anchor, state.anchor)
-    cs = _where(fits, cs, state.compress)
-    inner = inner._replace(**{
-      f: _where(fits, getattr(inner, f), getattr(s, f))
-      for f in ("mu", "nu", "accum", "lrs", "var_count")})
+    inner = inner._replace(mu=_where(fits, inner.mu, s.mu),
+                           accum=_where(fits, inner.accum, s.accum))
     bad = jnp.maximum(bad, jnp.where(fits, 0, 1)).astype(jnp.int32)
     return out, LocalState(
       count=count, anchor=new_anchor,
-      synced=jax.tree.map(lambda _: synced & fits, params), inner=inner,
+      synced=jax.tree.map(lambda _: synced, params), inner=inner,
       skipped=state.skipped + bad, compress=cs)
 
   return optax.GradientTransformationExtraArgs(
