@@ -98,7 +98,9 @@ bench-sharded: $(STAMP)
 	$(PY) -m benchmarks.sharded_convergence --out runs/bench/sharded_convergence.md
 	$(PY) -m benchmarks.powersgd_sharding --out runs/bench/powersgd_sharding.md
 
-# Time to a target loss of real char-LM training in a rate-limited network
-# namespace (needs root); e.g. make bench-time-to-target ARGS="--rates 1"
+# Time to a target loss on a bandwidth-bound wide MLP in a rate-limited
+# network namespace (needs root), against the free-communication bound, at
+# the rates docs/benchmarks/time_to_target_tuning.json holds (ARGS="--tune"
+# reruns the tuning); e.g. make bench-time-to-target ARGS="--rates 1"
 bench-time-to-target: $(STAMP)
 	$(PY) -m benchmarks.time_to_target $(ARGS)

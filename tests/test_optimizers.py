@@ -200,6 +200,36 @@ def test_momentum_mass_is_conserved_through_the_exchange(mesh):
                                err_msg=f"momentum mass of {k}")
 
 
+@pytest.mark.parametrize("which", ["adam", "lamb"])
+def test_a_coordinate_that_never_had_a_gradient_takes_no_step(mesh, which):
+  """An input feature that is always zero (a blank pixel) or a dead unit
+  gives coordinates whose gradient is exactly 0 on every device: their
+  variance freezes at 0. The 1-bit exchange still hands them a sign times
+  the chunk's scale, and the paper's step divides that by ``sqrt(0) +
+  eps``: a step of ``lr * scale / eps``. They take no step (their momentum
+  error stays in the error buffers); every other coordinate's step stays
+  within Adam's usual bound of a few ``lr``."""
+  lr = 1e-3
+  if which == "adam":
+    tx = jaxcomm.onebit_adam(lr, freeze_step=2)
+  else:
+    tx = jaxcomm.onebit_lamb(lr, freeze_step=2)
+  grads = harness.make_grads(7, 6)
+  for g in grads:       # the first 16 entries of w never see a gradient
+    w = np.array(g["w"])
+    w.reshape(harness.N, -1)[:, :16] = 0.0
+    g["w"] = jnp.asarray(w)
+  params = _params()
+  updates, _, _ = harness.device_run(tx, mesh, grads, params=params)
+  for t, u in enumerate(updates):
+    w = np.asarray(u["w"]).reshape(-1)
+    np.testing.assert_array_equal(w[:16], 0.0, err_msg=f"step {t}")
+    for k in harness.COMPRESSED:
+      assert np.all(np.isfinite(u[k])), (k, t)
+      assert np.abs(u[k]).max() < 100 * lr, (which, k, t,
+                                            np.abs(u[k]).max())
+
+
 def test_freeze_step_zero_continues_a_warm_up_run_without_its_psum(mesh):
   """A warm-up run's state continued by ``freeze_step=0`` takes the same
   steps as the run that never stopped (compressed steps: ``nu_count > 0``),
@@ -648,3 +678,30 @@ def test_zero_one_adam_is_deepspeeds_zero_one_adam(mesh):
                                err_msg=f"step {t + 1}")
   # The replay moved: the local steps left the devices apart somewhere.
   assert any(np.ptp(w["w"], axis=0).max() > 1e-3 for w in want)
+
+
+def test_zero_one_adam_leaves_coordinates_without_a_gradient_in_place(mesh):
+  """0/1 Adam on a regression whose first 4 input features are always 0:
+  their weights never get a gradient, their variance stays 0, and they
+  stay where they started on every device (the 1-bit gradient and sync
+  steps would otherwise give them ``lr * scale / eps`` steps: 971 after 5
+  steps here), while the other weights train."""
+  n, b = 8, 4
+  r = np.random.RandomState(0)
+  w0 = (r.randn(32, 16) * 0.1).astype(np.float32)
+  w_true = r.randn(32, 16) * 0.3
+  tx = jaxcomm.zero_one_adam(0.001, var_freeze_step=12, var_update_scaler=3,
+                             local_step_scaler=4, local_step_clipper=8)
+  dp = parallel.DataParallel(
+    lambda p, bt: jnp.mean((bt[0] @ p["w"] - bt[1]) ** 2), tx, mesh,
+    donate=False)
+  p, s = dp.init({"w": jnp.asarray(w0)})
+  for t in range(40):
+    x = r.randn(n * b, 32).astype(np.float32)
+    x[:, :4] = 0.0
+    p, s, _ = dp.step(p, s, (x, (x @ w_true).astype(np.float32)))
+    w = np.asarray(p["w"])
+    np.testing.assert_array_equal(w[:, :4], np.broadcast_to(w0[:4], w[:, :4]
+                                                            .shape),
+                                  err_msg=f"step {t + 1}")
+  assert np.abs(w[:, 4:] - w0[4:]).max() > 1e-2   # the others trained

@@ -266,3 +266,17 @@ def _skip_overflow(flat, step, updates, axis_name, bad, exchange, before):
 
 def _keep(bad, new, old):
   return jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, old)
+
+
+def _direction(mu, nu, c1, c2, eps):
+  """Adam's direction ``(mu / c1) / (sqrt(nu / c2) + eps)``, 0 where the
+  variance is exactly 0.
+
+  Such a coordinate never had a gradient on any device (an input feature
+  that is always 0, a dead unit). Before the freeze its momentum is 0 too;
+  after it the 1-bit exchange gives it a sign times its chunk's scale, and
+  the paper's step would move it by ``lr * scale / eps`` (1e5 times the
+  rate at ``eps = 1e-8``). What the exchange sent it stays in the error
+  buffers, so no momentum is lost.
+  """
+  return jnp.where(nu > 0, (mu / c1) / (jnp.sqrt(nu / c2) + eps), 0.0)

@@ -44,6 +44,7 @@ from jaxcomm.collectives import _core
 from jaxcomm.transforms.optimizers._onebit_common import _check_common
 from jaxcomm.transforms.optimizers._onebit_common import _check_params
 from jaxcomm.transforms.optimizers._onebit_common import _corrections
+from jaxcomm.transforms.optimizers._onebit_common import _direction
 from jaxcomm.transforms.optimizers._onebit_common import _Flat
 from jaxcomm.transforms.optimizers._onebit_common import _floating  # noqa: F401
 from jaxcomm.transforms.optimizers._onebit_common import _keep
@@ -306,7 +307,7 @@ def onebit_adam(
   def finish(flat, updates, state, params, count, mu, nu, nu_count, bad,
              exchange):
     c1, c2 = _corrections(count, nu_count, b1, b2, bias_correction)
-    u = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
+    u = _direction(mu, nu, c1, c2, eps)
     if params is not None:
       u = u + weight_decay * flat.flatten(params)
     step = -_learning_rate(learning_rate, count) * u
@@ -538,7 +539,7 @@ def onebit_lamb(
       c1, c2 = _corrections(ph.count, nu_count, b1, b2, bias_correction)
       # The params' buffer once the momentum is exchanged, not before.
       p = _core.after(flat.flatten(params), ph.mu)
-      d = (ph.mu / c1) / (jnp.sqrt(nu / c2) + eps)       # Adam's direction
+      d = _direction(ph.mu, nu, c1, c2, eps)       # Adam's direction
       u = d + weight_decay * p
       # Per-leaf (layer) norms and maxima: segment reductions of the buffer.
       ids = flat.segments()

@@ -21,6 +21,7 @@ from jaxcomm._local_engine import _all_finite
 from jaxcomm._local_engine import _where
 from jaxcomm._local_engine import switch
 from jaxcomm.collectives import _core
+from jaxcomm.transforms.optimizers._onebit_common import _direction
 from jaxcomm.transforms.quantize import _dense
 from jaxcomm.transforms.quantize import _signs
 
@@ -289,8 +290,8 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
 
   def step_of(mu, nu, x):
     return jax.tree.map(
-      lambda m, v, p: m / (jnp.sqrt(v) + eps) + weight_decay
-      * p.astype(jnp.float32), mu, nu, x)
+      lambda m, v, p: _direction(m, v, 1.0, 1.0, eps)
+      + weight_decay * p.astype(jnp.float32), mu, nu, x)
 
   def skipped_by(old, new):
     return (_compressor.stats(new)[0].nonfinite_steps
@@ -356,7 +357,11 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
         ubar, c2 = mom_ex.update(w, cs[2], state.anchor)
         ubar = f32(ubar)
         mu_s = jax.tree.map(lambda u: -u / jnp.maximum(new_lrs, 1e-30), ubar)
-        new_a = jax.tree.map(lambda a, u, d: a + u / d, anchor, ubar, denom)
+        # A coordinate whose variance is 0 never had a gradient: what the
+        # 1-bit sync gave it stays in the error buffers (as in step_of).
+        new_a = jax.tree.map(
+          lambda a, u, d, v: a + jnp.where(v > 0, u / d, 0.0), anchor, ubar,
+          denom, nu)
         zero = jax.tree.map(jnp.zeros_like, new_acc)
         return (new_a, new_a, mu_s, nu, zero, jnp.zeros_like(new_lrs),
                 (cs[0], cs[1], c2), jnp.array(True), bad,
