@@ -407,6 +407,9 @@ def main(argv=None) -> int:
   p.add_argument("--seeds", default="2,3",
                  help="extra seeds for the top 3 methods at the first rate "
                       "('' for none)")
+  p.add_argument("--free-repeats", type=int, default=3,
+                 help="free-communication runs per rate; the median "
+                      "run's step is t_free")
   p.add_argument("--timeout", type=float, default=900.0)
   p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench"))
   p.add_argument("--report-dir", default=os.path.join(ROOT, "runs",
@@ -445,11 +448,18 @@ def main(argv=None) -> int:
       base = os.path.join(a.out_dir, "time_to_target", f"{rate:g}")
       print(f"[{time.time() - t0:6.0f}s] {rate:g} Gbit/s, {FREE} ...",
             flush=True)
-      free = run_free(ns, nproc, lrs[DENSE], os.path.join(base, "free"),
-                      a.timeout)
-      if "error" in free:
-        raise RuntimeError(f"the free-communication run failed: "
-                           f"{free['error']}")
+      frees = []
+      for rep in range(a.free_repeats):
+        free = run_free(ns, nproc, lrs[DENSE],
+                        os.path.join(base, f"free{rep}"), a.timeout)
+        if "error" in free:
+          raise RuntimeError(f"the free-communication run failed: "
+                             f"{free['error']}")
+        frees.append(free)
+      # Its step time moves by about 20% run to run on shared cores: the
+      # median run is the bound.
+      free = sorted(frees, key=lambda f: f["step_s"])[len(frees) // 2]
+      free["step_s_runs"] = [f["step_s"] for f in frees]
       rows = []
       for m in methods:
         port += 1
@@ -491,6 +501,8 @@ def main(argv=None) -> int:
            f"free-communication step t_free: {1e3 * sw['free']['step_s']:.1f}"
            f" ms (processes: "
            + ", ".join(f"{1e3 * x:.1f}" for x in sw["free"]["step_s_each"])
+           + "; the median of runs at "
+           + ", ".join(f"{1e3 * x:.1f}" for x in sw["free"]["step_s_runs"])
            + f"); exchange share of the dense step: "
            f"**{100 * sw['share']:.1f}%**",
            f"- target: train loss {sw['target']:.4f} (dense AdamW's, mean "
