@@ -357,11 +357,10 @@ def zero_one_adam(learning_rate: float | Callable[[jax.Array], jax.Array],
         ubar, c2 = mom_ex.update(w, cs[2], state.anchor)
         ubar = f32(ubar)
         mu_s = jax.tree.map(lambda u: -u / jnp.maximum(new_lrs, 1e-30), ubar)
-        # A coordinate whose variance is 0 never had a gradient: what the
-        # 1-bit sync gave it stays in the error buffers (as in step_of).
+        # ubar / denom, 0 where the variance is 0 (as in step_of).
         new_a = jax.tree.map(
-          lambda a, u, d, v: a + jnp.where(v > 0, u / d, 0.0), anchor, ubar,
-          denom, nu)
+          lambda a, u, v: a + _direction(u, v, 1.0, 1.0, eps), anchor, ubar,
+          nu)
         zero = jax.tree.map(jnp.zeros_like, new_acc)
         return (new_a, new_a, mu_s, nu, zero, jnp.zeros_like(new_lrs),
                 (cs[0], cs[1], c2), jnp.array(True), bad,
