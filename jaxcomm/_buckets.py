@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import _checks
+from jaxcomm import _prefix
 
 Shape = tuple[int, ...]
 
@@ -345,4 +346,4 @@ def block_leaf_ids(sizes: Sequence[int], block: int) -> jax.Array:
   starts = np.cumsum([0] + counts)[1:-1]
   zeros = jax.lax.optimization_barrier(jnp.zeros((total,), jnp.int32))
   marks = zeros.at[jnp.asarray(starts, jnp.int32)].add(1, mode="drop")
-  return jnp.cumsum(marks, dtype=jnp.int32)
+  return _prefix.prefix_sum(marks, jnp.int32)

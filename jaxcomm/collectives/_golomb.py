@@ -34,6 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxcomm import _prefix
+
 _PHI = (1 + math.sqrt(5)) / 2
 
 
@@ -162,7 +164,7 @@ def decode_many(bits: list, ks: list, sizes: list) -> list:
   if not meta:
     return []
   is_zero = ~jnp.concatenate(flat)
-  csum = jnp.cumsum(is_zero.astype(jnp.int32))
+  csum = _prefix.prefix_sum(is_zero, jnp.int32)
   total_k = sum(rows * k for _, k, _, _, rows, _, _ in meta)
   slots, vals, koff = [], [], 0
   for _, k, _, ub, rows, off, _ in meta:

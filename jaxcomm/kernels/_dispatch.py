@@ -102,6 +102,17 @@ def auto_bracketed_topk(backend: str, k: int | None = None) -> bool:
   return backend == "gpu" and (k is None or int(k) >= BRACKETED_TOPK_MIN_K)
 
 
+def auto_radix_topk(backend: str, size: int) -> bool:
+  """Whether the jnp top-k of ``size`` entries is the radix search
+  (:func:`~jaxcomm.kernels.topk.topk_abs_radix_segments`) rather than
+  ``lax.top_k``: on TPU from
+  :data:`~jaxcomm.kernels.topk.RADIX_TOPK_MIN_SIZE` entries, where the
+  TPU compiler's sort takes seconds to compile (see that constant);
+  not on CPU or GPU, whose sorts compile quickly."""
+  from jaxcomm.kernels import topk  # pylint: disable=import-outside-toplevel
+  return backend == "tpu" and int(size) >= topk.RADIX_TOPK_MIN_SIZE
+
+
 def platform() -> str:
   """The platform the program being traced is compiled for.
 

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcomm import _prefix
 from jaxcomm.kernels import _dispatch
 from jaxcomm.kernels import bitpack
 
@@ -49,7 +50,7 @@ def threshold_select_reference(x: jax.Array, threshold, capacity: int
   length = x.shape[0]
   mask = _above(x, threshold)
   count = jnp.sum(mask, dtype=jnp.int32)
-  pos = jnp.cumsum(mask, dtype=jnp.int32) - 1
+  pos = _prefix.prefix_sum(mask, jnp.int32) - 1
   dest = jnp.where(mask & (pos < capacity), pos, capacity)
   values = jnp.zeros((capacity,), x.dtype).at[dest].set(x, mode="drop")
   indices = jnp.full((capacity,), length, jnp.int32).at[dest].set(
@@ -150,7 +151,7 @@ def compact_from_mask(x: jax.Array, mask_words: jax.Array, capacity: int
   """
   length = x.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  incl = jnp.cumsum(popc, dtype=jnp.int32)
+  incl = _prefix.prefix_sum(popc, jnp.int32)
   count = incl[-1]
   slots = jnp.arange(capacity, dtype=jnp.int32)
   word = jnp.searchsorted(incl, slots + 1, side="left",
@@ -186,7 +187,7 @@ def segment_ids(bounds, dtype=jnp.int32) -> jax.Array:
   zeros = lax.optimization_barrier(jnp.zeros((int(b[-1]),), dtype))
   starts = zeros.at[jnp.asarray(b[1:-1], jnp.int32)].add(
     jnp.ones((), dtype), mode="drop")
-  return jnp.cumsum(starts, dtype=dtype)
+  return _prefix.prefix_sum(starts, dtype)
 
 
 def narrowest_ids(segments: int):
@@ -214,7 +215,7 @@ def segment_counts(mask_words: jax.Array, bounds: tuple[int, ...]
   """Set bits of a packed mask in each segment ``[bounds[j], bounds[j+1])``
   (one popcount prefix sum, whatever the number of segments)."""
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  before = _set_bits_before(mask_words, jnp.cumsum(popc, dtype=jnp.int32),
+  before = _set_bits_before(mask_words, _prefix.prefix_sum(popc, jnp.int32),
                             bounds)
   return before[1:] - before[:-1]
 
@@ -247,7 +248,7 @@ def compact_segments(x: jax.Array, mask_words: jax.Array,
       f"bounds must end at len(x) = {length}, got {tuple(bounds)}")
   nw = mask_words.shape[0]
   popc = lax.population_count(mask_words).astype(jnp.int32)
-  incl = jnp.cumsum(popc, dtype=jnp.int32)
+  incl = _prefix.prefix_sum(popc, jnp.int32)
   before = _set_bits_before(mask_words, incl, bounds)
   counts = before[1:] - before[:-1]
   caps = np.asarray(capacities, np.int64)

@@ -30,6 +30,7 @@ from jax import lax
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
+from jaxcomm import _prefix
 from jaxcomm import _registry
 from jaxcomm import _vma
 from jaxcomm.collectives import _sparse
@@ -110,7 +111,7 @@ def keep_largest(x, mask, count, cap):
     above = mask & (bits > lo)
     ties = mask & (bits == lo)
     room = cap - jnp.sum(above, dtype=jnp.int32)
-    return above | (ties & (jnp.cumsum(ties, dtype=jnp.int32) <= room))
+    return above | (ties & (_prefix.prefix_sum(ties, jnp.int32) <= room))
 
   return lax.cond(count > cap, cut, lambda _: mask, None)
 

@@ -105,7 +105,7 @@ def _local_topk(x, segs, ratio):
   positions), segment by segment."""
   sel = _topk.topk_abs_groups(
     x, [(s.offset, s.count, s.size, num_selected(ratio, s.size))
-        for s in segs])
+        for s in segs], order="any")
   return (jnp.concatenate([v.reshape(-1) for v, _ in sel]),
           jnp.concatenate([i.reshape(-1) for _, i in sel]))
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
@@ -76,15 +75,23 @@ def _stc_select(x, layout, ratio):
             for g in layout.groups]
   out = []
   for g, (vals, idx) in zip(layout.groups,
-                            _topk.topk_abs_groups(x, groups)):
+                            _topk.topk_abs_groups(x, groups,
+                                                  order="index")):
     pos = idx - (g.offset + g.leaf_size * jnp.arange(g.count,
                                                      dtype=jnp.int32)[:, None])
     mu = jnp.mean(jnp.abs(vals), axis=-1, keepdims=True)
     pad = (vals == 0) & (mu > 0)
-    pos = jnp.where(pad, g.leaf_size - 1 + jnp.cumsum(pad, axis=-1,
-                                                      dtype=jnp.int32), pos)
-    # Positions in increasing order, their values carried along (one sort).
-    pos, vals = jax.lax.sort((pos, vals), dimension=-1, num_keys=1)
+    # Positions in increasing order with no sort (a sort of [G, k] took
+    # the TPU compiler seconds): the selection comes by position, so the
+    # kept entries keep their order and the padding slots, at L, L + 1,
+    # ..., move behind them (a stable partition, one scatter).
+    pad_rank = jnp.cumsum(pad, axis=-1, dtype=jnp.int32)
+    kept_rank = jnp.cumsum(~pad, axis=-1, dtype=jnp.int32)
+    pos = jnp.where(pad, g.leaf_size - 1 + pad_rank, pos)
+    dest = jnp.where(pad, kept_rank[:, -1:] + pad_rank, kept_rank) - 1
+    row = jnp.arange(g.count, dtype=jnp.int32)[:, None]
+    pos = jnp.zeros_like(pos).at[row, dest].set(pos, unique_indices=True)
+    vals = jnp.zeros_like(vals).at[row, dest].set(vals, unique_indices=True)
     out.append((pos, mu * jnp.sign(vals), mu[:, 0], vals < 0))
   return out
 
@@ -93,17 +100,24 @@ def _sbc_select(x, layout, ratio):
   """Per group: the positions of the k largest values or of the k most
   negative ones, whichever group has the larger mean magnitude, and the
   signed mean sent for all of them."""
+  groups = [(g.offset, g.count, g.leaf_size, num_selected(ratio, g.leaf_size))
+            for g in layout.groups]
   out = []
-  for g, rows in zip(layout.groups, layout.views(x)):
-    k = num_selected(ratio, g.leaf_size)
-    pos_v, pos_i = jax.lax.top_k(rows, k)
-    neg_v, neg_i = jax.lax.top_k(-rows, k)
+  # Both selections by position (the code needs increasing positions): on
+  # a TPU neither sorts (topk.top_k_groups).
+  tops = _topk.top_k_groups(x, groups, order="index")
+  bottoms = _topk.top_k_groups(-x, groups, order="index")
+  for g, (pos_v, pos_i), (neg_v, neg_i) in zip(layout.groups, tops,
+                                                bottoms):
+    base = g.offset + g.leaf_size * jnp.arange(g.count,
+                                               dtype=jnp.int32)[:, None]
+    pos_i, neg_i = pos_i - base, neg_i - base
     mu_pos = jnp.mean(pos_v, axis=-1)
     mu_neg = jnp.mean(neg_v, axis=-1)
     positive = mu_pos >= mu_neg
     idx = jnp.where(positive[:, None], pos_i, neg_i)
     mu = jnp.where(positive, mu_pos, -mu_neg)
-    pos = jnp.sort(idx, axis=-1)
+    pos = idx
     out.append((pos, jnp.broadcast_to(mu[:, None], pos.shape), mu, None))
   return out
 

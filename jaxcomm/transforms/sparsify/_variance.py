@@ -47,6 +47,7 @@ from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _extra_args
 from jaxcomm import _policy
+from jaxcomm import _prefix
 from jaxcomm import _registry
 from jaxcomm import _vma
 from jaxcomm.collectives import _core
@@ -118,7 +119,7 @@ def compact(packed: jax.Array, size: int, cap: int) -> jax.Array:
   make them early, beside the backward pass's)."""
   words = packed.shape[0]
   popc = jax.lax.population_count(packed).astype(jnp.int32)
-  incl = jnp.cumsum(popc, dtype=jnp.int32)
+  incl = _prefix.prefix_sum(popc, jnp.int32)
   start = incl - popc
   zeros = _core.zeros_after(max(cap, words), incl, jnp.int32)
   slot = zeros[:cap] + jax.lax.iota(jnp.int32, cap)
