@@ -103,6 +103,33 @@ def test_matches_numpy_reference_on_8_devices(name, mesh):
   _check_reference(name, grads, updates, state, harness.N, memory)
 
 
+# The selection a TPU takes (jaxcomm.kernels.topk's radix search: no sort
+# of the leaves), forced on this CPU: every entry it serves matches its
+# numpy reference on it too.
+RADIX_ENTRIES = ("dgc_warmup_exact", "gmc_ef", "gtopk_ef", "mgs_merged",
+                 "sbc_ef", "scalecom_ef", "sparcml_ef", "stc_ef",
+                 "threshold_ef", "topk_2bit", "topk_ef", "topk_model_noef")
+
+
+@pytest.mark.parametrize("name", RADIX_ENTRIES)
+def test_matches_numpy_reference_on_the_radix_selection(name, mesh,
+                                                        monkeypatch):
+  from jaxcomm.kernels import topk  # pylint: disable=import-outside-toplevel
+  taken = []
+  monkeypatch.setattr(_dispatch, "auto_radix_topk",
+                      lambda backend, size: True)
+  for fn in ("_radix_segments",):
+    real = getattr(topk, fn)
+    monkeypatch.setattr(topk, fn, lambda *a, real=real, **k: (
+      taken.append(k["order"]), real(*a, **k))[1])
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  grads = harness.make_grads(seed=1, steps=STEPS)
+  updates, state, _, memory = _device_run(entry, tx, mesh, grads)
+  assert taken, f"{name} did not take the radix selection"
+  _check_reference(name, grads, updates, state, harness.N, memory)
+
+
 # Entries whose exchange depends on the device count beyond the mean's
 # 1/n (chunk owners, vote counts, recursive-doubling rounds, the n <= 2
 # path of natural, per-n sampling) run on 2 and 4 devices too: a third of

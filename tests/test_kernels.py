@@ -887,3 +887,111 @@ def test_platform_is_the_meshs_not_the_hosts():
                          sharding=jax.sharding.NamedSharding(
                            mesh, P("fsdp"))))
   assert seen == [("tpu", (True, False))]
+
+
+# ------------------------------------------------------------- radix top-k
+
+
+def _radix_groups():
+  return [(0, 2, 5000, 30), (10_000, 1, 3000, 700), (13_000, 3, 300, 4),
+          (13_900, 1, 7, 7)]
+
+
+@pytest.mark.parametrize("kind", ["normal", "sparse", "integers", "huge",
+                                  "zeros"])
+@pytest.mark.parametrize("order", topk.ORDERS)
+def test_radix_topk_matches_numpy(kind, order):
+  # Every segment's k largest |x| with no sort of x, against numpy's
+  # stable argsort (lower index first among ties): in the reference's
+  # order, by position, or as a set.
+  groups = _radix_groups()
+  x = _bracket_input(kind, 13_907, 30, seed=3)
+  out = topk.topk_abs_radix_segments(jnp.asarray(x), groups, order=order)
+  for (off, count, size, k), (v, i) in zip(groups, out):
+    assert v.shape == i.shape == (count, k)
+    for r in range(count):
+      start = off + r * size
+      want = start + _np_topk(x[start:start + size], k)
+      got = np.asarray(i[r])
+      if order == "value":
+        np.testing.assert_array_equal(got, want)
+      elif order == "index":
+        np.testing.assert_array_equal(got, np.sort(want))
+      else:
+        assert sorted(got.tolist()) == sorted(want.tolist())
+      np.testing.assert_array_equal(np.asarray(v[r]), x[got])
+
+
+@pytest.mark.parametrize("order", topk.ORDERS)
+def test_radix_signed_top_k_matches_numpy(order):
+  # The largest signed values (SBC's selection), against numpy's stable
+  # argsort of -x: ties, infinities, no -0.0 (numpy orders it as 0.0).
+  groups = _radix_groups()
+  rng = np.random.default_rng(4)
+  x = rng.integers(-4, 5, 13_907).astype(np.float32)
+  x[::97] = rng.standard_normal(x[::97].shape) * 1e30
+  x[5] = np.inf
+  x[6] = -np.inf
+  out = topk.top_k_radix_segments(jnp.asarray(x), groups, order=order)
+  for (off, count, size, k), (v, i) in zip(groups, out):
+    for r in range(count):
+      start = off + r * size
+      want = start + np.argsort(-x[start:start + size], kind="stable")[:k]
+      got = np.asarray(i[r])
+      if order == "value":
+        np.testing.assert_array_equal(got, want)
+      elif order == "index":
+        np.testing.assert_array_equal(got, np.sort(want))
+      else:
+        assert sorted(got.tolist()) == sorted(want.tolist())
+      np.testing.assert_array_equal(np.asarray(v[r]), x[got])
+
+
+def test_radix_signed_top_k_orders_negative_zero_as_lax_top_k():
+  # lax.top_k sorts -0.0 below 0.0; the radix keys keep that order.
+  x = np.array([-0.0, 0.0, -0.0, 0.0, -1.0, -0.0], np.float32)
+  for k in range(1, 7):
+    (v, i), = topk.top_k_radix_segments(jnp.asarray(x), [(0, 1, 6, k)])
+    _, want = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(i[0]), np.asarray(want))
+
+
+def test_radix_topk_is_the_tpu_dispatch(monkeypatch):
+  # auto on a TPU: the radix search from RADIX_TOPK_MIN_SIZE entries, and
+  # nowhere else; topk_abs_groups / top_k_groups / topk_abs then take it
+  # and give the other paths' exact results.
+  m = topk.RADIX_TOPK_MIN_SIZE
+  assert _dispatch.auto_radix_topk("tpu", m)
+  assert not _dispatch.auto_radix_topk("tpu", m - 1)
+  assert not _dispatch.auto_radix_topk("cpu", 10 * m)
+  assert not _dispatch.auto_radix_topk("gpu", 10 * m)
+  groups = _radix_groups()
+  x = jnp.asarray(_bracket_input("integers", 13_907, 30, seed=5))
+  plain = {o: topk.topk_abs_groups(x, groups, order=o) for o in topk.ORDERS}
+  signed = {o: topk.top_k_groups(x, groups, order=o) for o in topk.ORDERS}
+  single = topk.topk_abs(x[:5000], 100)   # past the kernel's k <= 64
+  monkeypatch.setattr(_dispatch, "platform", lambda: "tpu")
+  for o in ("value", "index"):
+    for a, b in zip(plain[o], topk.topk_abs_groups(x, groups, order=o)):
+      np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+    for a, b in zip(signed[o], topk.top_k_groups(x, groups, order=o)):
+      np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+  for a, b in zip(single, topk.topk_abs(x[:5000], 100)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="order must be one of"):
+    topk.topk_abs_groups(x, groups, order="size")
+
+
+@pytest.mark.parametrize("n", [1, 7, 1024, 1025, 5000, 1024 * 1024 + 3])
+def test_prefix_sum_matches_numpy(n):
+  # The blocked prefix sum every 1-D cumsum of the library takes.
+  from jaxcomm import _prefix  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(n)
+  x = rng.integers(0, 5, n).astype(np.int32)
+  np.testing.assert_array_equal(
+    np.asarray(_prefix.prefix_sum(jnp.asarray(x))), np.cumsum(x))
+  np.testing.assert_array_equal(
+    np.asarray(_prefix.prefix_sum(jnp.asarray(x > 2), jnp.int16)[:1000]),
+    np.cumsum(x[:1000] > 2).astype(np.int16))
+  with pytest.raises(ValueError, match="dtype must be an integer"):
+    _prefix.prefix_sum(jnp.asarray(x), jnp.float32)
