@@ -442,11 +442,13 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
 
 
 # auto on TPU: the radix top-k from this many entries (a segment's, or x's).
-# Below it XLA's sort compiles quickly (libtpu 0.0.42.1, v5e, compile-only:
-# lax.top_k of 5% of 2,048 entries 0.09 s, of 4,096 0.21 s, of 16,384
-# 1.1 s, of 65,536 3.5 s, of 1,048,576 5.7 s; the radix search of 65,536
-# 0.04 s).
-RADIX_TOPK_MIN_SIZE = 4096
+# The TPU compiler's code generation of a sort grows with its length
+# (libtpu 0.0.42.1, v5e, compile-only, benchmarks/bench_topk_compile.py):
+# lax.top_k of 1% or 5% of 4,096 entries compiles in 0.2 s, of 8,192 in
+# 0.5 s, of 16,384 in 1.2 s, of 32,768 in 3.5 s, of 1,048,576 in 5.7-7.6
+# s; the radix search (its value order) in 0.5-0.8 s from 4,096 to 32,768
+# entries and 1.3 s for k = 1,000 of 1,048,576.
+RADIX_TOPK_MIN_SIZE = 16384
 
 
 ORDERS = ("value", "index", "any")
@@ -497,9 +499,10 @@ def topk_abs_radix_segments(x: jax.Array, groups, *,
   ``x``).
 
   It exists for the TPU compiler, whose code generation of a sort grows
-  with its length (``lax.top_k`` of 65,536 entries compiles in 3.5 s, this
-  search in 0.04 s; :data:`RADIX_TOPK_MIN_SIZE`). It runs on any backend
-  and returns exactly :func:`topk_abs_reference`'s result per segment.
+  with its length (``lax.top_k`` of 32,768 entries compiles in 3.5 s, this
+  search in 0.6-0.8 s; :data:`RADIX_TOPK_MIN_SIZE`). It runs on any
+  backend and returns exactly :func:`topk_abs_reference`'s result per
+  segment.
 
   Args:
     x: a floating array of any shape, read flattened.
