@@ -9,10 +9,12 @@ most of its compile there. Two tables, each measured in this one run:
    ``order="any"``), and ``jnp.cumsum`` of a 1-D int32 array against the
    blocked ``jaxcomm._prefix.prefix_sum``; seconds of ``.compile()``.
 2. Steps: the sparse battery entries compiled as ``tests/test_tpu.py``
-   compiles them (the tier's model, sharded on two v5e slices), with the
-   radix selection (the ``auto`` rule, leaves from
-   ``RADIX_TOPK_MIN_SIZE`` entries) and without it (``lax.top_k``), each
-   over the plain jit step compiled the same way.
+   compiles them (the tier's model, sharded on two v5e slices) with
+   ``JAXCOMM_TOPK_SEARCH=sort`` (``lax.top_k``, the default) and ``radix``
+   (leaves from ``RADIX_TOPK_MIN_SIZE`` entries): compile seconds over the
+   plain jit step's, the compiler's estimate of a step's run time
+   (``optimal_seconds``) and the memory a chip. The radix search trades
+   run time for compile time.
 
   python -m benchmarks.bench_topk_compile [--sizes 4096,65536] [--no-steps]
 
@@ -78,31 +80,42 @@ def ops_table(sizes, topology: str) -> None:
 def steps_table(names) -> None:
   import optax  # pylint: disable=import-outside-toplevel
 
+  from jaxcomm.kernels import _dispatch  # pylint: disable=import-outside-toplevel
   from tests import test_tpu as tier  # pylint: disable=import-outside-toplevel
 
-  def compile_seconds(name):
+  def compile_step(name):
     tx = tier.ENTRIES[name].make(axis_name="dcn", **tier.KWARGS.get(name, {}))
-    fig, _, _, _ = tier._compile(  # pylint: disable=protected-access
+    fig, state, _, _ = tier._compile(  # pylint: disable=protected-access
       optax.chain(tx, optax.sgd(0.1)), "v5e", "sharded")
-    return fig.compile_seconds
+    return fig, aot.memory_per_chip(fig, state)
 
   tier._plain("v5e")  # pylint: disable=protected-access
-  plain = tier._plain.__wrapped__("v5e").compile_seconds  # pylint: disable=protected-access
+  plain = tier._plain.__wrapped__("v5e")  # pylint: disable=protected-access
   print(f"\nSteps on the TPU tier's model (sharded, v5e:2x2 x 2 slices), "
-        f"plain jit step {plain:.2f} s:\n")
-  print("| entry | radix s | x plain | lax.top_k s | x plain |")
-  print("|---|---:|---:|---:|---:|")
-  saved = topk.RADIX_TOPK_MIN_SIZE
+        f"plain jit step: compile {plain.compile_seconds:.2f} s, the "
+        f"compiler's estimate {plain.optimal_seconds * 1e6:.0f} us, "
+        f"{aot.memory_per_chip(plain) / 2**20:.1f} MiB a chip. "
+        f"JAXCOMM_TOPK_SEARCH=sort (the default) against radix:\n")
+  print("| entry | sort: compile s | x plain | estimate us | MiB | "
+        "radix: compile s | x plain | estimate us | MiB |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  saved = os.environ.get(_dispatch.TOPK_SEARCH_VAR)
   for name in names:
+    cells = []
     try:
-      topk.RADIX_TOPK_MIN_SIZE = saved
-      a = compile_seconds(name)
-      topk.RADIX_TOPK_MIN_SIZE = 1 << 62
-      b = compile_seconds(name)
+      for search in ("sort", "radix"):
+        os.environ[_dispatch.TOPK_SEARCH_VAR] = search
+        fig, mem = compile_step(name)
+        cells.append(
+          f"{fig.compile_seconds:.2f} | "
+          f"{fig.compile_seconds / plain.compile_seconds:.1f}x | "
+          f"{fig.optimal_seconds * 1e6:.0f} | {mem / 2**20:.1f}")
     finally:
-      topk.RADIX_TOPK_MIN_SIZE = saved
-    print(f"| {name} | {a:.2f} | {a / plain:.1f}x | {b:.2f} | "
-          f"{b / plain:.1f}x |", flush=True)
+      if saved is None:
+        os.environ.pop(_dispatch.TOPK_SEARCH_VAR, None)
+      else:
+        os.environ[_dispatch.TOPK_SEARCH_VAR] = saved
+    print(f"| {name} | {' | '.join(cells)} |", flush=True)
 
 
 def main(argv=None) -> None:

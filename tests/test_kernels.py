@@ -956,30 +956,42 @@ def test_radix_signed_top_k_orders_negative_zero_as_lax_top_k():
     np.testing.assert_array_equal(np.asarray(i[0]), np.asarray(want))
 
 
-def test_radix_topk_is_the_tpu_dispatch(monkeypatch):
-  # auto on a TPU: the radix search from RADIX_TOPK_MIN_SIZE entries, and
-  # nowhere else; topk_abs_groups / top_k_groups / topk_abs then take it
-  # and give the other paths' exact results.
+def test_radix_topk_is_the_tpu_opt_in(monkeypatch):
+  # JAXCOMM_TOPK_SEARCH=radix on a TPU: the radix search from
+  # RADIX_TOPK_MIN_SIZE entries, and nowhere else; topk_abs_groups /
+  # top_k_groups / topk_abs then take it and give the sort's exact results.
   m = topk.RADIX_TOPK_MIN_SIZE
+  monkeypatch.delenv(_dispatch.TOPK_SEARCH_VAR, raising=False)
+  assert _dispatch.topk_search() == "sort"
+  assert not _dispatch.auto_radix_topk("tpu", 10 * m)
+  monkeypatch.setenv(_dispatch.TOPK_SEARCH_VAR, "radix")
   assert _dispatch.auto_radix_topk("tpu", m)
   assert not _dispatch.auto_radix_topk("tpu", m - 1)
   assert not _dispatch.auto_radix_topk("cpu", 10 * m)
   assert not _dispatch.auto_radix_topk("gpu", 10 * m)
-  groups = _radix_groups()
-  x = jnp.asarray(_bracket_input("integers", 13_907, 30, seed=5))
+  groups = [(0, 2, m, 100), (2 * m, 3, 300, 4)]
+  x = jnp.asarray(_bracket_input("integers", 2 * m + 900, 100, seed=5))
   plain = {o: topk.topk_abs_groups(x, groups, order=o) for o in topk.ORDERS}
   signed = {o: topk.top_k_groups(x, groups, order=o) for o in topk.ORDERS}
-  single = topk.topk_abs(x[:5000], 100)   # past the kernel's k <= 64
+  single = topk.topk_abs(x[:m], 100)   # past the kernel's k <= 64
+  taken = []
+  real = topk._radix_segments  # pylint: disable=protected-access
+  monkeypatch.setattr(topk, "_radix_segments", lambda *a, **k: (
+    taken.append(k["order"]), real(*a, **k))[1])
   monkeypatch.setattr(_dispatch, "platform", lambda: "tpu")
   for o in ("value", "index"):
     for a, b in zip(plain[o], topk.topk_abs_groups(x, groups, order=o)):
       np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
     for a, b in zip(signed[o], topk.top_k_groups(x, groups, order=o)):
       np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
-  for a, b in zip(single, topk.topk_abs(x[:5000], 100)):
+  for a, b in zip(single, topk.topk_abs(x[:m], 100)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert taken == ["value", "value", "index", "index", "value"]
   with pytest.raises(ValueError, match="order must be one of"):
     topk.topk_abs_groups(x, groups, order="size")
+  monkeypatch.setenv(_dispatch.TOPK_SEARCH_VAR, "bisect")
+  with pytest.raises(ValueError, match="JAXCOMM_TOPK_SEARCH must be one of"):
+    _dispatch.topk_search()
 
 
 @pytest.mark.parametrize("n", [1, 7, 1024, 1025, 5000, 1024 * 1024 + 3])

@@ -72,7 +72,11 @@ tpu          threshold_select  jnp: 1510 us against the mask kernel's
 tpu          topk_abs          the kernel for ``k <= 64`` (6.3 us at k=16,
                                8.2 us at k=64, against ``lax.top_k``'s
                                160 us and 16 MiB of temporaries:
-                               estimate), ``lax.top_k`` above
+                               estimate), ``lax.top_k`` above; with
+                               ``JAXCOMM_TOPK_SEARCH=radix`` the radix
+                               search from 16,384 entries (compiles in
+                               0.5-0.8 s where ``lax.top_k`` of 32,768
+                               takes 3.5 s; estimated slower at run time)
 cpu          all               jnp: the fastest jnp path measured on CPU
                                (see :mod:`~jaxcomm.kernels.bitpack` and
                                :mod:`~jaxcomm.kernels.topk`)

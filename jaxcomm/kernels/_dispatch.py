@@ -102,15 +102,46 @@ def auto_bracketed_topk(backend: str, k: int | None = None) -> bool:
   return backend == "gpu" and (k is None or int(k) >= BRACKETED_TOPK_MIN_K)
 
 
+# The top-k search on TPU: "sort" (lax.top_k, the default) or "radix".
+TOPK_SEARCH_VAR = "JAXCOMM_TOPK_SEARCH"
+TOPK_SEARCHES = ("sort", "radix")
+
+
+def topk_search() -> str:
+  """The TPU top-k search from ``JAXCOMM_TOPK_SEARCH``: ``sort`` (unset:
+  ``lax.top_k``) or ``radix`` (:func:`~jaxcomm.kernels.topk.
+  topk_abs_radix_segments` from :data:`~jaxcomm.kernels.topk.
+  RADIX_TOPK_MIN_SIZE` entries).
+
+  ``radix`` compiles faster and, by the TPU compiler's own estimate,
+  runs slower: on the TPU tier's ``mixed`` model (v5e, 2 slices,
+  compile-only) top-k's step compiles in 9.5 s instead of 14.9 s, and the
+  compiler estimates it at 3.1 ms a step instead of 0.37 ms, with 2.6 MiB
+  more a chip (``benchmarks/bench_topk_compile.py``). No TPU has run
+  either here.
+
+  Raises:
+    ValueError: naming the variable, for any other value.
+  """
+  raw = os.environ.get(TOPK_SEARCH_VAR, "")
+  value = raw.strip().lower() or "sort"
+  if value not in TOPK_SEARCHES:
+    raise ValueError(
+      f"{TOPK_SEARCH_VAR} must be one of {', '.join(TOPK_SEARCHES)} (unset "
+      f"means sort), got {raw!r}")
+  return value
+
+
 def auto_radix_topk(backend: str, size: int) -> bool:
   """Whether the jnp top-k of ``size`` entries is the radix search
   (:func:`~jaxcomm.kernels.topk.topk_abs_radix_segments`) rather than
-  ``lax.top_k``: on TPU from
-  :data:`~jaxcomm.kernels.topk.RADIX_TOPK_MIN_SIZE` entries, where the
-  TPU compiler's sort takes seconds to compile (see that constant);
-  not on CPU or GPU, whose sorts compile quickly."""
+  ``lax.top_k``: on TPU under ``JAXCOMM_TOPK_SEARCH=radix``, from
+  :data:`~jaxcomm.kernels.topk.RADIX_TOPK_MIN_SIZE` entries (see
+  :func:`topk_search` for what it trades); never on CPU or GPU, whose
+  sorts compile quickly."""
   from jaxcomm.kernels import topk  # pylint: disable=import-outside-toplevel
-  return backend == "tpu" and int(size) >= topk.RADIX_TOPK_MIN_SIZE
+  return (backend == "tpu" and topk_search() == "radix"
+          and int(size) >= topk.RADIX_TOPK_MIN_SIZE)
 
 
 def platform() -> str:

@@ -65,7 +65,10 @@ it pays) and ``lax.top_k`` below (one H100, 25M float32, time as a
 multiple of ``x + 0``: kernel 3.6x at k=16 against ``lax.top_k``'s 214x;
 at k=128 ``lax.top_k`` 7.3x, bracketed 8.4x; at k=1024 bracketed 4.2x,
 ``lax.top_k`` 6.6x; at k=25,000 bracketed 3.4x, ``torch.topk`` 3.8x); on
-TPU the kernel rule, unmeasured, and ``lax.top_k`` above;
+TPU the kernel rule, unmeasured, and ``lax.top_k`` above (the radix
+search of :func:`topk_abs_radix_segments` with
+``JAXCOMM_TOPK_SEARCH=radix``: a faster compile, a slower step by the
+compiler's estimate, see :func:`jaxcomm.kernels._dispatch.topk_search`);
 ``threshold_select`` takes the jnp-packed mask on every backend. On CPU,
 ``lax.approx_max_k`` falls back to an exact sort and measured no faster
 than ``lax.top_k``, and ``lax.top_k`` beat the bracketed search at
@@ -441,13 +444,15 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
   return out
 
 
-# auto on TPU: the radix top-k from this many entries (a segment's, or x's).
-# The TPU compiler's code generation of a sort grows with its length
+# On TPU under JAXCOMM_TOPK_SEARCH=radix: the radix top-k from this many
+# entries (a segment's, or x's). The TPU compiler's code generation of a sort grows with its length
 # (libtpu 0.0.42.1, v5e, compile-only, benchmarks/bench_topk_compile.py):
 # lax.top_k of 1% or 5% of 4,096 entries compiles in 0.2 s, of 8,192 in
 # 0.5 s, of 16,384 in 1.2 s, of 32,768 in 3.5 s, of 1,048,576 in 5.7-7.6
 # s; the radix search (its value order) in 0.5-0.8 s from 4,096 to 32,768
-# entries and 1.3 s for k = 1,000 of 1,048,576.
+# entries and 1.3 s for k = 1,000 of 1,048,576. At run time the compiler
+# estimates it slower (v5e, 4,194,304 entries: k = 16 in 893 us against
+# lax.top_k's 159 us, k = 1% in 4.4-4.8 ms against 160 us).
 RADIX_TOPK_MIN_SIZE = 16384
 
 
@@ -500,9 +505,11 @@ def topk_abs_radix_segments(x: jax.Array, groups, *,
 
   It exists for the TPU compiler, whose code generation of a sort grows
   with its length (``lax.top_k`` of 32,768 entries compiles in 3.5 s, this
-  search in 0.6-0.8 s; :data:`RADIX_TOPK_MIN_SIZE`). It runs on any
-  backend and returns exactly :func:`topk_abs_reference`'s result per
-  segment.
+  search in 0.6-0.8 s; :data:`RADIX_TOPK_MIN_SIZE`), taken there under
+  ``JAXCOMM_TOPK_SEARCH=radix`` only: the compiler estimates its run time
+  above the sort's (see :func:`jaxcomm.kernels._dispatch.topk_search`).
+  It runs on any backend and returns exactly
+  :func:`topk_abs_reference`'s result per segment.
 
   Args:
     x: a floating array of any shape, read flattened.
@@ -532,11 +539,14 @@ def topk_abs_radix_segments(x: jax.Array, groups, *,
            [6, 4]], dtype=int32)
   """
   x = _flat(x)
-  bits = lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32),
-                                  jnp.uint32)
   # Every |x| pattern is below 2^31 (sign cleared): 31 halvings.
-  return _radix_segments(x, bits, groups, order=order,
+  return _radix_segments(x, _abs_keys, groups, order=order,
                          end=_ABS_BITS_END, rounds=31)
+
+
+def _abs_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys in the order of ``|x|``: its float32 bit patterns."""
+  return lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.uint32)
 
 
 def _signed_keys(x: jax.Array) -> jax.Array:
@@ -578,37 +588,44 @@ def top_k_radix_segments(x: jax.Array, groups, *,
   """
   x = _flat(x)
   # +NaN alone maps to 0xFFFFFFFF: any other key is below it.
-  return _radix_segments(x, _signed_keys(x), groups, order=order,
+  return _radix_segments(x, _signed_keys, groups, order=order,
                          end=0xFFFFFFFF, rounds=32)
 
 
-def _radix_segments(x, bits, groups, *, order, end, rounds):
+def _radix_segments(x, key_of, groups, *, order, end, rounds):
   """The radix search and compaction behind :func:`topk_abs_radix_segments`
-  on monotone ``uint32`` keys ``bits`` (all below ``end``), ``rounds``
-  halvings of ``[0, end)``."""
+  on monotone ``uint32`` keys ``key_of(values)`` (all below ``end``),
+  ``rounds`` halvings of ``[0, end)``. Keys are computed where they are
+  compared (no buffer of every key), and counts are per-group row sums of
+  the comparison (no mask over ``x``, no prefix sum)."""
   length = x.shape[0]
   bounds, quota = _parse_groups(groups, length)
   segments = len(quota)
   _check_order(order)
   k_row = jnp.asarray(np.asarray(quota, np.int64), jnp.int32)
-
-  def spread(t):
-    # Each segment's value at each of its positions: a broadcast per group
-    # (a gather t[segment id] of len(x) indices compiled for TPU in 4.5 s
-    # on 430,000 entries).
-    parts, r0 = [], 0
-    for _, cnt, size, _ in groups:
-      parts.append(jnp.broadcast_to(t[r0:r0 + cnt, None],
-                                    (cnt, size)).reshape(-1))
-      r0 += cnt
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  # Each group a [count, size] view; its segments' thresholds broadcast
+  # along the rows (a gather t[segment id] of len(x) indices compiled for
+  # TPU in 4.5 s on 430,000 entries).
+  views, r0 = [], 0
+  for off, cnt, size, _ in groups:
+    views.append((x[off:off + cnt * size].reshape(cnt, size), r0, cnt))
+    r0 += cnt
 
   def count(t):
-    return segment_counts(pack_mask(bits >= spread(t)), bounds)
+    parts = [jnp.sum(key_of(v) >= t[r:r + c, None], axis=1, dtype=jnp.int32)
+             for v, r, c in views]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def mask(pred):
+    """``pred(keys, rows, r0)`` of every group, flattened and packed."""
+    parts = [pred(key_of(v), r, c).reshape(-1) for v, r, c in views]
+    return pack_mask(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
 
   # lo: a key at least k entries reach; hi: one fewer than k reach. The
   # halvings end at hi = lo + 1, lo the k-th largest key.
-  zero = jnp.zeros((segments,), jnp.uint32) + (bits[:1] & jnp.uint32(0))
+  zero = jnp.zeros((segments,), jnp.uint32) + (
+    lax.bitcast_convert_type(x[:1].astype(jnp.float32), jnp.uint32) &
+    jnp.uint32(0))
 
   def body(_, c):
     lo, hi = c
@@ -619,18 +636,25 @@ def _radix_segments(x, bits, groups, *, order, end, rounds):
   lo, hi = lax.fori_loop(0, rounds, body, (zero, zero + jnp.uint32(end)))
   above = count(hi)                          # < k, by the invariant
   caps = tuple(max(k - 1, 1) for k in quota)
-  va, ia, _ = compact_segments(x, pack_mask(bits >= spread(hi)), bounds,
-                               caps)
-  ve, ie, _ = compact_segments(x, pack_mask(bits == spread(lo)), bounds,
-                               tuple(quota))
+  va, ia, _ = compact_segments(
+    x, mask(lambda key, r, c: key >= hi[r:r + c, None]), bounds, caps)
+  ve, ie, _ = compact_segments(
+    x, mask(lambda key, r, c: key == lo[r:r + c, None]), bounds,
+    tuple(quota))
   e_start = jnp.asarray(np.cumsum(quota) - np.asarray(quota), jnp.int32)
   if order == "index":
     # One more compaction, of every entry kept: above T, or equal to T at
     # or before the last one the cut takes (need >= 1 of them).
     cut = ie[e_start + jnp.asarray(np.asarray(quota), jnp.int32) - above - 1]
-    keep = (bits >= spread(hi)) | ((bits == spread(lo)) & (
-      jnp.arange(length, dtype=jnp.int32) <= spread(cut)))
-    vk, ik, _ = compact_segments(x, pack_mask(keep), bounds, tuple(quota))
+    starts = jnp.asarray(np.asarray(bounds[:-1]), jnp.int32)
+    cut = cut - starts                       # within its segment
+
+    def keep(key, r, c):
+      at = jnp.arange(key.shape[1], dtype=jnp.int32)[None, :]
+      return (key >= hi[r:r + c, None]) | (
+        (key == lo[r:r + c, None]) & (at <= cut[r:r + c, None]))
+
+    vk, ik, _ = compact_segments(x, mask(keep), bounds, tuple(quota))
     out, r0 = [], 0
     for _, cnt, _, k in groups:
       out.append((vk[r0:r0 + cnt * k].reshape(cnt, k),
@@ -642,8 +666,7 @@ def _radix_segments(x, bits, groups, *, order, end, rounds):
   c_end = np.cumsum(caps)
   if order == "value":
     crow = segment_ids((0,) + tuple(int(e) for e in c_end))
-    key = bits[jnp.minimum(ia, length - 1)]
-    key = jnp.where(ia < length, ~key, jnp.uint32(0xFFFFFFFF))
+    key = jnp.where(ia < length, ~key_of(va), jnp.uint32(0xFFFFFFFF))
     _, _, ia, va = lax.sort((crow, key, ia, va), num_keys=2, is_stable=True)
   # Slot j of segment s: the j-th entry above T, else the (j - above)-th
   # entry equal to T.
@@ -671,9 +694,10 @@ def topk_abs_groups(x: jax.Array, groups, *,
   segment, all segments are searched together
   (:func:`topk_abs_segments`); otherwise each group takes
   :func:`topk_abs` (kernel or ``lax.top_k`` by the ``auto`` table), batched
-  over its rows. On a TPU, where some segment has
-  :data:`RADIX_TOPK_MIN_SIZE` entries or more, all segments take the radix
-  search (:func:`topk_abs_radix_segments`: no sort of ``x``). Either way
+  over its rows. On a TPU under ``JAXCOMM_TOPK_SEARCH=radix``, where some
+  segment has :data:`RADIX_TOPK_MIN_SIZE` entries or more, all segments
+  take the radix search (:func:`topk_abs_radix_segments`: no sort of
+  ``x``). Either way
   the result is exact. ``nonnegative``: ``x`` holds magnitudes (as
   :func:`topk_abs`). ``order``: ``"value"`` (decreasing ``|x|``, lower
   index first among ties), ``"index"`` (increasing position) or
@@ -724,9 +748,10 @@ def topk_abs_groups(x: jax.Array, groups, *,
 
 def top_k_groups(x: jax.Array, groups, *, order: str = "value") -> list:
   """``lax.top_k`` (the largest signed values) of every segment, dispatched
-  as :func:`topk_abs_groups`: on a TPU, where some segment has
-  :data:`RADIX_TOPK_MIN_SIZE` entries or more (and ``JAXCOMM_KERNELS`` is
-  not ``always``), all segments through :func:`top_k_radix_segments`;
+  as :func:`topk_abs_groups`: on a TPU under ``JAXCOMM_TOPK_SEARCH=radix``,
+  where some segment has :data:`RADIX_TOPK_MIN_SIZE` entries or more (and
+  ``JAXCOMM_KERNELS`` is not ``always``), all segments through
+  :func:`top_k_radix_segments`;
   otherwise ``lax.top_k`` per group, batched over its rows. Exact either
   way.
 
@@ -778,8 +803,9 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
       on GPU/TPU when ``k <= 64``, else the jnp path); ``True``: always the
       kernel (interpreted on CPU); ``False``: always the jnp path. The jnp
       path is ``lax.top_k``, except on GPU from ``k = 512``
-      (:func:`topk_abs_bracketed`) and on TPU from
-      :data:`RADIX_TOPK_MIN_SIZE` entries (:func:`topk_abs_radix_segments`).
+      (:func:`topk_abs_bracketed`) and on TPU under
+      ``JAXCOMM_TOPK_SEARCH=radix`` from :data:`RADIX_TOPK_MIN_SIZE`
+      entries (:func:`topk_abs_radix_segments`).
     nonnegative: ``x`` holds magnitudes already (``x >= 0``): ``lax.top_k``
       reads it as is, with no ``|x|`` buffer beside it (the kernel and the
       bracketed search take ``|x|`` in their own passes).
