@@ -447,12 +447,13 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
 # On TPU under JAXCOMM_TOPK_SEARCH=radix: the radix top-k from this many
 # entries (a segment's, or x's). The TPU compiler's code generation of a
 # sort grows with its length (libtpu 0.0.42.1, v5e, compile-only,
-# benchmarks/bench_topk_compile.py): lax.top_k of 1% or 5% of 4,096 entries compiles in 0.2 s, of 8,192 in
-# 0.5 s, of 16,384 in 1.2 s, of 32,768 in 3.5 s, of 1,048,576 in 5.7-7.6
-# s; the radix search (its value order) in 0.5-0.8 s from 4,096 to 32,768
-# entries and 1.3 s for k = 1,000 of 1,048,576. At run time the compiler
-# estimates it slower (v5e, 4,194,304 entries: k = 16 in 893 us against
-# lax.top_k's 159 us, k = 1% in 4.4-4.8 ms against 160 us).
+# benchmarks/bench_topk_compile.py): lax.top_k of 1% or 5% of 4,096
+# entries compiles in 0.2 s, of 8,192 in 0.5 s, of 16,384 in 1.2 s, of
+# 32,768 in 3.5 s, of 1,048,576 in 5.7-7.6 s; the radix search (its value
+# order) in 0.4-0.8 s from 4,096 to 65,536 entries and 1.3 s for k = 1,000
+# of 1,048,576. At run time the compiler estimates it slower (v5e,
+# 4,194,304 entries: k = 16 in 893 us against lax.top_k's 159 us, k = 1%
+# in 4.4-4.8 ms against 160 us).
 RADIX_TOPK_MIN_SIZE = 16384
 
 
