@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxcomm import _checks
@@ -75,23 +76,15 @@ def _stc_select(x, layout, ratio):
             for g in layout.groups]
   out = []
   for g, (vals, idx) in zip(layout.groups,
-                            _topk.topk_abs_groups(x, groups,
-                                                  order="index")):
+                            _topk.topk_abs_groups(x, groups, order="any")):
     pos = idx - (g.offset + g.leaf_size * jnp.arange(g.count,
                                                      dtype=jnp.int32)[:, None])
     mu = jnp.mean(jnp.abs(vals), axis=-1, keepdims=True)
     pad = (vals == 0) & (mu > 0)
-    # Positions in increasing order with no sort (a sort of [G, k] took
-    # the TPU compiler seconds): the selection comes by position, so the
-    # kept entries keep their order and the padding slots, at L, L + 1,
-    # ..., move behind them (a stable partition, one scatter).
-    pad_rank = jnp.cumsum(pad, axis=-1, dtype=jnp.int32)
-    kept_rank = jnp.cumsum(~pad, axis=-1, dtype=jnp.int32)
-    pos = jnp.where(pad, g.leaf_size - 1 + pad_rank, pos)
-    dest = jnp.where(pad, kept_rank[:, -1:] + pad_rank, kept_rank) - 1
-    row = jnp.arange(g.count, dtype=jnp.int32)[:, None]
-    pos = jnp.zeros_like(pos).at[row, dest].set(pos, unique_indices=True)
-    vals = jnp.zeros_like(vals).at[row, dest].set(vals, unique_indices=True)
+    pos = jnp.where(pad, g.leaf_size - 1 + jnp.cumsum(pad, axis=-1,
+                                                      dtype=jnp.int32), pos)
+    # Positions in increasing order, their values carried along (one sort).
+    pos, vals = jax.lax.sort((pos, vals), dimension=-1, num_keys=1)
     out.append((pos, mu * jnp.sign(vals), mu[:, 0], vals < 0))
   return out
 
@@ -103,10 +96,10 @@ def _sbc_select(x, layout, ratio):
   groups = [(g.offset, g.count, g.leaf_size, num_selected(ratio, g.leaf_size))
             for g in layout.groups]
   out = []
-  # Both selections by position (the code needs increasing positions): on
-  # a TPU neither sorts (topk.top_k_groups).
-  tops = _topk.top_k_groups(x, groups, order="index")
-  bottoms = _topk.top_k_groups(-x, groups, order="index")
+  # Either selection's order is left to the search (positions are sorted
+  # once below, after the choice).
+  tops = _topk.top_k_groups(x, groups, order="any")
+  bottoms = _topk.top_k_groups(-x, groups, order="any")
   for g, (pos_v, pos_i), (neg_v, neg_i) in zip(layout.groups, tops,
                                                 bottoms):
     base = g.offset + g.leaf_size * jnp.arange(g.count,
@@ -117,7 +110,7 @@ def _sbc_select(x, layout, ratio):
     positive = mu_pos >= mu_neg
     idx = jnp.where(positive[:, None], pos_i, neg_i)
     mu = jnp.where(positive, mu_pos, -mu_neg)
-    pos = idx
+    pos = jnp.sort(idx, axis=-1)
     out.append((pos, jnp.broadcast_to(mu[:, None], pos.shape), mu, None))
   return out
 
