@@ -40,7 +40,7 @@ from jaxcomm import _prefix  # noqa: E402
 from jaxcomm import aot  # noqa: E402
 from jaxcomm.kernels import topk  # noqa: E402
 
-STEP_ENTRIES = ("topk_ef", "threshold_ef", "stc_ef", "sbc_ef",
+STEP_ENTRIES = ("topk_ef", "threshold_ef", "stc_ef",
                 "dgc_warmup_exact", "gtopk_ef", "sparcml_ef", "mgs_merged",
                 "scalecom_ef", "adacomp_ef")
 

@@ -107,7 +107,7 @@ def test_matches_numpy_reference_on_8_devices(name, mesh):
 # of the leaves), forced on this CPU: every entry it serves matches its
 # numpy reference on it too.
 RADIX_ENTRIES = ("dgc_warmup_exact", "gmc_ef", "gtopk_ef", "mgs_merged",
-                 "sbc_ef", "scalecom_ef", "sparcml_ef", "stc_ef",
+                 "scalecom_ef", "sparcml_ef", "stc_ef",
                  "threshold_ef", "topk_2bit", "topk_ef", "topk_model_noef")
 
 

@@ -550,49 +550,6 @@ def _abs_keys(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(jnp.abs(x).astype(jnp.float32), jnp.uint32)
 
 
-def _signed_keys(x: jax.Array) -> jax.Array:
-  """uint32 keys in the total order of ``x``'s float32 values, the order
-  ``lax.top_k`` sorts by (``-0.0`` below ``0.0``)."""
-  b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
-
-
-def top_k_radix_segments(x: jax.Array, groups, *,
-                         order: str = "value") -> list:
-  """:func:`topk_abs_radix_segments` of the largest signed values.
-
-  The ``k`` largest ``x`` (not ``|x|``) of every segment, as
-  ``lax.top_k`` takes them per segment (lower index first among equal
-  values, ``-0.0`` below ``0.0``), with no sort of ``x``: the same
-  radix search on keys in the order of the float32 values (32 rounds).
-
-  Args:
-    x: a floating array of any shape, read flattened.
-    groups: as :func:`topk_abs_radix_segments`.
-    order: as :func:`topk_abs_radix_segments` (``"value"``: decreasing
-      ``x``).
-
-  Returns:
-    Per group ``(values, indices)`` of shape ``[count, k]``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jaxcomm.kernels import topk
-    >>> x = jnp.array([0.5, -3.0, 2.0, 3.0, 1.0, -1.0, 4.0, 0.0])
-    >>> (v, i), = topk.top_k_radix_segments(x, [(0, 2, 4, 2)])
-    >>> v
-    Array([[3. , 2. ],
-           [4. , 1. ]], dtype=float32)
-    >>> i
-    Array([[3, 2],
-           [6, 4]], dtype=int32)
-  """
-  x = _flat(x)
-  # +NaN alone maps to 0xFFFFFFFF: any other key is below it.
-  return _radix_segments(x, _signed_keys, groups, order=order,
-                         end=0xFFFFFFFF, rounds=32)
-
-
 def _radix_segments(x, key_of, groups, *, order, end, rounds):
   """The radix search and compaction behind :func:`topk_abs_radix_segments`
   on monotone ``uint32`` keys ``key_of(values)`` (all below ``end``),
@@ -744,50 +701,6 @@ def topk_abs_groups(x: jax.Array, groups, *,
       vals, idx = _by_index(vals, idx)
     base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
     out.append((vals, idx + base))
-  return out
-
-
-def top_k_groups(x: jax.Array, groups, *, order: str = "value") -> list:
-  """``lax.top_k`` (the largest signed values) of every segment, dispatched
-  as :func:`topk_abs_groups`: on a TPU under ``JAXCOMM_TOPK_SEARCH=radix``,
-  where some segment has :data:`RADIX_TOPK_MIN_SIZE` entries or more (and
-  ``JAXCOMM_KERNELS`` is not ``always``), all segments through
-  :func:`top_k_radix_segments`;
-  otherwise ``lax.top_k`` per group, batched over its rows. Exact either
-  way.
-
-  Args:
-    x: a floating array of any shape, read flattened.
-    groups: as :func:`topk_abs_segments`.
-    order: as :func:`topk_abs_groups` (``"value"``: decreasing ``x``).
-
-  Returns:
-    Per group ``(values, indices)`` of shape ``[count, k]``, indices
-    positions in ``x``; rows in ``order``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jaxcomm.kernels import topk
-    >>> x = jnp.array([0.5, -3.0, 2.0, 3.0])
-    >>> [(v.tolist(), i.tolist())
-    ...  for v, i in topk.top_k_groups(x, [(0, 1, 4, 2)])]
-    [([[3.0, 2.0]], [[3, 2]])]
-  """
-  x = _flat(x)
-  _check_order(order)
-  if _dispatch.mode() != "always" and any(
-      _dispatch.auto_radix_topk(_dispatch.platform(), size)
-      for _, _, size, _ in groups):
-    return top_k_radix_segments(x, groups, order=order)
-  out = []
-  for off, count, size, k in groups:
-    k = _check_k(k, size)
-    rows = x[off:off + count * size].reshape(count, size)
-    vals, idx = lax.top_k(rows, k)
-    if order == "index":
-      vals, idx = _by_index(vals, idx)
-    base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
-    out.append((vals, idx.astype(jnp.int32) + base))
   return out
 
 

@@ -93,18 +93,11 @@ def _sbc_select(x, layout, ratio):
   """Per group: the positions of the k largest values or of the k most
   negative ones, whichever group has the larger mean magnitude, and the
   signed mean sent for all of them."""
-  groups = [(g.offset, g.count, g.leaf_size, num_selected(ratio, g.leaf_size))
-            for g in layout.groups]
   out = []
-  # Either selection's order is left to the search (positions are sorted
-  # once below, after the choice).
-  tops = _topk.top_k_groups(x, groups, order="any")
-  bottoms = _topk.top_k_groups(-x, groups, order="any")
-  for g, (pos_v, pos_i), (neg_v, neg_i) in zip(layout.groups, tops,
-                                                bottoms):
-    base = g.offset + g.leaf_size * jnp.arange(g.count,
-                                               dtype=jnp.int32)[:, None]
-    pos_i, neg_i = pos_i - base, neg_i - base
+  for g, rows in zip(layout.groups, layout.views(x)):
+    k = num_selected(ratio, g.leaf_size)
+    pos_v, pos_i = jax.lax.top_k(rows, k)
+    neg_v, neg_i = jax.lax.top_k(-rows, k)
     mu_pos = jnp.mean(pos_v, axis=-1)
     mu_neg = jnp.mean(neg_v, axis=-1)
     positive = mu_pos >= mu_neg
