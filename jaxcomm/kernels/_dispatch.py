@@ -110,8 +110,7 @@ TOPK_SEARCHES = ("sort", "radix")
 def topk_search() -> str:
   """The TPU top-k search from ``JAXCOMM_TOPK_SEARCH``: ``sort`` (unset:
   ``lax.top_k``) or ``radix`` (:func:`~jaxcomm.kernels.topk.
-  topk_abs_radix_segments` from :data:`~jaxcomm.kernels.topk.
-  RADIX_TOPK_MIN_SIZE` entries).
+  topk_abs_radix_segments` from ``topk.RADIX_TOPK_MIN_SIZE`` entries).
 
   ``radix`` compiles faster and, by the TPU compiler's own estimate,
   runs slower: on the TPU tier's ``mixed`` model (v5e, 2 slices,
@@ -136,7 +135,7 @@ def auto_radix_topk(backend: str, size: int) -> bool:
   """Whether the jnp top-k of ``size`` entries is the radix search
   (:func:`~jaxcomm.kernels.topk.topk_abs_radix_segments`) rather than
   ``lax.top_k``: on TPU under ``JAXCOMM_TOPK_SEARCH=radix``, from
-  :data:`~jaxcomm.kernels.topk.RADIX_TOPK_MIN_SIZE` entries (see
+  ``topk.RADIX_TOPK_MIN_SIZE`` entries (see
   :func:`topk_search` for what it trades); never on CPU or GPU, whose
   sorts compile quickly."""
   from jaxcomm.kernels import topk  # pylint: disable=import-outside-toplevel

@@ -506,7 +506,7 @@ def topk_abs_radix_segments(x: jax.Array, groups, *,
 
   It exists for the TPU compiler, whose code generation of a sort grows
   with its length (``lax.top_k`` of 32,768 entries compiles in 3.5 s, this
-  search in 0.6-0.8 s; :data:`RADIX_TOPK_MIN_SIZE`), taken there under
+  search in 0.6-0.8 s; ``topk.RADIX_TOPK_MIN_SIZE``), taken there under
   ``JAXCOMM_TOPK_SEARCH=radix`` only: the compiler estimates its run time
   above the sort's (see :func:`jaxcomm.kernels._dispatch.topk_search`).
   It runs on any backend and returns exactly
@@ -653,7 +653,7 @@ def topk_abs_groups(x: jax.Array, groups, *,
   (:func:`topk_abs_segments`); otherwise each group takes
   :func:`topk_abs` (kernel or ``lax.top_k`` by the ``auto`` table), batched
   over its rows. On a TPU under ``JAXCOMM_TOPK_SEARCH=radix``, where some
-  segment has :data:`RADIX_TOPK_MIN_SIZE` entries or more, all segments
+  segment has ``topk.RADIX_TOPK_MIN_SIZE`` entries or more, all segments
   take the radix search (:func:`topk_abs_radix_segments`: no sort of
   ``x``). Either way
   the result is exact. ``nonnegative``: ``x`` holds magnitudes (as
@@ -717,9 +717,9 @@ def topk_abs(x: jax.Array, k: int, *, interpret: bool = False,
       on GPU/TPU when ``k <= 64``, else the jnp path); ``True``: always the
       kernel (interpreted on CPU); ``False``: always the jnp path. The jnp
       path is ``lax.top_k``, except on GPU from ``k = 512``
-      (:func:`topk_abs_bracketed`) and on TPU under
-      ``JAXCOMM_TOPK_SEARCH=radix`` from :data:`RADIX_TOPK_MIN_SIZE`
-      entries (:func:`topk_abs_radix_segments`).
+      (:func:`~jaxcomm.kernels.topk.topk_abs_bracketed`) and on TPU under
+      ``JAXCOMM_TOPK_SEARCH=radix`` from ``topk.RADIX_TOPK_MIN_SIZE``
+      entries (:func:`~jaxcomm.kernels.topk.topk_abs_radix_segments`).
     nonnegative: ``x`` holds magnitudes already (``x >= 0``): ``lax.top_k``
       reads it as is, with no ``|x|`` buffer beside it (the kernel and the
       bracketed search take ``|x|`` in their own passes).
