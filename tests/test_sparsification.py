@@ -1010,3 +1010,27 @@ def test_adacomp_bad_bin_sizes_are_named():
     tx.init({"w": jnp.zeros((64, 48))})
   with pytest.raises(ValueError, match="capacity_factor"):
     jaxcomm.adacomp(16, capacity_factor=0.5)
+
+
+def test_adacomp_capacity_cut_against_numpy():
+  """``keep_largest``: where the selection holds more than ``cap`` entries,
+  its ``cap`` largest ``|x|``, equal magnitudes first by position (the two
+  bisections, of the magnitude and of the tie cut), against numpy's stable
+  argsort on inputs of many ties."""
+  from jaxcomm.transforms.sparsify._adacomp import keep_largest  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  for _ in range(60):
+    n = int(rng.integers(1, 300))
+    x = rng.integers(-3, 4, n).astype(np.float32)
+    mask = rng.random(n) < 0.7
+    cap = int(rng.integers(1, n + 1))
+    count = int(mask.sum())
+    got = np.asarray(keep_largest(jnp.asarray(x), jnp.asarray(mask),
+                                  jnp.int32(count), cap))
+    want = mask.copy()
+    if count > cap:
+      cand = np.nonzero(mask)[0]
+      keep = cand[np.argsort(-np.abs(x[cand]), kind="stable")][:cap]
+      want = np.zeros(n, bool)
+      want[keep] = True
+    np.testing.assert_array_equal(got, want)
