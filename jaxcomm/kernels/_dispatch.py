@@ -68,12 +68,18 @@ def mode() -> str:
     ... else:
     ...   os.environ[kernels.ENV_VAR] = saved
   """
-  raw = os.environ.get(ENV_VAR, "")
-  value = raw.strip().lower() or "auto"
-  if value not in MODES:
+  return _choice(ENV_VAR, MODES)
+
+
+def _choice(var: str, choices: tuple[str, ...]) -> str:
+  """The value of environment variable ``var``, one of ``choices``
+  (unset or empty: the first); a clear error naming ``var`` otherwise."""
+  raw = os.environ.get(var, "")
+  value = raw.strip().lower() or choices[0]
+  if value not in choices:
     raise ValueError(
-      f"{ENV_VAR} must be one of {', '.join(MODES)} (unset means auto), "
-      f"got {raw!r}")
+      f"{var} must be one of {', '.join(choices)} (unset means "
+      f"{choices[0]}), got {raw!r}")
   return value
 
 
@@ -121,14 +127,17 @@ def topk_search() -> str:
 
   Raises:
     ValueError: naming the variable, for any other value.
+
+  Example:
+    >>> import os
+    >>> from jaxcomm.kernels import _dispatch
+    >>> saved = os.environ.pop(_dispatch.TOPK_SEARCH_VAR, None)
+    >>> _dispatch.topk_search()
+    'sort'
+    >>> if saved is not None:
+    ...   os.environ[_dispatch.TOPK_SEARCH_VAR] = saved
   """
-  raw = os.environ.get(TOPK_SEARCH_VAR, "")
-  value = raw.strip().lower() or "sort"
-  if value not in TOPK_SEARCHES:
-    raise ValueError(
-      f"{TOPK_SEARCH_VAR} must be one of {', '.join(TOPK_SEARCHES)} (unset "
-      f"means sort), got {raw!r}")
-  return value
+  return _choice(TOPK_SEARCH_VAR, TOPK_SEARCHES)
 
 
 def auto_radix_topk(backend: str, size: int) -> bool:

@@ -457,19 +457,12 @@ def topk_abs_segments(x: jax.Array, groups) -> list:
 RADIX_TOPK_MIN_SIZE = 16384
 
 
-ORDERS = ("value", "index", "any")
+ORDERS = ("value", "any")
 
 
 def _check_order(order):
   if order not in ORDERS:
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-
-
-def _by_index(vals, idx):
-  """Rows ``[count, k]`` sorted by position (the non-radix paths'
-  ``order="index"``)."""
-  idx, vals = lax.sort((idx, vals), dimension=-1, num_keys=1)
-  return vals, idx
 
 
 def _parse_groups(groups, length):
@@ -518,10 +511,8 @@ def topk_abs_radix_segments(x: jax.Array, groups, *,
       segments of ``size`` elements from ``offset`` (contiguous, in order,
       covering ``x``), each keeping its ``k`` largest ``|x|``.
     order: ``"value"``: each row in the reference's order (decreasing
-      ``|x|``, lower index first among ties); ``"index"``: increasing
-      position (one more compaction, no sort); ``"any"``: no sort and no
-      more compaction (the entries above ``T`` by index, then those equal
-      to ``T`` by index).
+      ``|x|``, lower index first among ties); ``"any"``: no sort (the
+      entries above ``T`` by index, then those equal to ``T`` by index).
 
   Returns:
     Per group ``(values, indices)`` of shape ``[count, k]``: signed values
@@ -600,25 +591,6 @@ def _radix_segments(x, key_of, groups, *, order, end, rounds):
     x, mask(lambda key, r, c: key == lo[r:r + c, None]), bounds,
     tuple(quota))
   e_start = jnp.asarray(np.cumsum(quota) - np.asarray(quota), jnp.int32)
-  if order == "index":
-    # One more compaction, of every entry kept: above T, or equal to T at
-    # or before the last one the cut takes (need >= 1 of them).
-    cut = ie[e_start + jnp.asarray(np.asarray(quota), jnp.int32) - above - 1]
-    starts = jnp.asarray(np.asarray(bounds[:-1]), jnp.int32)
-    cut = cut - starts                       # within its segment
-
-    def keep(key, r, c):
-      at = jnp.arange(key.shape[1], dtype=jnp.int32)[None, :]
-      return (key >= hi[r:r + c, None]) | (
-        (key == lo[r:r + c, None]) & (at <= cut[r:r + c, None]))
-
-    vk, ik, _ = compact_segments(x, mask(keep), bounds, tuple(quota))
-    out, r0 = [], 0
-    for _, cnt, _, k in groups:
-      out.append((vk[r0:r0 + cnt * k].reshape(cnt, k),
-                  ik[r0:r0 + cnt * k].reshape(cnt, k)))
-      r0 += cnt * k
-    return out
   # Entries above T in decreasing key (stable: lower index first among
   # ties, as compacted), unused slots (index L) last in their segment.
   c_end = np.cumsum(caps)
@@ -658,9 +630,8 @@ def topk_abs_groups(x: jax.Array, groups, *,
   ``x``). Either way
   the result is exact. ``nonnegative``: ``x`` holds magnitudes (as
   :func:`topk_abs`). ``order``: ``"value"`` (decreasing ``|x|``, lower
-  index first among ties), ``"index"`` (increasing position) or
-  ``"any"`` (the caller needs the entries, not their order); the radix
-  search sorts nothing for the last two.
+  index first among ties) or ``"any"`` (the caller needs the entries, not
+  their order; the radix search then sorts nothing).
 
   Returns:
     Per group ``(values, indices)`` of shape ``[count, k]``, indices
@@ -683,8 +654,7 @@ def topk_abs_groups(x: jax.Array, groups, *,
   if _dispatch.mode() != "always" and any(
       _dispatch.auto_bracketed_topk(backend, k) and bracket_pays(k, size)
       for _, _, size, k in groups):
-    out = topk_abs_segments(x, groups)
-    return [_by_index(*o) for o in out] if order == "index" else out
+    return topk_abs_segments(x, groups)
   out = []
   for off, count, size, k in groups:
     rows = x[off:off + count * size].reshape(count, size)
@@ -697,8 +667,6 @@ def topk_abs_groups(x: jax.Array, groups, *,
     else:
       vals, idx = jax.vmap(lambda r, k=k: topk_abs(
         r, k, nonnegative=nonnegative))(rows)
-    if order == "index":
-      vals, idx = _by_index(vals, idx)
     base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
     out.append((vals, idx + base))
   return out
