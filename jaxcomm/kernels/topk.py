@@ -98,6 +98,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcomm import _rows
 from jaxcomm.kernels import _dispatch
 from jaxcomm.kernels import bitpack
 from jaxcomm.kernels.threshold import _flat
@@ -655,8 +656,23 @@ def topk_abs_groups(x: jax.Array, groups, *,
       _dispatch.auto_bracketed_topk(backend, k) and bracket_pays(k, size)
       for _, _, size, k in groups):
     return topk_abs_segments(x, groups)
-  out = []
-  for off, count, size, k in groups:
+  out = [None] * len(groups)
+  # Short segments of similar length: one batched top-k per batch
+  # (jaxcomm._rows), rows padded with zeros, which rank after every entry
+  # of their row (|x| >= 0, the lower index first among ties), so each
+  # row's first k are its segment's top-k as the reference orders them.
+  batches, alone = _rows.plan([(o, c, s) for o, c, s, _ in groups])
+  for b in batches:
+    ks = [_check_k(groups[i][3], size) for i, _, _, size in b.members]
+    kmax = max(ks)
+    vals, idx = jax.vmap(lambda r, k=kmax: topk_abs(
+      r, k, nonnegative=nonnegative))(b.gather(x))
+    for (i, off, count, size), k, v, j in zip(
+        b.members, ks, b.split(vals), b.split(idx)):
+      base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
+      out[i] = (v[:, :k], j[:, :k] + base)
+  for i in alone:
+    off, count, size, k = groups[i]
     rows = x[off:off + count * size].reshape(count, size)
     if count == 1:
       # One row unbatched: the TPU compiler's batched top-k emitter
@@ -668,7 +684,7 @@ def topk_abs_groups(x: jax.Array, groups, *,
       vals, idx = jax.vmap(lambda r, k=k: topk_abs(
         r, k, nonnegative=nonnegative))(rows)
     base = off + size * jnp.arange(count, dtype=jnp.int32)[:, None]
-    out.append((vals, idx + base))
+    out[i] = (vals, idx + base)
   return out
 
 
