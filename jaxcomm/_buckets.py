@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxcomm import _checks
 from jaxcomm import _prefix
+from jaxcomm import _rows
 
 Shape = tuple[int, ...]
 
@@ -160,21 +161,47 @@ class Layout:
     flats = [jnp.ravel(p) for p in parts]
     return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
 
-  def reduce(self, fn: Callable[[jax.Array], jax.Array], flat: jax.Array
-             ) -> jax.Array:
+  def reduce(self, fn: Callable[[jax.Array], jax.Array], flat: jax.Array,
+             *, pad=None) -> jax.Array:
     """Per-segment reduction: ``fn([G, leaf_size]) -> [G]`` on each group,
-    concatenated to ``[num_segments]`` in bucket order."""
-    parts = [fn(v) for v in self.views(flat)]
+    concatenated to ``[num_segments]`` in bucket order.
+
+    ``pad``: a value that leaves ``fn``'s result unchanged when appended
+    to a row (0 for a max or a sum of magnitudes); short leaves of similar
+    sizes are then reduced together as rows of one batch padded with it
+    (:mod:`jaxcomm._rows`), one op per batch instead of one per shape.
+    """
+    runs = [(g.offset, g.count, g.leaf_size) for g in self.groups]
+    batches, alone = (((), range(len(runs))) if pad is None
+                      else _rows.plan(runs))
+    parts = [None] * len(runs)
+    for b in batches:
+      for (i, _, _, _), r in zip(b.members, b.split(fn(b.gather(flat, pad)))):
+        parts[i] = r
+    views = self.views(flat)
+    for i in alone:
+      parts[i] = fn(views[i])
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
   def broadcast(self, per_segment: jax.Array) -> jax.Array:
     """``[num_segments]`` values -> ``[size]`` (each segment's value repeated
-    over its elements)."""
-    parts = []
-    for g in self.groups:
+    over its elements). Short leaves of similar sizes are broadcast as rows
+    of one batch (:mod:`jaxcomm._rows`)."""
+    runs = [(g.offset, g.count, g.leaf_size) for g in self.groups]
+    batches, alone = _rows.plan(runs)
+    parts = [None] * len(runs)
+    for b in batches:
+      rows = jnp.concatenate([
+        per_segment[self.groups[i].first:self.groups[i].first + count]
+        for i, _, count, _ in b.members])
+      wide = jnp.broadcast_to(rows[:, None], (b.rows, b.width))
+      for (i, _, _, _), flat in zip(b.members, b.unpad(wide)):
+        parts[i] = flat
+    for i in alone:
+      g = self.groups[i]
       v = per_segment[g.first:g.first + g.count]
-      parts.append(jnp.broadcast_to(v[:, None], (g.count, g.leaf_size)
-                                    ).reshape(-1))
+      parts[i] = jnp.broadcast_to(v[:, None], (g.count, g.leaf_size)
+                                  ).reshape(-1)
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
   def split(self, flat: jax.Array) -> list[jax.Array]:

@@ -472,7 +472,7 @@ def _narrow_casts(layouts, mean: list, comp_leaves: list) -> list:
                for d in dtypes):
       continue
     out += narrow_casts(lay.reduce(lambda v: jnp.max(jnp.abs(v), axis=-1),
-                                   m), dtypes)
+                                   m, pad=0.0), dtypes)
   return out
 
 

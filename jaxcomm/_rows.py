@@ -24,6 +24,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 # Segments of at most this many entries are batched with others of
 # similar length.
@@ -65,6 +67,27 @@ class Batch:
       parts.append(jnp.pad(seg, ((0, 0), (0, self.width - size)),
                            constant_values=fill))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def unpad(self, rows: jax.Array) -> list[jax.Array]:
+    """Per member, its segments' entries of ``rows`` (``[self.rows,
+    self.width]``) without the padding, flat: one gather for the batch
+    (a slice of each row then a reshape would be a copy per member on a
+    TPU, whose tiles pad the rows), its index computed from one iota and
+    a table of the segments' starts."""
+    sizes = [size for _, _, count, size in self.members
+             for _ in range(count)]
+    starts = np.cumsum([0] + sizes)
+    total = int(starts[-1])
+    pos = lax.iota(jnp.int32, total)
+    seg = jnp.searchsorted(jnp.asarray(starts[1:-1], jnp.int32), pos,
+                           side="right").astype(jnp.int32)
+    col = pos - jnp.asarray(starts[:-1], jnp.int32)[seg]
+    flat = rows.reshape(-1)[seg * self.width + col]
+    out, at = [], 0
+    for _, _, count, size in self.members:
+      out.append(flat[at:at + count * size])
+      at += count * size
+    return out
 
   def split(self, rows: jax.Array) -> list[jax.Array]:
     """Per member, its ``[count, ...]`` rows of ``rows`` (a batched result,

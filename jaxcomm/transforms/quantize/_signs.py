@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm import _checks
 from jaxcomm import _codec
@@ -408,6 +409,12 @@ def signum(beta: float = 0.9, scale: float = 1.0, *, axis_name="data",
 # ------------------------------------------------------------- ef_signsgd --
 
 
+def _mean_abs(lay, x):
+  """Each leaf's ``||x||_1 / d`` (short leaves batched, padded with 0)."""
+  sums = lay.reduce(lambda v: jnp.sum(jnp.abs(v), axis=1), x, pad=0.0)
+  return sums / jnp.asarray(np.asarray(lay.sizes, np.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class EfSignSgdCodec(_codec.CodecBase):
   """Signs times each leaf's ``||x||_1 / d``, all-gathered
@@ -418,7 +425,7 @@ class EfSignSgdCodec(_codec.CodecBase):
 
   def apply(self, x, state, ctx):
     lay = ctx.layout
-    scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
+    scales = _mean_abs(lay, x)
     sent = lay.broadcast(scales) * _sign(x)
     mean = _signs.gather_signs(x, scales, lay.sizes, ctx.axis_name)
     return _codec.CodecResult(mean=mean, sent=sent, state=state)
@@ -428,7 +435,7 @@ class EfSignSgdCodec(_codec.CodecBase):
 
   def message(self, x, ctx):
     lay = ctx.layout
-    scales = lay.reduce(lambda v: jnp.mean(jnp.abs(v), axis=1), x)
+    scales = _mean_abs(lay, x)
     return (_signs.sign_message(x, scales),
             lay.broadcast(scales) * _sign(x))
 

@@ -172,8 +172,8 @@ def selection_mask(x, grad, layout, bin_size):
   batches, alone = _rows.plan(runs, multiple=bin_size)
   for b in batches:
     m = _bin_mask(b.gather(x), b.gather(h), bin_size)
-    for (i, _, _, size), rows in zip(b.members, b.split(m)):
-      parts[i] = rows[:, :size].reshape(-1)
+    for (i, _, _, _), flat in zip(b.members, b.unpad(m)):
+      parts[i] = flat
   views_x, views_h = layout.views(x), layout.views(h)
   for i in alone:
     parts[i] = _bin_mask(views_x[i], views_h[i], bin_size).reshape(-1)

@@ -290,7 +290,8 @@ class VarianceCodec(_codec.CodecBase):
     # leaf's largest among its candidates, E, is where its codes count
     # down from; a candidate more than levels - 1 below it waits.
     exps = jnp.where(candidate, k, 0).astype(jnp.uint8)
-    top = layout.reduce(lambda a: jnp.max(a, axis=-1), exps)
+    top = layout.reduce(lambda a: jnp.max(a, axis=-1), exps,
+                        pad=jnp.uint8(0))
     floor = jnp.maximum(top.astype(jnp.int32) - levels, 0).astype(jnp.uint8)
     key = jnp.where(exps > per_element(layout, floor), exps,
                     jnp.uint8(0))
