@@ -26,11 +26,14 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _registry
+from jaxcomm import _rows
 from jaxcomm.collectives import _sparse
 from jaxcomm.kernels import threshold as _kthreshold
 from jaxcomm.kernels import topk as _topk
@@ -71,30 +74,58 @@ def _quantile(dist, mean, var, d):
                    scale * (1.0 - jnp.power(d, safe)) / safe)
 
 
-def thresholds(x, layout, ratio, stages, first_ratio, dist) -> list:
-  """Per group of equal-shape leaves of the bucket, SIDCo's threshold on
-  ``|x|`` of each leaf (``[G]``): reductions along the rows of the group's
-  ``[G, L]`` view, no scatter."""
+def _row_thresholds(v, sizes, valid, dens, dist):
+  """SIDCo's threshold of each row of ``v`` (``[R, W]``, magnitudes), of
+  which the first ``sizes`` (``[R]``) entries count (``valid``: that
+  mask, or None when every entry does)."""
+  keep = (lambda a: a) if valid is None else (
+    lambda a: jnp.where(valid, a, 0.0))
+  m = jnp.sum(v, axis=1) / sizes
+  var = (jnp.sum(keep(jnp.square(v - m[:, None])), axis=1)
+         / jnp.maximum(sizes - 1.0, 1.0))
+  t = _quantile(dist, m, var, dens[0])
+  for d in dens[1:]:
+    over = v > t[:, None]
+    if valid is not None:
+      over = over & valid
+    count = jnp.sum(over, axis=1).astype(jnp.float32)
+    tmin = jnp.min(jnp.where(over, v, jnp.inf), axis=1)
+    y = jnp.where(over, v - tmin[:, None], 0.0)
+    n = jnp.maximum(count, 1.0)
+    m = jnp.sum(y, axis=1) / n
+    dev = jnp.where(over, y - m[:, None], 0.0)
+    var = jnp.sum(dev * dev, axis=1) / jnp.maximum(count - 1.0, 1.0)
+    # No exceedance left: keep the threshold (nothing more to fit).
+    t = jnp.where(count > 0, tmin + _quantile(dist, m, var, d), t)
+  return t
+
+
+def selection_mask(x, layout, ratio, stages, first_ratio, dist):
+  """``|x|`` above SIDCo's threshold of its leaf, flat over the bucket:
+  per group of equal-shape leaves, reductions along the rows of its
+  ``[G, L]`` view (no scatter); short leaves of similar sizes as rows of
+  one zero-padded batch (:mod:`jaxcomm._rows`; the padding counts in no
+  statistic)."""
   dens = stage_densities(ratio, stages, first_ratio)
-  out = []
-  for v in layout.views(jnp.abs(x).astype(jnp.float32)):
-    size = float(v.shape[1])
-    m = jnp.mean(v, axis=1)
-    var = jnp.sum(jnp.square(v - m[:, None]), axis=1) / max(size - 1.0, 1.0)
-    t = _quantile(dist, m, var, dens[0])
-    for d in dens[1:]:
-      over = v > t[:, None]
-      count = jnp.sum(over, axis=1).astype(jnp.float32)
-      tmin = jnp.min(jnp.where(over, v, jnp.inf), axis=1)
-      y = jnp.where(over, v - tmin[:, None], 0.0)
-      n = jnp.maximum(count, 1.0)
-      m = jnp.sum(y, axis=1) / n
-      dev = jnp.where(over, y - m[:, None], 0.0)
-      var = jnp.sum(dev * dev, axis=1) / jnp.maximum(count - 1.0, 1.0)
-      # No exceedance left: keep the threshold (nothing more to fit).
-      t = jnp.where(count > 0, tmin + _quantile(dist, m, var, d), t)
-    out.append(t)
-  return out
+  mag = jnp.abs(x).astype(jnp.float32)
+  runs = [(g.offset, g.count, g.leaf_size) for g in layout.groups]
+  batches, alone = _rows.plan(runs)
+  parts = [None] * len(runs)
+  for b in batches:
+    v = b.gather(mag)
+    sizes = np.asarray([size for _, _, count, size in b.members
+                        for _ in range(count)], np.float32)
+    valid = (lax.broadcasted_iota(jnp.int32, v.shape, 1)
+             < jnp.asarray(sizes.astype(np.int32))[:, None])
+    t = _row_thresholds(v, jnp.asarray(sizes), valid, dens, dist)
+    for (i, _, _, _), flat in zip(b.members, b.unpad(v > t[:, None])):
+      parts[i] = flat
+  views = layout.views(mag)
+  for i in alone:
+    v = views[i]
+    t = _row_thresholds(v, float(v.shape[1]), None, dens, dist)
+    parts[i] = (v > t[:, None]).reshape(-1)
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def select(x, layout, ratio, stages=3, first_ratio=0.25,
@@ -104,10 +135,7 @@ def select(x, layout, ratio, stages=3, first_ratio=0.25,
   position ``layout.size`` in unused ones) and how many each leaf had
   above it (which may exceed the capacity)."""
   bounds, sizes = _leaf_rows(layout)
-  ts = thresholds(x, layout, ratio, stages, first_ratio, dist)
-  mask = jnp.concatenate([
-    (jnp.abs(v) > t[:, None]).reshape(-1)
-    for v, t in zip(layout.views(x), ts)])
+  mask = selection_mask(x, layout, ratio, stages, first_ratio, dist)
   caps = tuple(capacity(ratio, n, capacity_factor) for n in sizes)
   vals, gi, counts = _kthreshold.compact_segments(
     x, _topk.pack_mask(mask), bounds, caps)
