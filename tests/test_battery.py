@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm
+from jaxcomm import _buckets
 from jaxcomm import _compressor
 from jaxcomm.kernels import _dispatch
 from tests import harness
@@ -127,6 +128,46 @@ def test_matches_numpy_reference_on_the_radix_selection(name, mesh,
   grads = harness.make_grads(seed=1, steps=STEPS)
   updates, state, _, memory = _device_run(entry, tx, mesh, grads)
   assert taken, f"{name} did not take the radix selection"
+  _check_reference(name, grads, updates, state, harness.N, memory)
+
+
+# The entries whose per-leaf work batches short leaves of similar lengths
+# (jaxcomm._rows: zero-padded rows of one batch instead of one op per leaf
+# shape). The battery's two compressed leaves (1,152 and 3,072 values)
+# fall in different length classes; with one class for every length they
+# are batched together, and each entry must still match its numpy
+# reference (which knows nothing of batches).
+ROWS_ENTRIES = ("adacomp_ef", "dgc_warmup_exact", "ecq_sgd", "ef_signsgd",
+                "gmc_ef", "gtopk_ef", "mgs_layerwise", "sidco_exp_ef",
+                "sidco_gpareto_ef", "sparcml_ef", "stc_ef", "terngrad_diana",
+                "topk_2bit", "topk_ef", "topk_ef21",
+                "variance_sparsification")
+# Leaves with no common block width (the quantizers' one bucket per leaf
+# then takes the per-segment statistics).
+NO_COMMON_BLOCK = ("ecq_sgd", "terngrad_diana")
+
+
+@pytest.mark.parametrize("name", ROWS_ENTRIES)
+def test_matches_numpy_reference_with_short_leaves_batched(name, mesh,
+                                                           monkeypatch):
+  from jaxcomm import _rows  # pylint: disable=import-outside-toplevel
+  batched = []
+  real_plan = _rows.plan
+  monkeypatch.setattr(_rows, "_width_class", lambda size: 4096)
+
+  def plan(*args, **kwargs):
+    batches, alone = real_plan(*args, **kwargs)
+    batched.extend(b.rows for b in batches)
+    return batches, alone
+
+  monkeypatch.setattr(_rows, "plan", plan)
+  if name in NO_COMMON_BLOCK:
+    monkeypatch.setattr(_buckets, "leaf_blocks", lambda sizes: None)
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  grads = harness.make_grads(seed=3, steps=STEPS)
+  updates, state, _, memory = _device_run(entry, tx, mesh, grads)
+  assert batched, f"{name} batched no short leaves"
   _check_reference(name, grads, updates, state, harness.N, memory)
 
 

@@ -60,6 +60,72 @@ def _params():
           "d": jnp.zeros((8,), jnp.float32)}
 
 
+# Short leaves of many shapes (a model's biases and norms): lengths in
+# three classes, equal shapes next to each other, two long leaves between.
+SHORT_SHAPES = [(300,), (17, 20), (290,), (290,), (9000,), (7, 50), (70,),
+                (3, 31), (100,), (120, 41), (333,), (2, 2)]
+
+
+def test_short_runs_batched_by_length_class():
+  from jaxcomm import _rows  # pylint: disable=import-outside-toplevel
+  (lay,) = _buckets.plan(SHORT_SHAPES)
+  runs = [(g.offset, g.count, g.leaf_size) for g in lay.groups]
+  batches, alone = _rows.plan(runs)
+  sizes = [r[2] for r in runs]
+  # Classes by the power of two above the length (at least 128): up to
+  # 128 and 257-512 hold several runs each; the long leaves are left
+  # alone (past SHORT entries).
+  got = sorted((b.width, sorted(sizes[m[0]] for m in b.members))
+               for b in batches)
+  assert got == [(100, [4, 70, 93, 100]),
+                 (350, [290, 300, 333, 340, 350])]
+  assert sorted(sizes[i] for i in alone) == [4920, 9000]
+  assert batches[0].rows == sum(m[2] for m in batches[0].members)
+  with pytest.raises(ValueError, match="short and multiple"):
+    _rows.plan(runs, short=0)
+  # Bins: each width a multiple of the bin.
+  assert all(b.width % 50 == 0 for b in _rows.plan(runs, multiple=50)[0])
+
+
+def test_batched_rows_round_trip_against_numpy():
+  from jaxcomm import _rows  # pylint: disable=import-outside-toplevel
+  (lay,) = _buckets.plan(SHORT_SHAPES)
+  x = np.arange(lay.size, dtype=np.float32) + 1
+  batches, _ = _rows.plan([(g.offset, g.count, g.leaf_size)
+                           for g in lay.groups])
+  for b in batches:
+    rows = np.asarray(b.gather(jnp.asarray(x), -7.0))
+    assert rows.shape == (b.rows, b.width)
+    r = 0
+    for (_, off, count, size), flat in zip(b.members,
+                                           b.unpad(jnp.asarray(rows))):
+      want = x[off:off + count * size].reshape(count, size)
+      np.testing.assert_array_equal(rows[r:r + count, :size], want)
+      assert (rows[r:r + count, size:] == -7.0).all()
+      np.testing.assert_array_equal(np.asarray(flat), want.reshape(-1))
+      r += count
+
+
+def test_layout_reduce_and_broadcast_batched_against_numpy():
+  (lay,) = _buckets.plan(SHORT_SHAPES)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(lay.size).astype(np.float32)
+  want = np.array([np.abs(x[o:o + s]).max()
+                   for o, s in zip(lay.offsets, lay.sizes)], np.float32)
+  got = lay.reduce(lambda v: jnp.max(jnp.abs(v), axis=-1), jnp.asarray(x),
+                   pad=0.0)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  sums = lay.reduce(lambda v: jnp.sum(jnp.abs(v), axis=-1), jnp.asarray(x),
+                    pad=0.0)
+  np.testing.assert_allclose(
+    np.asarray(sums), [np.abs(x[o:o + s]).sum()
+                       for o, s in zip(lay.offsets, lay.sizes)], rtol=1e-5)
+  per = rng.standard_normal(lay.num_segments).astype(np.float32)
+  np.testing.assert_array_equal(
+    np.asarray(lay.broadcast(jnp.asarray(per))), np.repeat(per, lay.sizes))
+
+
+
 @pytest.mark.parametrize("make", [
   lambda p: jaxcomm.topk(0.05, policy=p),
   # The exact exchange: per-leaf buckets (the requantized one cuts its

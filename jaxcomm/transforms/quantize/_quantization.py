@@ -46,8 +46,8 @@ from jaxcomm import _checks
 from jaxcomm import _codec
 from jaxcomm import _compressor
 from jaxcomm import _random
-from jaxcomm import _rows
 from jaxcomm import _registry
+from jaxcomm import _rows
 from jaxcomm.collectives import _core
 from jaxcomm.collectives import _quantized
 
