@@ -56,18 +56,18 @@ CHECKED = NAMES if _FULL else sorted(FAST)
 
 # Rows measured outside a bound, by (entry, shape, generation): strict
 # expected failures (a row that comes within fails until removed here),
-# with the memory per chip over the plain step's measured by this tier's
-# first run (jax 0.10.2, libtpu 0.0.42.1; the lint found nothing on the
-# mixed model). Every other entry is within every bound on it (whole
+# with the memory per chip over the plain step's (jax 0.10.2, libtpu
+# 0.0.42.1; the lint found nothing on the mixed model). Short leaves are
+# batched (jaxcomm._rows) by the top-k codecs, AdaComp, SIDCo and the
+# integer quantizers (AdaComp was 7.23x, STC 2.12x, DGC 1.90x, gTop-k
+# 1.56x, the top-k family 1.40x, ECQ/TernGrad 1.37x, SIDCo 1.30x before);
+# these still work per leaf shape (STC/SBC's Golomb rows, ATOMO's
+# decompositions, MX's blocks, DeMo's chunks, variance sparsification's
+# small buffers). Every other entry is within every bound on it (whole
 # optimizers against the plain step with the optimizer they replace).
 _MIXED_OVER = {
-  "adacomp_ef": 7.23, "atomo_s2": 2.21, "stc_ef": 2.12,
-  "dgc_warmup_exact": 1.90, "sbc_ef": 1.86, "gtopk_ef": 1.56,
-  "sparcml_ef": 1.47, "gmc_ef": 1.42, "threshold_ef": 1.42,
-  "topk_ef21": 1.41, "mgs_layerwise": 1.40, "topk_ef": 1.40,
-  "topk_2bit": 1.39, "ecq_sgd": 1.37, "mx_mxfp6": 1.37,
-  "terngrad_diana": 1.37, "ecq_sgd_undecayed": 1.33, "sidco_exp_ef": 1.30,
-  "variance_sparsification": 1.30, "sidco_gpareto_ef": 1.28}
+  "atomo_s2": 2.21, "sbc_ef": 1.86, "stc_ef": 1.78, "mx_mxfp6": 1.37,
+  "demo": 1.30, "variance_sparsification": 1.29}
 KNOWN = {(name, "mixed", "v5e"): f"{over}x the plain step's memory"
          for name, over in _MIXED_OVER.items()}
 # The same, by the libtpu that measured them (within on 0.0.42.1).
