@@ -176,7 +176,8 @@ class Layout:
                       else _rows.plan(runs))
     parts = [None] * len(runs)
     for b in batches:
-      for (i, _, _, _), r in zip(b.members, b.split(fn(b.gather(flat, pad)))):
+      rows = b.gather(flat, pad, slices=True)    # fused into fn's reduction
+      for (i, _, _, _), r in zip(b.members, b.split(fn(rows))):
         parts[i] = r
     views = self.views(flat)
     for i in alone:

@@ -58,15 +58,37 @@ class Batch:
       r += c
     return tuple(out)
 
-  def gather(self, flat: jax.Array, fill=0) -> jax.Array:
+  def gather(self, flat: jax.Array, fill=0, *,
+             slices: bool = False) -> jax.Array:
     """``[rows, width]``: each member's segments as rows of ``flat``,
-    padded at their end with ``fill``."""
-    parts = []
+    padded at their end with ``fill``.
+
+    By default one gather, its index a column iota plus each row's start:
+    a slice and a reshape per member is a copy each on a TPU, whose tiles
+    pad the rows (libtpu 0.0.50: AdaComp's step on the mixed model 1.34x
+    the plain step's memory that way, 1.21x by the gather). ``slices``:
+    per-member slices, pads and one concatenation instead, for a caller
+    that only reduces the rows: the compiler fuses them into the
+    reduction and never stores ``flat`` whole, which a gather's operand
+    must be (ECQ-SGD's per-leaf maxima: 0.95x / 1.21x on libtpu 0.0.42,
+    1.07x / 1.42x on 0.0.50, slices / gather).
+    """
+    if slices:
+      parts = []
+      for _, off, count, size in self.members:
+        seg = flat[off:off + count * size].reshape(count, size)
+        parts.append(jnp.pad(seg, ((0, 0), (0, self.width - size)),
+                             constant_values=fill))
+      return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    starts, sizes = [], []
     for _, off, count, size in self.members:
-      seg = flat[off:off + count * size].reshape(count, size)
-      parts.append(jnp.pad(seg, ((0, 0), (0, self.width - size)),
-                           constant_values=fill))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      starts += [off + r * size for r in range(count)]
+      sizes += [size] * count
+    col = lax.broadcasted_iota(jnp.int32, (self.rows, self.width), 1)
+    valid = col < jnp.asarray(np.asarray(sizes, np.int32))[:, None]
+    at = jnp.asarray(np.asarray(starts, np.int32))[:, None] + col
+    return jnp.where(valid, flat[jnp.where(valid, at, 0)],
+                     jnp.asarray(fill, flat.dtype))
 
   def unpad(self, rows: jax.Array) -> list[jax.Array]:
     """Per member, its segments' entries of ``rows`` (``[self.rows,

@@ -93,8 +93,8 @@ def test_batched_rows_round_trip_against_numpy():
   x = np.arange(lay.size, dtype=np.float32) + 1
   batches, _ = _rows.plan([(g.offset, g.count, g.leaf_size)
                            for g in lay.groups])
-  for b in batches:
-    rows = np.asarray(b.gather(jnp.asarray(x), -7.0))
+  for b, slices in [(b, s) for b in batches for s in (False, True)]:
+    rows = np.asarray(b.gather(jnp.asarray(x), -7.0, slices=slices))
     assert rows.shape == (b.rows, b.width)
     r = 0
     for (_, off, count, size), flat in zip(b.members,

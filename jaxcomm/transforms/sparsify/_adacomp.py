@@ -171,7 +171,10 @@ def selection_mask(x, grad, layout, bin_size):
   # model (v5e), 7.2x the plain step's memory per chip.
   batches, alone = _rows.plan(runs, multiple=bin_size)
   for b in batches:
-    m = _bin_mask(b.gather(x), b.gather(h), bin_size)
+    gx = b.gather(x)
+    # H gathered as G + g, not from a sum over the bucket (which the
+    # gather would make the compiler hold whole).
+    m = _bin_mask(gx, gx + b.gather(grad), bin_size)
     for (i, _, _, _), flat in zip(b.members, b.unpad(m)):
       parts[i] = flat
   views_x, views_h = layout.views(x), layout.views(h)

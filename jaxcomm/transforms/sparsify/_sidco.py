@@ -112,7 +112,9 @@ def selection_mask(x, layout, ratio, stages, first_ratio, dist):
   batches, alone = _rows.plan(runs)
   parts = [None] * len(runs)
   for b in batches:
-    v = b.gather(mag)
+    # |x| of the gathered rows (a gather from |x| over the bucket would
+    # make the compiler hold that whole).
+    v = jnp.abs(b.gather(x)).astype(jnp.float32)
     sizes = np.asarray([size for _, _, count, size in b.members
                         for _ in range(count)], np.float32)
     valid = (lax.broadcasted_iota(jnp.int32, v.shape, 1)
