@@ -576,17 +576,19 @@ def test_golomb_padding_positions_round_trip_within_the_capacity(size, k):
 
 def _golomb_sections_numpy(row, size):
   """The paper's code of one row, written as this module lays it out: the
-  remainders' bits (least significant first), then the quotients in unary
-  (ones, then a zero), padded with ones to the exact capacity."""
+  remainders' bits by bit plane (bit 0 of every remainder, then bit 1,
+  ...), then the quotients in unary (ones, then a zero), padded with ones
+  to the exact capacity."""
   from jaxcomm.collectives import _golomb
   k = len(row)
   b = _golomb.rice_parameter(k, size)
-  rem, unary, prev = [], [], -1
+  gaps, unary, prev = [], [], -1
   for q in row:
     d = int(q) - prev - 1
     prev = int(q)
-    rem += [(d >> i) & 1 for i in range(b)]
+    gaps.append(d)
     unary += [1] * (d >> b) + [0]
+  rem = [(d >> i) & 1 for i in range(b) for d in gaps]
   bits = rem + unary
   return bits + [1] * (_golomb.capacity_bits(k, size) - len(bits))
 
