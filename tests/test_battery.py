@@ -98,6 +98,16 @@ def _check_reference(name, grads, updates, state, n, memory=None):
                                  "devices")
 
 
+def _run_and_check(name, mesh, *, seed, n=harness.N):
+  """A fresh run of entry ``name`` on ``mesh`` (``n`` devices), checked
+  against its numpy reference."""
+  entry = ENTRIES[name]
+  tx = entry.make(axis_name="data")
+  grads = harness.make_grads(seed=seed, steps=STEPS, n=n)
+  updates, state, _, memory = _device_run(entry, tx, mesh, grads)
+  _check_reference(name, grads, updates, state, n, memory)
+
+
 @entry_param
 def test_matches_numpy_reference_on_8_devices(name, mesh):
   _, grads, updates, state, _, memory = _run(name, mesh)
@@ -123,12 +133,8 @@ def test_matches_numpy_reference_on_the_radix_selection(name, mesh,
     real = getattr(topk, fn)
     monkeypatch.setattr(topk, fn, lambda *a, real=real, **k: (
       taken.append(k["order"]), real(*a, **k))[1])
-  entry = ENTRIES[name]
-  tx = entry.make(axis_name="data")
-  grads = harness.make_grads(seed=1, steps=STEPS)
-  updates, state, _, memory = _device_run(entry, tx, mesh, grads)
+  _run_and_check(name, mesh, seed=1)
   assert taken, f"{name} did not take the radix selection"
-  _check_reference(name, grads, updates, state, harness.N, memory)
 
 
 # The entries whose per-leaf work batches short leaves of similar lengths
@@ -163,12 +169,8 @@ def test_matches_numpy_reference_with_short_leaves_batched(name, mesh,
   monkeypatch.setattr(_rows, "plan", plan)
   if name in NO_COMMON_BLOCK:
     monkeypatch.setattr(_buckets, "leaf_blocks", lambda sizes: None)
-  entry = ENTRIES[name]
-  tx = entry.make(axis_name="data")
-  grads = harness.make_grads(seed=3, steps=STEPS)
-  updates, state, _, memory = _device_run(entry, tx, mesh, grads)
+  _run_and_check(name, mesh, seed=3)
   assert batched, f"{name} batched no short leaves"
-  _check_reference(name, grads, updates, state, harness.N, memory)
 
 
 # Entries whose exchange depends on the device count beyond the mean's
@@ -194,11 +196,7 @@ def test_matches_numpy_reference_on_2_and_4_devices(name, n):
   """The same reference equality on a sub-mesh of the 8 CPU devices."""
   if len(jax.devices()) < n:
     pytest.skip(f"needs {n} devices, have {len(jax.devices())}")
-  entry = ENTRIES[name]
-  tx = entry.make(axis_name="data")
-  grads = harness.make_grads(seed=6, steps=STEPS, n=n)
-  updates, state, _, memory = _device_run(entry, tx, _sub_mesh(n), grads)
-  _check_reference(name, grads, updates, state, n, memory)
+  _run_and_check(name, _sub_mesh(n), seed=6, n=n)
 
 
 def test_sub_mesh_entries_are_registered():
